@@ -1,0 +1,195 @@
+"""Micro-batched forward (and backward) passes of the Megatron actor, and per-token log-probs.
+
+Batches are padded `[B, T]` with right padding. Every rank of a TP/PP/CP group passes the same
+batch; data-parallel ranks pass their own. The pipeline schedule comes from megatron-core, so
+the same code runs at PP = 1 and PP > 1 (results are broadcast from the last stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# step_fn(logits [b, s, V/TP], micro_batch) -> (loss scalar, outputs dict of [b, s] tensors)
+StepFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class MicroBatch:
+    """One forward's inputs; `index` selects its rows in the full batch."""
+
+    input_ids: torch.Tensor  # [b, s]
+    attention_mask: torch.Tensor  # [b, s] 1 = real token
+    index: torch.Tensor  # [b] rows of the full batch
+    extra: dict
+
+
+def split_microbatches(input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: int,
+                       pad_multiple: int = 1, extra: dict[str, torch.Tensor] | None = None) -> list[MicroBatch]:
+    """Split a padded batch into micro-batches of equal sequence length.
+
+    The length is padded to a multiple of `pad_multiple` (TP for sequence parallel). Tensors in
+    `extra` with a leading batch dim are split alongside.
+    """
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                         f"{tuple(attention_mask.shape)} must have the same shape")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+    b, t = input_ids.shape
+    pad = (-t) % pad_multiple
+    if pad:
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, pad))
+    extra = extra or {}
+    out = []
+    for start in range(0, b, micro_batch_size):
+        idx = torch.arange(start, min(start + micro_batch_size, b))
+        out.append(MicroBatch(input_ids[idx], attention_mask[idx], idx, {k: v[idx] for k, v in extra.items()}))
+    return out
+
+
+def _causal_mask(s: int) -> torch.Tensor:
+    # megatron convention: True = masked out. Explicit, because megatron's default mask is
+    # allocated on "cuda" (get_default_causal_mask).
+    return torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+
+
+def run_schedule(chunks: list[torch.nn.Module], microbatches: list[MicroBatch], step_fn: StepFn,
+                 forward_only: bool, before_forward: Callable[[MicroBatch], None] | None = None
+                 ) -> list[dict[str, torch.Tensor]]:
+    """Run megatron-core's forward(-backward) schedule; returns step_fn outputs on the last stage.
+
+    `before_forward(mb)` runs right before each micro-batch's forward (e.g. to set replay routes).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(chunks[0].parameters()).device
+    seq_len = microbatches[0].input_ids.shape[1]
+    mask = _causal_mask(seq_len).to(device)
+
+    def forward_step(data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        if before_forward is not None:
+            before_forward(mb)
+        ids = mb.input_ids.to(device)
+        pos = torch.arange(seq_len, device=device).unsqueeze(0).expand_as(ids)
+        output = model(ids, pos, mask)
+
+        def loss_func(logits):
+            return step_fn(logits, mb)
+
+        return output, loss_func
+
+    n_chunks = len(chunks)
+    iters = [iter(microbatches) for _ in range(n_chunks)] if n_chunks > 1 else iter(microbatches)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iters,
+        model=chunks if n_chunks > 1 else chunks[0],
+        num_microbatches=len(microbatches),
+        seq_length=seq_len,
+        micro_batch_size=microbatches[0].input_ids.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True,
+                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits)[target] and entropy, with the vocab split over TP ranks.
+
+    logits: [..., V/TP] (this rank's vocab slice), targets: [...] global ids.
+    Cross-rank sums are all-reduced forward / identity backward (the loss is replicated on
+    every TP rank, as in megatron's vocab_parallel_cross_entropy). Differentiable.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    v_local = logits.shape[-1]
+    lmax = logits.detach().max(dim=-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        reduce = reduce_from_tensor_model_parallel_region
+        start = ps.get_tensor_model_parallel_rank() * v_local
+    else:
+        def reduce(x):
+            return x
+        start = 0
+    shifted = logits - lmax
+    exp = shifted.exp()
+    sum_exp = reduce(exp.sum(dim=-1))
+    lse = sum_exp.log()
+    local_t = targets - start
+    in_range = (local_t >= 0) & (local_t < v_local)
+    picked = shifted.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce(torch.where(in_range, picked, torch.zeros_like(picked)))
+    logprobs = target_logit - lse
+    entropy = None
+    if with_entropy:
+        # H = lse - sum_v p_v * z_v (z shifted by the max; the shift cancels).
+        p_z = reduce((exp * shifted).sum(dim=-1)) / sum_exp
+        entropy = lse - p_z
+    return logprobs, entropy
+
+
+def _broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return t
+    ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    dist.broadcast(t, src=ranks[-1], group=ps.get_pipeline_model_parallel_group())
+    return t
+
+
+@torch.no_grad()
+def compute_logprobs(chunks: list[torch.nn.Module], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     micro_batch_size: int | None = None, with_entropy: bool = True, temperature: float = 1.0,
+                     before_forward: Callable[[MicroBatch], None] | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """Per-token log pi(y_t | y_<t) and entropy for a right-padded batch.
+
+    Returns {"logprobs": [B, T], "entropy": [B, T]}: entry t scores token t given tokens < t
+    (column 0 and padding are 0). Available on every rank of the pipeline.
+    Full-vocabulary logits live only inside one micro-batch's loss function.
+    """
+    from megatron.core import parallel_state as ps
+
+    for c in chunks:
+        c.eval()
+    b, t = input_ids.shape
+    mbs = split_microbatches(input_ids, attention_mask, micro_batch_size or b,
+                             pad_multiple=ps.get_tensor_model_parallel_world_size())
+
+    def step(logits, mb: MicroBatch):
+        ids = mb.input_ids.to(logits.device)
+        lp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], with_entropy, temperature)
+        out = {"logprobs": lp}
+        if ent is not None:
+            out["entropy"] = ent
+        return lp.new_zeros(()), out
+
+    results = run_schedule(chunks, mbs, step, forward_only=True, before_forward=before_forward)
+    keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+    out = {}
+    for k in keys:
+        full = torch.zeros(b, t, dtype=torch.float32)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            for mb, r in zip(mbs, results):
+                full[mb.index, 1:] = r[k][:, : t - 1].float().cpu()
+        full = _broadcast_from_last_stage(full)
+        out[k] = full * attention_mask.float() * _not_first(attention_mask)
+    return out
+
+
+def _not_first(mask: torch.Tensor) -> torch.Tensor:
+    m = torch.ones_like(mask, dtype=torch.float32)
+    m[:, 0] = 0
+    return m

@@ -1,0 +1,193 @@
+"""Build a megatron-core GPTModel (MoE) from a Hugging Face model folder.
+
+CPU: local layer spec + `moe_rl.actor.norms` (sequence-parallel-capable RMSNorm), allgather
+dispatcher. GPU: Transformer Engine spec (`use_te=True`; not yet run on a GPU here).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_rl.actor.converters import Converter, get_converter
+from moe_rl.actor.parallel import ParallelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelOptions:
+    """Actor model options that are not in the HF config."""
+
+    dtype: str = "float32"
+    """Parameter and compute dtype: float32 | bfloat16."""
+    use_te: bool = False
+    """Transformer Engine layer spec (GPU only). The local spec is the CPU path."""
+    router_replay: bool = True
+    """Build routers with megatron-core RouterReplay hooks (needed for R2/R3)."""
+    router_dtype: str | None = None
+    """Router logits dtype: None (model dtype, like HF and vLLM) | fp32 | fp64."""
+    recompute: str | None = None
+    """Activation recompute: None | full | selective."""
+    max_seq_len: int | None = None
+    """RoPE table length; default: the HF config's max_position_embeddings."""
+
+
+def load_hf_config(hf_dir: str | Path) -> Any:
+    """The transformers config of an HF folder, with clear errors for missing files."""
+    from transformers import AutoConfig
+
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {hf_dir}: config.json not found")
+    try:
+        return AutoConfig.from_pretrained(hf_dir)
+    except (ValueError, KeyError) as e:
+        model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
+        raise ValueError(f"{hf_dir}/config.json (model_type={model_type!r}) cannot be read: {e}") from e
+
+
+def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
+    """Refuse parallel sizes that do not divide the model, naming the key."""
+    problems = []
+
+    def need(ok: bool, msg: str):
+        if not ok:
+            problems.append(msg)
+
+    t = parallel.tp
+    need(conv.num_heads % t == 0, f"parallel.tp={t} does not divide num_attention_heads={conv.num_heads}")
+    need(conv.num_kv % t == 0, f"parallel.tp={t} does not divide num_key_value_heads={conv.num_kv}")
+    need(conv.num_experts % parallel.ep == 0,
+         f"parallel.ep={parallel.ep} does not divide num_experts={conv.num_experts}")
+    need(conv.moe_ffn_hidden_size % parallel.etp == 0,
+         f"parallel.etp={parallel.etp} does not divide the expert FFN size {conv.moe_ffn_hidden_size}")
+    stages = parallel.pp * (parallel.vpp or 1)
+    need(conv.num_layers % stages == 0,
+         f"parallel.pp*vpp={stages} does not divide num_hidden_layers={conv.num_layers}")
+    if parallel.cp > 1:
+        need(torch.cuda.is_available(), "parallel.cp > 1 needs Transformer Engine attention (GPU)")
+    if problems:
+        raise ValueError("invalid parallel layout for this model: " + "; ".join(problems))
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Vocab padded so each TP rank holds an equal, aligned slice (megatron convention)."""
+    m = multiple * tp
+    return -(-vocab_size // m) * m
+
+
+def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOptions):
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = DTYPES[opts.dtype]
+    recompute = {}
+    if opts.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif opts.recompute == "selective":
+        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"])
+    elif opts.recompute is not None:
+        raise ValueError(f"model.recompute={opts.recompute!r}: choose null, full or selective")
+    return TransformerConfig(
+        **conv.transformer_config_kwargs(),
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,  # every parameter is loaded from the HF checkpoint
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype=opts.router_dtype,
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        moe_enable_routing_replay=opts.router_replay,
+        moe_router_fusion=False,
+        moe_grouped_gemm=False,
+        **recompute,
+    )
+
+
+def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = None):
+    """Decoder block spec; on the local path the norms are swapped for SP-capable ones."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from moe_rl.actor.norms import FullWidthKNorm, FullWidthQNorm, RMSNorm
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                      vp_stage=vp_stage)
+    if use_te and conv.qk_norm != "full_width":
+        return spec
+    spec = copy.deepcopy(spec)
+    q_norm, k_norm = {
+        "per_head": (RMSNorm, RMSNorm),
+        "full_width": (FullWidthQNorm, FullWidthKNorm),
+        None: (IdentityOp, IdentityOp),
+    }[conv.qk_norm]
+    for layer in spec.layer_specs:
+        sub = layer.submodules
+        attn = sub.self_attention.submodules
+        attn.q_layernorm, attn.k_layernorm = q_norm, k_norm
+        if not use_te:
+            sub.input_layernorm = RMSNorm
+            sub.pre_mlp_layernorm = RMSNorm
+    if not use_te:
+        spec.layer_norm = RMSNorm
+    return spec
+
+
+def build_model(hf_config: Any, parallel: ParallelConfig, opts: ModelOptions | None = None):
+    """Build this rank's model chunks (one per virtual pipeline stage) with unloaded weights.
+
+    Returns (chunks, converter). Call after `init_distributed(parallel)`.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    opts = opts or ModelOptions()
+    if opts.dtype not in DTYPES:
+        raise ValueError(f"model.dtype={opts.dtype!r}: choose one of {sorted(DTYPES)}")
+    conv = get_converter(hf_config)
+    check_divisibility(conv, parallel)
+    config = transformer_config(conv, parallel, opts)
+    vocab = padded_vocab_size(conv.vocab_size, parallel.tp)
+    max_len = opts.max_seq_len or getattr(hf_config, "max_position_embeddings", 4096)
+    chunks = []
+    for vp in range(parallel.vpp or 1):
+        vp_stage = vp if parallel.vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config, conv, opts.use_te, vp_stage),
+            vocab_size=vocab,
+            max_sequence_length=max_len,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=conv.tie,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=conv.rope_theta,
+            vp_stage=vp_stage,
+        )
+        chunks.append(model)
+    return chunks, conv

@@ -1,0 +1,103 @@
+"""Process groups for the Megatron actor: torch.distributed init and megatron-core parallel state."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel layout. Data parallel is whatever is left of the world size."""
+
+    tp: int = 1
+    """Tensor parallel size (attention heads, dense MLP, vocab). MoE with tp > 1 turns on sequence parallel."""
+    pp: int = 1
+    """Pipeline parallel size (decoder layers split into contiguous stages)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved schedule); None for none."""
+    ep: int = 1
+    """Expert parallel size (experts split across ranks)."""
+    etp: int = 1
+    """Expert tensor parallel size (each expert's FFN split across ranks); 1 is the usual MoE choice."""
+    cp: int = 1
+    """Context parallel size (needs Transformer Engine attention: GPU only)."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model = self.tp * self.pp * self.cp
+        if world_size % model:
+            raise ValueError(
+                f"parallel: world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}"
+            )
+        dp = world_size // model
+        if (dp * self.cp * self.tp) % (self.ep * self.etp):
+            raise ValueError(
+                f"parallel: ep*etp = {self.ep}*{self.etp} must divide dp*cp*tp = {dp}*{self.cp}*{self.tp}"
+                f" (world {world_size}, pp {self.pp})"
+            )
+        return dp
+
+
+def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int = 600) -> None:
+    """Initialise torch.distributed (gloo on CPU, nccl on GPU) and megatron-core's groups.
+
+    Works under `torchrun` (reads RANK/WORLD_SIZE/MASTER_ADDR) and standalone (world of 1).
+    """
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.compat.megatron_cpu import apply_cpu_shims, cpu_model_parallel_seed
+
+    on_cpu = apply_cpu_shims()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "gloo" if on_cpu else "nccl"
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    parallel.data_parallel_size(world)  # raises a clear error for an impossible layout
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+        create_gloo_process_groups=not on_cpu,
+    )
+    if on_cpu:
+        cpu_model_parallel_seed(seed)
+    else:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,218 @@
+"""Load HF safetensors into a sharded megatron-core model, and gather it back to HF tensors.
+
+Sharding is decided here from parameter names (megatron's `partition_dim` attributes are only
+set when megatron initialises weights itself, which the actor skips):
+
+  TP, dim 0: embedding, output layer, linear_qkv, dense linear_fc1 (gate and up split apart)
+  TP, dim 1: linear_proj, dense linear_fc2
+  expert TP: experts' linear_fc1 (dim 0, gated) and linear_fc2 (dim 1)
+  EP:        whole experts (local expert j on EP rank r is global expert r * E_local + j)
+  PP/VPP:    whole decoder layers (`layer_number` of each layer module is its global index + 1)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.actor.converters import Converter
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
+
+
+class HFCheckpoint:
+    """Lazy reader of an HF safetensors checkpoint (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise FileNotFoundError(
+                f"{self.dir}: no model.safetensors or model.safetensors.index.json (only safetensors is supported)"
+            )
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self._handles = {}
+        for f in files:
+            path = self.dir / f
+            if not path.is_file():
+                raise FileNotFoundError(f"{self.dir}: shard {f} named in the index is missing")
+            self._handles[f] = safe_open(str(path), framework="pt")
+        if weight_map is None:
+            weight_map = {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
+        self.weight_map: dict[str, str] = weight_map
+        self.used: set[str] = set()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        self.used.add(name)
+        return self._handles[self.weight_map[name]].get_tensor(name)
+
+
+def _shard_rule(name: str, conv: Converter) -> tuple[str, int | None, bool]:
+    """(group kind 'tp'|'etp'|'', partition dim or None, gated) for a local megatron name."""
+    expert = ".mlp.experts." in name
+    group = "etp" if expert else "tp"
+    if name.endswith("linear_fc1.weight"):
+        return group, 0, True
+    if name.endswith(("linear_fc2.weight", "linear_proj.weight")):
+        return group, 1, False
+    if name.endswith(("linear_qkv.weight", "word_embeddings.weight")) or name == "output_layer.weight":
+        return "tp", 0, False
+    if conv.qk_norm == "full_width" and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return "tp", 0, False
+    return "", None, False
+
+
+def _group(kind: str):
+    from megatron.core import parallel_state as ps
+
+    if kind == "tp":
+        return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), \
+            ps.get_tensor_model_parallel_world_size()
+    return ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank(), \
+        ps.get_expert_tensor_parallel_world_size()
+
+
+def global_name(local_name: str, chunk: torch.nn.Module) -> str:
+    """Map a chunk-local parameter name to its global megatron name (global layer and expert)."""
+    from megatron.core import parallel_state as ps
+
+    m = _LOCAL_LAYER.match(local_name)
+    if not m:
+        return local_name
+    layer = chunk.decoder.layers[int(m.group(1))]
+    name = f"decoder.layers.{layer.layer_number - 1}." + local_name[m.end():]
+    e = _LOCAL_EXPERT.search(name)
+    if e:
+        experts = layer.mlp.experts
+        n_local = len(experts.local_experts)
+        g = ps.get_expert_model_parallel_rank() * n_local + int(e.group(1))
+        name = name[: e.start(1)] + str(g) + name[e.end(1):]
+    return name
+
+
+def _local_params(chunks: Iterable[torch.nn.Module]) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(local name, global name, parameter) for every parameter this rank owns."""
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            yield name, global_name(name, chunk), p
+
+
+def load_hf_weights(chunks: list[torch.nn.Module], conv: Converter, hf_dir: str | Path) -> None:
+    """Copy HF weights into this rank's shards; every parameter must be loaded, shapes must match."""
+    ckpt = HFCheckpoint(hf_dir)
+    padded_vocab = chunks[0].vocab_size
+    for local, gname, p in _local_params(chunks):
+        try:
+            full = conv.to_mcore(gname, ckpt.get, padded_vocab)
+        except KeyError as e:
+            raise KeyError(f"loading {gname}: {e.args[0]}") from None
+        kind, dim, gated = _shard_rule(local, conv)
+        if kind:
+            _, rank, size = _group(kind)
+            shard = _take_shard(full, dim, rank, size, gated)
+            # read by megatron's grad-norm and checkpoint code to tell shards from duplicates
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+        else:
+            shard = full
+        if tuple(shard.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{hf_dir}: shape mismatch for {gname} (HF {conv.hf_names(gname)}):"
+                f" checkpoint gives {tuple(shard.shape)}, model expects {tuple(p.shape)}"
+                " -- does config.json match the weights?"
+            )
+        with torch.no_grad():
+            p.copy_(shard.to(p.dtype))
+
+
+def _take_shard(full: torch.Tensor, dim: int, rank: int, size: int, gated: bool) -> torch.Tensor:
+    if size == 1:
+        return full
+    if gated:  # [gate; up] -> [gate_r; up_r]
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], dim=0)
+    return full.chunk(size, dim=dim)[rank]
+
+
+def _gather_full(p: torch.Tensor, local: str, conv: Converter) -> torch.Tensor:
+    kind, dim, gated = _shard_rule(local, conv)
+    if not kind:
+        return p.detach()
+    group, _, size = _group(kind)
+    if size == 1:
+        return p.detach()
+    parts = [torch.empty_like(p) for _ in range(size)]
+    dist.all_gather(parts, p.detach().contiguous(), group=group)
+    if gated:
+        gates, ups = zip(*(t.chunk(2, dim=0) for t in parts))
+        return torch.cat([*gates, *ups], dim=0)
+    return torch.cat(parts, dim=dim)
+
+
+def _owns_unique_copy(local: str) -> bool:
+    """One rank per distinct tensor contributes it to an export (no duplicates across DP/TP)."""
+    from megatron.core import parallel_state as ps
+
+    if ".mlp.experts." in local:
+        return ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
+
+
+def iter_hf_tensors(chunks: list[torch.nn.Module], conv: Converter) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, full tensor) pairs for the parameters this rank owns a unique copy of.
+
+    Collective over TP/ETP groups: every rank must iterate to the end.
+    """
+    for local, gname, p in _local_params(chunks):
+        full = _gather_full(p, local, conv)
+        if gname == "output_layer.weight" and conv.tie:
+            continue
+        if _owns_unique_copy(local):
+            yield from conv.to_hf(gname, full).items()
+
+
+def export_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict[str, torch.Tensor]:
+    """The full HF state dict, on every rank (gathers TP/EP/PP shards). Collective."""
+    mine = dict(iter_hf_tensors(chunks, conv))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        out.update(part or {})
+    return out
+
+
+def save_hf_folder(chunks: list[torch.nn.Module], conv: Converter, src_dir: str | Path, out_dir: str | Path) -> None:
+    """Export the actor as an HF folder (config + tokenizer copied from `src_dir`). Collective."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    state = export_hf_state_dict(chunks, conv)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(src_dir).iterdir():
+        if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model"):
+            shutil.copy2(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,143 @@
+"""CPU shims for megatron-core (0.16.x): the one place that reaches into its CUDA assumptions.
+
+Applied by `apply_cpu_shims()` only when CUDA is absent. Each shim names the megatron-core call
+that needs it; delete a shim when upstream stops needing it (re-run tests/distributed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+_APPLIED = False
+
+
+class CPURNGStatesTracker:
+    """Stand-in for `tensor_parallel.random.CudaRNGStatesTracker` that forks the CPU generator.
+
+    Needed by: `DotProductAttention.forward` (attention dropout under
+    `get_cuda_rng_tracker().fork()`), `model_parallel_cuda_manual_seed` (CUDA generator state).
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def reset(self):
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        if seed in self.seeds_ or name in self.states_:
+            raise RuntimeError(f"rng state {name!r} or seed {seed} already added")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name!r} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def cpu_model_parallel_seed(seed: int) -> None:
+    """CPU version of `tensor_parallel.model_parallel_cuda_manual_seed` (same seed offsets)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    etp_rank = ps.get_expert_tensor_parallel_rank()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+    torch.manual_seed(seed)
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def apply_cpu_shims() -> bool:
+    """Patch megatron-core for CPU execution when CUDA is unavailable. Idempotent.
+
+    Returns True when the shims are active.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+
+    # torch.cuda.current_device(): called for `device=` by the router (moe/router.py buffers),
+    # RoPE (rotary_pos_embedding.py), GlobalMemoryBuffer (sequence-parallel all-gather) and
+    # tensor_parallel.layers weight allocation. On CPU it must name the CPU.
+    torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
+
+    # tensor_parallel.random: the CUDA RNG tracker cannot add or fork states without CUDA.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    # moe_utils.router_gating_linear references `te_general_gemm`, which 0.16.x only defines
+    # when Transformer Engine imports (NameError otherwise).
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # pipeline_parallel.schedules allocates its token counter with a literal device="cuda", and
+    # p2p_communication calls torch.cuda.synchronize(): give those two modules a `torch`
+    # stand-in that maps "cuda" to the CPU and makes synchronize a no-op.
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    for mod in (schedules, p2p_communication):
+        mod.torch = _torch_cuda_as_cpu()
+
+    _APPLIED = True
+    return True
+
+
+def _torch_cuda_as_cpu() -> types.ModuleType:
+    """A module proxying `torch` where tensor factories map device="cuda" to CPU."""
+    proxy = types.ModuleType("torch_cpu_proxy")
+    proxy.__dict__.update({k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})
+
+    def _wrap(fn):
+        def inner(*args, **kwargs):
+            dev = kwargs.get("device")
+            if dev is not None and "cuda" in str(dev):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+
+        return inner
+
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange"):
+        setattr(proxy, name, _wrap(getattr(torch, name)))
+    cuda = types.SimpleNamespace(**{k: getattr(torch.cuda, k) for k in dir(torch.cuda) if not k.startswith("__")})
+    cuda.synchronize = lambda *a, **k: None
+    cuda.current_device = _cpu_device
+    proxy.cuda = cuda
+    return proxy
