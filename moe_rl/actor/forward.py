@@ -27,16 +27,23 @@ class MicroBatch:
     extra: dict
 
 
-def split_microbatches(input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: int,
-                       pad_multiple: int = 1, extra: dict[str, torch.Tensor] | None = None) -> list[MicroBatch]:
+def split_microbatches(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    micro_batch_size: int,
+    pad_multiple: int = 1,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> list[MicroBatch]:
     """Split a padded batch into micro-batches of equal sequence length.
 
     The length is padded to a multiple of `pad_multiple` (TP for sequence parallel). Tensors in
     `extra` with a leading batch dim are split alongside.
     """
     if input_ids.shape != attention_mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
-                         f"{tuple(attention_mask.shape)} must have the same shape")
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must have the same shape"
+        )
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
     b, t = input_ids.shape
@@ -58,9 +65,13 @@ def _causal_mask(s: int) -> torch.Tensor:
     return torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
 
 
-def run_schedule(chunks: list[torch.nn.Module], microbatches: list[MicroBatch], step_fn: StepFn,
-                 forward_only: bool, before_forward: Callable[[MicroBatch], None] | None = None
-                 ) -> list[dict[str, torch.Tensor]]:
+def run_schedule(
+    chunks: list[torch.nn.Module],
+    microbatches: list[MicroBatch],
+    step_fn: StepFn,
+    forward_only: bool,
+    before_forward: Callable[[MicroBatch], None] | None = None,
+) -> list[dict[str, torch.Tensor]]:
     """Run megatron-core's forward(-backward) schedule; returns step_fn outputs on the last stage.
 
     `before_forward(mb)` runs right before each micro-batch's forward (e.g. to set replay routes).
@@ -97,8 +108,9 @@ def run_schedule(chunks: list[torch.nn.Module], microbatches: list[MicroBatch], 
     )
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True,
-                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits)[target] and entropy, with the vocab split over TP ranks.
 
     logits: [..., V/TP] (this rank's vocab slice), targets: [...] global ids.
@@ -119,8 +131,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_en
         reduce = reduce_from_tensor_model_parallel_region
         start = ps.get_tensor_model_parallel_rank() * v_local
     else:
+
         def reduce(x):
             return x
+
         start = 0
     shifted = logits - lmax
     exp = shifted.exp()
@@ -150,10 +164,15 @@ def _broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_logprobs(chunks: list[torch.nn.Module], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     micro_batch_size: int | None = None, with_entropy: bool = True, temperature: float = 1.0,
-                     before_forward: Callable[[MicroBatch], None] | None = None
-                     ) -> dict[str, torch.Tensor]:
+def compute_logprobs(
+    chunks: list[torch.nn.Module],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    micro_batch_size: int | None = None,
+    with_entropy: bool = True,
+    temperature: float = 1.0,
+    before_forward: Callable[[MicroBatch], None] | None = None,
+) -> dict[str, torch.Tensor]:
     """Per-token log pi(y_t | y_<t) and entropy for a right-padded batch.
 
     Returns {"logprobs": [B, T], "entropy": [B, T]}: entry t scores token t given tokens < t
@@ -165,8 +184,9 @@ def compute_logprobs(chunks: list[torch.nn.Module], input_ids: torch.Tensor, att
     for c in chunks:
         c.eval()
     b, t = input_ids.shape
-    mbs = split_microbatches(input_ids, attention_mask, micro_batch_size or b,
-                             pad_multiple=ps.get_tensor_model_parallel_world_size())
+    mbs = split_microbatches(
+        input_ids, attention_mask, micro_batch_size or b, pad_multiple=ps.get_tensor_model_parallel_world_size()
+    )
 
     def step(logits, mb: MicroBatch):
         ids = mb.input_ids.to(logits.device)
@@ -182,7 +202,7 @@ def compute_logprobs(chunks: list[torch.nn.Module], input_ids: torch.Tensor, att
     for k in keys:
         full = torch.zeros(b, t, dtype=torch.float32)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            for mb, r in zip(mbs, results):
+            for mb, r in zip(mbs, results, strict=True):
                 full[mb.index, 1:] = r[k][:, : t - 1].float().cpu()
         full = _broadcast_from_last_stage(full)
         out[k] = full * attention_mask.float() * _not_first(attention_mask)

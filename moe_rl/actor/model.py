@@ -63,13 +63,15 @@ def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
     t = parallel.tp
     need(conv.num_heads % t == 0, f"parallel.tp={t} does not divide num_attention_heads={conv.num_heads}")
     need(conv.num_kv % t == 0, f"parallel.tp={t} does not divide num_key_value_heads={conv.num_kv}")
-    need(conv.num_experts % parallel.ep == 0,
-         f"parallel.ep={parallel.ep} does not divide num_experts={conv.num_experts}")
-    need(conv.moe_ffn_hidden_size % parallel.etp == 0,
-         f"parallel.etp={parallel.etp} does not divide the expert FFN size {conv.moe_ffn_hidden_size}")
+    need(
+        conv.num_experts % parallel.ep == 0, f"parallel.ep={parallel.ep} does not divide num_experts={conv.num_experts}"
+    )
+    need(
+        conv.moe_ffn_hidden_size % parallel.etp == 0,
+        f"parallel.etp={parallel.etp} does not divide the expert FFN size {conv.moe_ffn_hidden_size}",
+    )
     stages = parallel.pp * (parallel.vpp or 1)
-    need(conv.num_layers % stages == 0,
-         f"parallel.pp*vpp={stages} does not divide num_hidden_layers={conv.num_layers}")
+    need(conv.num_layers % stages == 0, f"parallel.pp*vpp={stages} does not divide num_hidden_layers={conv.num_layers}")
     if parallel.cp > 1:
         need(torch.cuda.is_available(), "parallel.cp > 1 needs Transformer Engine attention (GPU)")
     if problems:
@@ -135,8 +137,7 @@ def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = Non
 
     from moe_rl.actor.norms import FullWidthKNorm, FullWidthQNorm, RMSNorm
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
-                                      vp_stage=vp_stage)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
     if use_te and conv.qk_norm != "full_width":
         return spec
     spec = copy.deepcopy(spec)

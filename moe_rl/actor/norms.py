@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, sum_sq: torch.Tensor | None = None,
-              width: int | None = None) -> torch.Tensor:
+def _rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, sum_sq: torch.Tensor | None = None, width: int | None = None
+) -> torch.Tensor:
     # Same arithmetic as HF's RMSNorm: statistics in fp32, gain applied in the input dtype.
     dtype = x.dtype
     xf = x.float()

@@ -80,10 +80,16 @@ def _group(kind: str):
     from megatron.core import parallel_state as ps
 
     if kind == "tp":
-        return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), \
-            ps.get_tensor_model_parallel_world_size()
-    return ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank(), \
-        ps.get_expert_tensor_parallel_world_size()
+        return (
+            ps.get_tensor_model_parallel_group(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+        )
+    return (
+        ps.get_expert_tensor_parallel_group(),
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
+    )
 
 
 def global_name(local_name: str, chunk: torch.nn.Module) -> str:
@@ -94,13 +100,13 @@ def global_name(local_name: str, chunk: torch.nn.Module) -> str:
     if not m:
         return local_name
     layer = chunk.decoder.layers[int(m.group(1))]
-    name = f"decoder.layers.{layer.layer_number - 1}." + local_name[m.end():]
+    name = f"decoder.layers.{layer.layer_number - 1}." + local_name[m.end() :]
     e = _LOCAL_EXPERT.search(name)
     if e:
         experts = layer.mlp.experts
         n_local = len(experts.local_experts)
         g = ps.get_expert_model_parallel_rank() * n_local + int(e.group(1))
-        name = name[: e.start(1)] + str(g) + name[e.end(1):]
+        name = name[: e.start(1)] + str(g) + name[e.end(1) :]
     return name
 
 
@@ -157,7 +163,7 @@ def _gather_full(p: torch.Tensor, local: str, conv: Converter) -> torch.Tensor:
     parts = [torch.empty_like(p) for _ in range(size)]
     dist.all_gather(parts, p.detach().contiguous(), group=group)
     if gated:
-        gates, ups = zip(*(t.chunk(2, dim=0) for t in parts))
+        gates, ups = zip(*(t.chunk(2, dim=0) for t in parts), strict=True)
         return torch.cat([*gates, *ups], dim=0)
     return torch.cat(parts, dim=dim)
 

@@ -204,8 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-experts", type=int, default=d.num_experts, help="routed experts per MoE layer")
     p.add_argument("--topk", type=int, default=d.topk, help="experts per token")
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
-    p.add_argument("--dense-layers", type=_parse_int_list, default=[],
-                   help="decoder layers with a dense MLP, e.g. '0' or '0,2' (qwen3_moe mlp_only_layers)")
+    p.add_argument(
+        "--dense-layers",
+        type=_parse_int_list,
+        default=[],
+        help="decoder layers with a dense MLP, e.g. '0' or '0,2' (qwen3_moe mlp_only_layers)",
+    )
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (multiple of 32)")
     p.add_argument("--heads", type=int, default=d.heads, help="attention heads")
     p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads (GQA)")
@@ -217,10 +221,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="weight init seed")
     a = p.parse_args(argv)
     spec = TinySpec(
-        arch=a.arch, num_experts=a.num_experts, topk=a.topk, layers=a.layers,
-        dense_layers=a.dense_layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
-        head_dim=a.head_dim, moe_intermediate=a.moe_intermediate, intermediate=a.intermediate,
-        vocab_size=a.vocab_size, dtype=a.dtype, seed=a.seed,
+        arch=a.arch,
+        num_experts=a.num_experts,
+        topk=a.topk,
+        layers=a.layers,
+        dense_layers=a.dense_layers,
+        hidden=a.hidden,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        moe_intermediate=a.moe_intermediate,
+        intermediate=a.intermediate,
+        vocab_size=a.vocab_size,
+        dtype=a.dtype,
+        seed=a.seed,
     )
     try:
         out = build_tiny_model(spec, a.out)

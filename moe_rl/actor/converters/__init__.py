@@ -15,9 +15,7 @@ CONVERTERS: dict[str, type[Converter]] = {
 def get_converter(hf_config: Any) -> Converter:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in CONVERTERS:
-        raise ValueError(
-            f"config.json model_type={model_type!r} is not supported; supported: {sorted(CONVERTERS)}"
-        )
+        raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: {sorted(CONVERTERS)}")
     return CONVERTERS[model_type](hf_config)
 
 

@@ -65,7 +65,8 @@ class Converter:
             num_attention_heads=self.num_heads,
             num_query_groups=self.num_kv,
             kv_channels=self.head_dim,
-            ffn_hidden_size=getattr(c, "intermediate_size", self.moe_ffn_hidden_size) if 0 in pattern
+            ffn_hidden_size=getattr(c, "intermediate_size", self.moe_ffn_hidden_size)
+            if 0 in pattern
             else self.moe_ffn_hidden_size,
             moe_ffn_hidden_size=self.moe_ffn_hidden_size,
             num_moe_experts=self.num_experts,
@@ -153,9 +154,9 @@ class Converter:
         """HF tensors for one full megatron tensor (inverse of `to_mcore`)."""
         names = self.hf_names(mcore_name)
         if mcore_name.endswith("linear_qkv.weight"):
-            return dict(zip(names, self._split_qkv(full)))
+            return dict(zip(names, self._split_qkv(full), strict=True))
         if mcore_name.endswith("linear_fc1.weight"):
-            return dict(zip(names, full.chunk(2, dim=0)))
+            return dict(zip(names, full.chunk(2, dim=0), strict=True))
         if mcore_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             full = full[: self.vocab_size]
         return {names[0]: full}

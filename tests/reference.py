@@ -1,0 +1,43 @@
+"""Reference computations from Hugging Face transformers (code nobody here wrote)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hf_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """HF logits [B, T, V] and each MoE layer's router top-k ids {layer: [B, T, K]}."""
+    topk: dict[int, torch.Tensor] = {}
+    hooks = []
+    b, t = input_ids.shape
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            layer = int(name.split("layers.")[1].split(".")[0])
+
+            def hook(_m, _inp, out, layer=layer):
+                topk[layer] = out[2].reshape(b, t, -1)  # HF flattens [B, T] as b * T + t
+
+            hooks.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, topk
+
+
+def load_hf(path: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def random_batch(vocab_size: int, batch: int, length: int, seed: int, min_len: int = 3):
+    """Random ids with right padding: row lengths drawn in [min_len, length]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, length), generator=g)
+    lens = torch.randint(min_len, length + 1, (batch,), generator=g)
+    lens[0] = length
+    mask = (torch.arange(length)[None, :] < lens[:, None]).long()
+    return ids * mask, mask

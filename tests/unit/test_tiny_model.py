@@ -1,0 +1,89 @@
+"""The offline tiny-model builder: valid folders, vLLM-CPU size rules, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_rl.tools.tiny_model import TinySpec, main
+
+
+def test_builds_loadable_folder_with_tokenizer(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    main(
+        [
+            "--arch",
+            "qwen3_moe",
+            "--num-experts",
+            "300",
+            "--topk",
+            "3",
+            "--layers",
+            "3",
+            "--dense-layers",
+            "0,2",
+            "--dtype",
+            "bfloat16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.mlp_only_layers) == (300, 3, [0, 2])
+    assert cfg.torch_dtype in (torch.bfloat16, "bfloat16")
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    text = "Question: what is 12 + 30? Answer: 42"
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text and max(ids) < cfg.vocab_size
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("model.layers.1.mlp.gate.weight").shape == (300, 128)
+        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # dense layer
+    assert "model.layers.1.mlp.experts.299.down_proj.weight" in names
+
+
+def test_seed_makes_weights_reproducible(tmp_path):
+    from safetensors.torch import load_file
+
+    for d in ("a", "b"):
+        main(["--arch", "mixtral", "--layers", "1", "--seed", "3", "--out", str(tmp_path / d)])
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    "spec,msg",
+    [
+        (TinySpec(hidden=100), "multiple of 32"),
+        (TinySpec(head_dim=48), "head dim 48"),
+        (TinySpec(arch="mixtral", hidden=96), "hidden == heads \\* head_dim"),
+        (TinySpec(topk=9), "--topk=9"),
+        (TinySpec(dense_layers=[4]), "--dense-layers \\[4\\] out of range"),
+        (TinySpec(arch="olmoe", dense_layers=[0]), "only supported by --arch qwen3_moe"),
+        (TinySpec(arch="gpt2"), "unknown architecture 'gpt2'"),
+    ],
+)
+def test_invalid_specs(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        spec.validate()
+
+
+def test_cli_help_has_examples_and_errors_exit_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "moe_rl.tools.tiny_model", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "Examples:" in out.stdout and "--num-experts" in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "moe_rl.tools.tiny_model", "--hidden", "100", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "multiple of 32" in bad.stderr
+    spec = json.loads(json.dumps(TinySpec().__dict__))
+    assert spec["hidden"] % 32 == 0
