@@ -1,0 +1,124 @@
+"""Policy-gradient losses: sequence-level GSPO and token-level PPO.
+
+Tensors are padded `[B, T]`; `mask` is 1 on response tokens; `advantages` is `[B]` (one per
+sequence, broadcast) or `[B, T]`. `weights` (IcePop/TIS, `[B, T]`) multiply the per-token
+loss and are treated as constants. Every loss returns `(loss, metrics)` with detached
+0-d tensors in `metrics` (no host sync here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_rl.objectives.aggregation import aggregate, masked_mean
+from moe_rl.objectives.registry import POLICY_LOSSES
+
+MAX_LOG_RATIO = 10.0  # GSPO clamps log s_{i,t} at 10 (as verl) so exp() stays finite
+
+
+def _broadcast_adv(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if advantages.dim() == 1:
+        if advantages.shape[0] != like.shape[0]:
+            raise ValueError(f"advantages has {advantages.shape[0]} rows, log-probs have {like.shape[0]}")
+        return advantages[:, None].expand_as(like)
+    if advantages.shape != like.shape:
+        raise ValueError(f"advantages shape {tuple(advantages.shape)} != log-probs shape {tuple(like.shape)}")
+    return advantages
+
+
+def _check(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if logp.shape != old_logp.shape or logp.shape != mask.shape:
+        raise ValueError(
+            f"shape mismatch: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, "
+            f"mask {tuple(mask.shape)} must all be [B, T]"
+        )
+    return mask.to(logp.dtype)
+
+
+def gspo_sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log s_i = sum_t mask (logp - old) / sum_t mask  ->  [B] (0 for an empty response)."""
+    return masked_mean(logp - old_logp, mask, dim=-1)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    weights: torch.Tensor | None = None,
+    agg: str = "seq-mean-token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al., 2025), token form.
+
+    log s_{i,t} = sg[log s_i] + logp_t - sg[logp_t]   (value s_i, gradient s_i * grad logp_t)
+    loss_{i,t}  = max(-A_i s_{i,t}, -A_i clip(s_{i,t}, 1 - clip_low, 1 + clip_high)) * w_{i,t}
+    With the default seq-mean-token-mean aggregation this equals the sequence form
+    mean_i max(-A_i s_i, -A_i clip(s_i)) in value and gradient.
+    """
+    m = _check(logp, old_logp, mask)
+    adv = _broadcast_adv(advantages, logp)
+    seq_log_ratio = gspo_sequence_log_ratio(logp, old_logp, m)
+    log_s = seq_log_ratio.detach()[:, None] + logp - logp.detach()
+    log_s = log_s.clamp(max=MAX_LOG_RATIO)
+    s = log_s.exp()
+    pg1 = -adv * s
+    pg2 = -adv * s.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    if weights is not None:
+        pg = pg * weights.detach()
+    loss = aggregate(pg, m, agg, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((pg2 > pg1).to(logp.dtype), m),
+            "ppo_kl": masked_mean(old_logp - logp, m),
+            "seq_ratio_mean": masked_mean(seq_log_ratio.exp(), (m.sum(-1) > 0).to(logp.dtype)),
+        }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("ppo")
+def ppo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    weights: torch.Tensor | None = None,
+    agg: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level clipped PPO; `dual_clip=c` (> 1) bounds the loss at -A*c for A < 0 (Ye et al., 2020).
+
+    r_t = exp(logp_t - old_t) (log-ratio clamped to +-20), loss = max(-A r, -A clip(r, 1-l, 1+h)).
+    """
+    m = _check(logp, old_logp, mask)
+    adv = _broadcast_adv(advantages, logp)
+    log_r = (logp - old_logp).clamp(-20.0, 20.0)
+    r = log_r.exp()
+    pg1 = -adv * r
+    pg2 = -adv * r.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    dual_frac = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip={dual_clip} must be > 1")
+        pg3 = -adv * dual_clip
+        use3 = (adv < 0) & (pg3 < pg)
+        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
+        dual_frac = masked_mean(use3.to(logp.dtype), m).detach()
+    if weights is not None:
+        pg = pg * weights.detach()
+    loss = aggregate(pg, m, agg, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((pg2 > pg1).to(logp.dtype), m),
+            "ppo_kl": masked_mean(old_logp - logp, m),
+            "dual_clipfrac": dual_frac,
+        }
+    return loss, metrics

@@ -1,0 +1,299 @@
+"""Objectives against independent reference math (plain per-sequence / per-token loops in
+float64 written from the published formulas), on fresh random inputs: values and gradients."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from moe_rl import objectives as O
+
+
+def _rand_batch(b=6, t=9, scale=1e-3, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ()).item()))
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    logp = old + scale * torch.randn(b, t, generator=g, dtype=torch.float64)
+    roll = old + 0.5 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    lens = torch.randint(1, t + 1, (b,), generator=g)
+    mask = (torch.arange(t)[None] < lens[:, None]).double()
+    mask[:, 0] = 0  # prompt token
+    mask[1] = 0  # an empty response
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    return logp, old, roll, mask, adv
+
+
+def _rows(mask):
+    return [i for i in range(mask.shape[0]) if mask[i].sum() > 0]
+
+
+# ---- advantages -----------------------------------------------------------------------------
+
+
+def test_grpo_drgrpo_rloo_reinforce_match_reference():
+    r = torch.randn(12, dtype=torch.float64)
+    g = r.numpy().reshape(3, 4)
+    ref = ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
+    np.testing.assert_allclose(O.grpo_advantages(r, 4).numpy(), ref, rtol=1e-6)
+    np.testing.assert_allclose(O.drgrpo_advantages(r, 4).numpy(), (g - g.mean(1, keepdims=True)).reshape(-1), rtol=1e-6)
+    rloo = [g[i, j] - (g[i].sum() - g[i, j]) / 3 for i in range(3) for j in range(4)]
+    np.testing.assert_allclose(O.rloo_advantages(r, 4).numpy(), rloo, rtol=1e-5)
+    np.testing.assert_allclose(O.reinforce_advantages(r).numpy(), r.numpy() - r.numpy().mean(), rtol=1e-5)
+
+
+def test_advantage_edge_cases_are_finite():
+    assert torch.equal(O.grpo_advantages(torch.tensor([1.0, 2.0]), 1), torch.zeros(2))  # group of one
+    assert torch.equal(O.grpo_advantages(torch.ones(4), 4), torch.zeros(4))  # zero variance
+    assert torch.equal(O.rloo_advantages(torch.tensor([3.0]), 1), torch.zeros(1))
+    with pytest.raises(ValueError, match="not a whole number of groups of 4"):
+        O.grpo_advantages(torch.ones(6), 4)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'.*grpo"):
+        O.ADVANTAGES.get("gae")
+
+
+# ---- aggregation ----------------------------------------------------------------------------
+
+
+def test_aggregation_modes_match_loops():
+    loss = torch.randn(5, 7, dtype=torch.float64)
+    _, _, _, mask, _ = _rand_batch(5, 7)
+    rows = _rows(mask)
+    tok = sum(loss[i, j] * mask[i, j] for i in range(5) for j in range(7)) / mask.sum()
+    per_mean = [sum(loss[i, j] * mask[i, j] for j in range(7)) / mask[i].sum() for i in rows]
+    per_sum = [sum(loss[i, j] * mask[i, j] for j in range(7)) for i in rows]
+    assert torch.allclose(O.aggregate(loss, mask, "token-mean"), tok)
+    assert torch.allclose(O.aggregate(loss, mask, "seq-mean-token-mean"), sum(per_mean) / len(rows))
+    assert torch.allclose(O.aggregate(loss, mask, "seq-mean-token-sum"), sum(per_sum) / len(rows))
+    assert torch.allclose(O.aggregate(loss, mask, "seq-mean-token-sum-norm"), sum(per_sum) / len(rows) / 7)
+    assert torch.allclose(O.aggregate(loss, mask, "token-mean", num_tokens=100.0), tok * mask.sum() / 100)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'sum'"):
+        O.aggregate(loss, mask, "sum")
+
+
+# ---- GSPO -----------------------------------------------------------------------------------
+
+
+def _gspo_sequence_form(logp, old, adv, mask, eps_l, eps_h):
+    """GSPO paper, sequence form: mean_i max(-A s_i, -A clip(s_i)), s_i = exp(mean_t(logp - old))."""
+    total, n = 0.0, 0
+    for i in _rows(mask):
+        m = mask[i].bool()
+        s = torch.exp(torch.clamp((logp[i][m] - old[i][m]).mean(), max=10.0))
+        total = total + torch.maximum(-adv[i] * s, -adv[i] * torch.clamp(s, 1 - eps_l, 1 + eps_h))
+        n += 1
+    return total / n
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e-3, 0.3])
+def test_gspo_token_form_equals_sequence_form_value_and_gradient(scale):
+    logp, old, _, mask, adv = _rand_batch(8, 11, scale=scale)
+    a = logp.clone().requires_grad_(True)
+    b = logp.clone().requires_grad_(True)
+    loss, metrics = O.gspo_loss(a, old, adv, mask)
+    ref = _gspo_sequence_form(b, old, adv, mask, 3e-4, 4e-4)
+    loss.backward()
+    ref.backward()
+    assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12)
+    assert a.grad[mask == 0].abs().max() == 0
+    # clipfrac and ppo_kl from their definitions
+    s = torch.stack(
+        [torch.exp((logp[i] - old[i])[mask[i].bool()].mean()) if mask[i].sum() else torch.tensor(1.0) for i in range(8)]
+    ).double()
+    a_tok = adv[:, None].expand_as(logp)
+    clipped = (-a_tok * s[:, None].clamp(1 - 3e-4, 1 + 4e-4)) > (-a_tok * s[:, None])
+    assert torch.allclose(metrics["clipfrac"], (clipped.double() * mask).sum() / mask.sum())
+    assert torch.allclose(metrics["ppo_kl"], ((old - logp) * mask).sum() / mask.sum())
+
+
+def test_gspo_with_weights_matches_token_loop():
+    logp, old, roll, mask, adv = _rand_batch(5, 8, scale=1e-3)
+    w = O.icepop_weights(old, roll, mask)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = O.gspo_loss(x, old, adv, mask, weights=w, agg="token-mean")
+    total = 0.0
+    for i in range(5):
+        m = mask[i].bool()
+        if not m.any():
+            continue
+        s_i = math.exp(float((logp[i][m] - old[i][m]).mean()))
+        for t in torch.nonzero(m).flatten().tolist():
+            st = min(s_i, math.exp(10))
+            v = max(-adv[i].item() * st, -adv[i].item() * min(max(st, 1 - 3e-4), 1 + 4e-4))
+            total += v * w[i, t].item()
+    assert loss.item() == pytest.approx(total / mask.sum().item(), rel=1e-9, abs=1e-12)
+
+
+def test_gspo_edge_cases_stay_finite():
+    logp, old, _, mask, adv = _rand_batch(4, 6)
+    # huge log-ratios: s clamps at exp(10), gradients finite
+    x = (old + 1e4).clone().requires_grad_(True)
+    loss, m = O.gspo_loss(x, old, adv, mask)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    # fully masked batch: zero loss, zero gradient, finite metrics
+    z = torch.zeros_like(mask)
+    x = logp.clone().requires_grad_(True)
+    loss, m = O.gspo_loss(x, old, adv, z)
+    loss.backward()
+    assert loss.item() == 0 and x.grad.abs().max() == 0 and all(torch.isfinite(v) for v in m.values())
+    with pytest.raises(ValueError, match="advantages has 3 rows"):
+        O.gspo_loss(logp, old, adv[:3], mask)
+
+
+# ---- PPO ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_ppo_matches_token_loop(dual_clip):
+    logp, old, _, mask, adv = _rand_batch(6, 7, scale=0.5)
+    x = logp.clone().requires_grad_(True)
+    loss, metrics = O.ppo_loss(x, old, adv, mask, dual_clip=dual_clip)
+    total = 0.0
+    for i in range(6):
+        for t in range(7):
+            if not mask[i, t]:
+                continue
+            r = math.exp(logp[i, t] - old[i, t])
+            a = adv[i].item()
+            v = max(-a * r, -a * min(max(r, 0.8), 1.2))
+            if dual_clip and a < 0:
+                v = min(v, -a * dual_clip)
+            total += v
+    assert loss.item() == pytest.approx(total / mask.sum().item(), rel=1e-9)
+    loss.backward()
+    # gradient of an unclipped token: -A r / N
+    r = (logp - old).exp()
+    free = (r > 0.8) & (r < 1.2) & (mask > 0)
+    expected = (-adv[:, None] * r / mask.sum()).expand_as(r)
+    assert torch.allclose(x.grad[free], expected[free])
+
+
+# ---- corrections ----------------------------------------------------------------------------
+
+
+def test_icepop_tis_and_sequence_corrections_match_loops():
+    _, old, roll, mask, _ = _rand_batch(7, 10)
+    ice = O.icepop_weights(old, roll, mask)
+    tis = O.tis_weights(old, roll, mask)
+    stis = O.seq_tis_weights(old, roll, mask)
+    for i in range(7):
+        rho = math.exp(sum((old[i, t] - roll[i, t]).item() for t in range(10) if mask[i, t]))
+        n = int(mask[i].sum())
+        geo = math.exp(sum((old[i, t] - roll[i, t]).item() for t in range(10) if mask[i, t]) / max(n, 1))
+        for t in range(10):
+            k = math.exp(old[i, t] - roll[i, t])
+            on = bool(mask[i, t])
+            assert ice[i, t].item() == pytest.approx(k if on and 0.5 <= k <= 5.0 else 0.0, rel=1e-12)
+            assert tis[i, t].item() == pytest.approx(min(k, 2.0) if on else 0.0, rel=1e-12)
+            assert stis[i, t].item() == pytest.approx(min(rho, 2.0) if on else 0.0, rel=1e-9)
+        keep = O.seq_reject_mask(old, roll, mask, 0.5, 2.0)[i]
+        assert torch.equal(keep, mask[i] * float(0.5 <= rho <= 2.0))
+        keep_geo = O.seq_reject_mask(old, roll, mask, 0.9, 1.1, geometric=True)[i]
+        assert torch.equal(keep_geo, mask[i] * float(0.9 <= geo <= 1.1 if n else True))
+
+
+def test_corrections_handle_huge_log_ratios_and_bad_bands():
+    _, old, _, mask, _ = _rand_batch(3, 5)
+    roll = old - 1e4  # k = e^{1e4}
+    assert torch.isfinite(O.icepop_weights(old, roll, mask)).all()
+    assert O.icepop_weights(old, roll, mask).max() == 0
+    assert torch.allclose(O.tis_weights(old, roll, mask), 2.0 * mask)
+    assert torch.allclose(O.seq_tis_weights(old, roll, mask), 2.0 * mask)
+    with pytest.raises(ValueError, match="0 < low <= high"):
+        O.icepop_weights(old, roll, mask, low=2.0, high=1.0)
+
+
+def test_correction_registry_selects_by_name():
+    _, old, roll, mask, _ = _rand_batch(4, 6)
+    assert {"none", "icepop", "tis", "seq-tis", "seq-mask", "geo-mask"} <= set(O.CORRECTIONS.names())
+    c = O.CORRECTIONS.get("icepop")(old, roll, mask, low=0.5, high=5.0)
+    assert torch.equal(c.weights, O.icepop_weights(old, roll, mask)) and torch.equal(c.mask, mask)
+    zero = ((c.weights == 0).double() * mask).sum() / mask.sum()
+    assert torch.allclose(c.metrics["masked_fraction"], zero)
+    r = O.CORRECTIONS.get("seq-mask")(old, roll, mask, low=0.5, high=2.0)
+    assert r.weights is None and torch.equal(r.mask, O.seq_reject_mask(old, roll, mask, 0.5, 2.0))
+    with pytest.raises(ValueError, match="unknown mismatch correction 'mis'.*icepop"):
+        O.CORRECTIONS.get("mis")
+
+    @O.POLICY_LOSSES.register("test-only-reinforce")
+    def reinforce(logp, old_logp, advantages, mask, **_):
+        return -(advantages[:, None] * logp * mask).sum() / mask.sum(), {}
+
+    assert O.POLICY_LOSSES.get("test-only-reinforce") is reinforce
+    with pytest.raises(ValueError, match="already registered"):
+        O.POLICY_LOSSES.register("gspo")(reinforce)
+
+
+# ---- KL -------------------------------------------------------------------------------------
+
+
+def test_kl_estimators_and_reward_shaping():
+    logp, old, _, mask, _ = _rand_batch(4, 6, scale=0.4)
+    ref = old
+    assert torch.allclose(O.kl_penalty(logp, ref, "k1"), logp - ref)
+    d = ref - logp
+    assert torch.allclose(O.kl_penalty(logp, ref, "k3"), torch.exp(d) - d - 1)
+    assert (O.kl_penalty(logp, ref, "k3") >= 0).all()
+    x = logp.clone().requires_grad_(True)
+    O.kl_loss(x, ref, mask, "k3").backward()
+    assert torch.allclose(x.grad, (1 - torch.exp(ref - logp)) * mask / mask.sum())
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    shaped = O.kl_shaped_token_rewards(rewards, logp, ref, mask, beta=0.1)
+    for i in range(4):
+        idx = torch.nonzero(mask[i]).flatten()
+        if len(idx) == 0:
+            assert shaped[i].abs().max() == 0
+            continue
+        expect = -0.1 * (logp[i] - ref[i]) * mask[i]
+        expect[idx[-1]] += rewards[i]
+        assert torch.allclose(shaped[i], expect)
+
+
+# ---- mismatch metrics -----------------------------------------------------------------------
+
+
+def test_mismatch_metrics_match_definitions():
+    _, old, roll, mask, _ = _rand_batch(6, 9, seed=None)
+    got = {k: float(v) for k, v in O.mismatch_metrics(old, roll, mask).items()}
+    assert set(got) == set(O.MISMATCH_KEYS)
+    rows = _rows(mask)
+    toks = [(i, t) for i in rows for t in range(9) if mask[i, t]]
+    mo = {i: np.mean([old[i, t].item() for t in range(9) if mask[i, t]]) for i in rows}
+    mr = {i: np.mean([roll[i, t].item() for t in range(9) if mask[i, t]]) for i in rows}
+    k = {(i, t): math.exp(old[i, t] - roll[i, t]) for i, t in toks}
+    d = [mr[i] - mo[i] for i in rows]
+    ref = {
+        "training_ppl": np.mean([math.exp(-mo[i]) for i in rows]),
+        "training_log_ppl": np.mean([-mo[i] for i in rows]),
+        "rollout_ppl": np.mean([math.exp(-mr[i]) for i in rows]),
+        "rollout_log_ppl": np.mean([-mr[i] for i in rows]),
+        "kl": np.mean([roll[i, t].item() - old[i, t].item() for i, t in toks]),
+        "k3_kl": np.mean([k[x] - math.log(k[x]) - 1 for x in toks]),
+        "log_ppl_diff": np.mean(d),
+        "log_ppl_abs_diff": np.mean(np.abs(d)),
+        "log_ppl_diff_max": max(d),
+        "log_ppl_diff_min": min(d),
+        "ppl_ratio": np.mean(np.exp(d)),
+        "chi2_token": np.mean([k[x] ** 2 for x in toks]) - 1,
+        "chi2_seq": np.mean([math.prod(k[(i, t)] for t in range(9) if mask[i, t]) ** 2 for i in rows]) - 1,
+        "k_outside_0.5_2_fraction": np.mean([not 0.5 <= k[x] <= 2 for x in toks]),
+        "k_outside_icepop_fraction": np.mean([not 0.5 <= k[x] <= 5 for x in toks]),
+        "ess": np.mean(list(k.values())) ** 2 / np.mean([v * v for v in k.values()]),
+    }
+    for key, v in ref.items():
+        assert got[key] == pytest.approx(v, rel=1e-5, abs=1e-6), key
+
+
+def test_mismatch_metrics_identical_policies_and_errors():
+    _, old, _, mask, _ = _rand_batch(3, 5)
+    m = O.mismatch_metrics(old, old.clone(), mask)
+    for key in ("kl", "k3_kl", "log_ppl_diff", "chi2_token", "chi2_seq", "k_outside_icepop_fraction"):
+        assert abs(float(m[key])) < 1e-6, key
+    assert float(m["ess"]) == pytest.approx(1.0) and float(m["ppl_ratio"]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no response tokens"):
+        O.mismatch_metrics(old, old, torch.zeros_like(mask))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        O.mismatch_metrics(old, old[:, :3], mask)
