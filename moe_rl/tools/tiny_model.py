@@ -97,8 +97,9 @@ def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
         num_experts_per_tok=spec.topk,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        # vLLM's OLMoE hard-codes eps=1e-5 (as the released OLMoE checkpoints use)
+        rms_norm_eps=1e-5 if spec.arch == "olmoe" else 1e-6,
         tie_word_embeddings=False,
         initializer_range=0.2,  # large so that routing and logits are far from uniform
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from moe_rl.routing.model_layout import moe_layout
+
 # megatron-core global parameter names (local layer spec, SequentialMLP experts).
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -53,7 +55,8 @@ class Converter:
 
     def moe_layer_pattern(self) -> list[int]:
         """1 for an MoE decoder layer, 0 for a dense one."""
-        return [1] * self.num_layers
+        moe = set(moe_layout(self.cfg).moe_layers)
+        return [int(i in moe) for i in range(self.num_layers)]
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """megatron-core TransformerConfig fields that follow from the HF config."""

@@ -14,9 +14,3 @@ class Qwen3MoeConverter(Converter):
     @property
     def moe_ffn_hidden_size(self) -> int:
         return self.cfg.moe_intermediate_size
-
-    def moe_layer_pattern(self) -> list[int]:
-        c = self.cfg
-        dense = set(c.mlp_only_layers or [])
-        step = c.decoder_sparse_step or 1
-        return [int(i not in dense and (i + 1) % step == 0) for i in range(self.num_layers)]

@@ -1,0 +1,70 @@
+"""The typed batch a rollout produces, and its padded form for the actor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moe_rl.routing.records import filler_row, route_dtype
+
+
+@dataclass
+class RolloutBatch:
+    """B samples (n per prompt, contiguous per prompt) with their behaviour-policy data.
+
+    Per sample i, T_i = len(prompt_ids[i]) + len(response_ids[i]):
+      rollout_logprobs[i]: [len(response)] float32, log mu of each response token (vLLM sampler)
+      routes[i]:           [T_i, L_moe, K] (contract dtype), row T_i - 1 filled with 0..K-1
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logprobs: list[np.ndarray]
+    finish_reasons: list[str]
+    prompt_index: np.ndarray
+    sample_index: np.ndarray
+    routes: list[np.ndarray] | None
+    moe_layers: list[int] = field(default_factory=list)
+    num_experts: int = 0
+    topk: int = 0
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def to_padded(self, pad_id: int = 0, pad_to_multiple: int = 1) -> PaddedBatch:
+        """Right-padded tensors; log-probs and routes aligned to token positions."""
+        b = len(self)
+        lengths = [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids, strict=True)]
+        t = max(lengths)
+        t += (-t) % pad_to_multiple
+        ids = torch.full((b, t), pad_id, dtype=torch.long)
+        attn = torch.zeros(b, t, dtype=torch.long)
+        loss_mask = torch.zeros(b, t, dtype=torch.float32)
+        roll = torch.zeros(b, t, dtype=torch.float32)
+        routes = None
+        if self.routes is not None:
+            dtype = route_dtype(self.num_experts)
+            routes = np.empty((b, t, len(self.moe_layers), self.topk), dtype=dtype)
+            routes[:] = filler_row(len(self.moe_layers), self.topk, dtype)
+        for i, (p, r) in enumerate(zip(self.prompt_ids, self.response_ids, strict=True)):
+            n = len(p) + len(r)
+            ids[i, :n] = torch.tensor(p + r)
+            attn[i, :n] = 1
+            loss_mask[i, len(p) : n] = 1
+            roll[i, len(p) : n] = torch.from_numpy(np.asarray(self.rollout_logprobs[i], dtype=np.float32))
+            if routes is not None:
+                routes[i, :n] = self.routes[i]
+        return PaddedBatch(ids, attn, loss_mask, roll, None if routes is None else torch.from_numpy(routes))
+
+
+@dataclass
+class PaddedBatch:
+    """[B, T] tensors; entry t of a log-prob tensor scores token t given tokens < t."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor  # 1 on response tokens
+    rollout_logprobs: torch.Tensor
+    routes: torch.Tensor | None  # [B, T, L_moe, K] uint8 / int16

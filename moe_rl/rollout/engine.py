@@ -1,0 +1,361 @@
+"""The vLLM rollout engine: sampling with per-token log-probs and expert routes, weight sync.
+
+Topologies (`RolloutConfig.topology`):
+- `per_rank` (CPU default): every rank owns an independent engine (engine core in its own
+  subprocess with a private process group) and generates its own prompts.
+- `tp_group` (GPU): one engine with tensor_parallel_size = world size spanning the ranks via
+  vLLM's external launcher (not yet run on a GPU).
+
+Weight sync sends HF-named tensors in size-bounded buckets (safetensors blobs through the
+engine's RPC on CPU). On GPU, CUDA IPC handles or an NCCL broadcast replace the blob; that
+transport is behind `weight_transport` and not yet run on a GPU. For GPU colocation, vLLM's
+`sleep(level=1)` frees the KV cache (and offloads weights) while the actor trains and
+`wake_up()` restores them before the next rollout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_rl.rollout.batch import RolloutBatch
+from moe_rl.rollout.route_capture import HookRouteCapture, NativeRouteCapture, RouteCapture
+from moe_rl.routing.records import route_dtype, validate_routes
+
+
+class RolloutEngineError(RuntimeError):
+    """The rollout engine failed (died, refused a request, or returned inconsistent data)."""
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling for one rollout batch."""
+
+    n: int = 4
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (the response ends before them)."""
+    seed: int | None = 0
+    """Base seed; prompt i uses seed + i. None: unseeded."""
+
+
+@dataclass
+class RolloutConfig:
+    """vLLM engine settings."""
+
+    model: str = ""
+    """HF model folder (weights are re-synced from the actor after each update)."""
+    dtype: str = "bfloat16"
+    topology: str = "per_rank"
+    """per_rank | tp_group (see module doc)."""
+    tensor_parallel_size: int = 1
+    """Engine TP size (tp_group topology)."""
+    capture: str = "auto"
+    """Route capture: auto (native on CUDA, hook on CPU) | hook | native | none."""
+    max_model_len: int | None = None
+    """Context length; None: the model's max_position_embeddings."""
+    kv_cache_gib: int = 1
+    """CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    logprobs_mode: str = "raw_logprobs"
+    """raw_logprobs (model distribution at temperature 1) | processed_logprobs (after temperature/top-p)."""
+    weight_sync_bucket_mb: int = 64
+    """Upper bound of one weight-sync bucket."""
+    weight_transport: str = "rpc"
+    """rpc (CPU: safetensors blob through collective_rpc) | cuda_ipc (GPU, not yet run)."""
+    seed: int = 0
+
+
+def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class RolloutEngine:
+    """One vLLM engine with route capture. Use as a context manager (or call `shutdown`)."""
+
+    def __init__(self, cfg: RolloutConfig, moe_layers: list[int], num_experts: int, topk: int):
+        if cfg.topology not in ("per_rank", "tp_group"):
+            raise ValueError(f"rollout.topology={cfg.topology!r}: choose per_rank or tp_group")
+        if not os.path.isfile(os.path.join(cfg.model, "config.json")):
+            raise FileNotFoundError(f"rollout.model={cfg.model!r}: config.json not found")
+        self.cfg = cfg
+        self.moe_layers, self.num_experts, self.topk = list(moe_layers), num_experts, topk
+        self.capture = self._make_capture(cfg.capture)
+        _set_vllm_cpu_env(cfg)
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            max_model_len=cfg.max_model_len,
+            worker_extension_cls="moe_rl.rollout.worker_ext.MoeRLWorkerExtension",
+            logprobs_mode=cfg.logprobs_mode,
+            enforce_eager=not torch.cuda.is_available(),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+        )
+        if cfg.topology == "tp_group":
+            kwargs.update(
+                tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="external_launcher"
+            )
+        if self.capture is not None:
+            kwargs.update(self.capture.engine_kwargs())
+        import psutil
+
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            raise RolloutEngineError(f"vLLM engine for {cfg.model} failed to start: {e}") from e
+        # The engine core and its workers: watched while we wait on the engine, because a
+        # killed engine core can leave vLLM's client blocked forever (seen with 0.32 on CPU).
+        self._procs = [p for p in me.children(recursive=True) if p.pid not in before]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-vllm")
+        self._alive = True
+        self._rpc("moe_rl_init_worker")
+        if self.capture is not None:
+            self.capture.install(self.llm)
+
+    def _make_capture(self, mode: str) -> RouteCapture | None:
+        if mode == "auto":
+            mode = "native" if torch.cuda.is_available() else "hook"
+        if mode == "hook":
+            return HookRouteCapture(self.moe_layers, self.topk, route_dtype(self.num_experts))
+        if mode == "native":
+            return NativeRouteCapture(self.moe_layers)
+        if mode == "none":
+            return None
+        raise ValueError(f"rollout.capture={mode!r}: choose auto, hook, native or none")
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def health_check(self, timeout_s: float = 30.0) -> None:
+        """Raise RolloutEngineError unless the engine answers within `timeout_s`."""
+        self._rpc("moe_rl_ping", timeout=timeout_s)
+
+    def engine_pids(self) -> list[int]:
+        return [int(p) for p in self._rpc("moe_rl_ping")]
+
+    def shutdown(self) -> None:
+        """Stop the engine core and its workers (idempotent), also after the engine died."""
+        if not hasattr(self, "llm"):
+            return
+        self._alive = False
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # a dead engine may fail to shut down cleanly; its processes go below
+            pass
+        finally:
+            import gc
+
+            import psutil
+
+            del self.llm
+            gc.collect()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for p in self._procs:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(self._procs, timeout=10)
+
+    def _require_alive(self, what: str) -> None:
+        if not getattr(self, "_alive", False):
+            raise RolloutEngineError(f"{what}: the rollout engine was shut down (or died earlier)")
+
+    def _dead_processes(self) -> list[int]:
+        import psutil
+
+        dead = []
+        for p in self._procs:
+            try:
+                if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
+                    dead.append(p.pid)
+            except psutil.NoSuchProcess:
+                dead.append(p.pid)
+        return dead
+
+    def _guard(self, what: str, fn, *args, **kwargs):
+        """Run an engine call on the engine thread; fail fast if an engine process dies."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._require_alive(what)
+        future = self._pool.submit(fn, *args, **kwargs)
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except FutureTimeout:
+                dead = self._dead_processes()
+                if dead:
+                    self._alive = False
+                    raise RolloutEngineError(
+                        f"{what}: vLLM engine process(es) {dead} died; see the engine log "
+                        "above (out of memory? killed?)"
+                    ) from None
+            except EngineDeadError as e:
+                self._alive = False
+                raise RolloutEngineError(f"{what}: the vLLM engine process died ({e}); see its log above") from e
+            except TimeoutError as e:
+                raise RolloutEngineError(f"{what}: the vLLM engine did not answer in time") from e
+
+    def _rpc(self, method: str, timeout: float | None = None, args: tuple = ()):
+        return self._guard(method, self.llm.collective_rpc, method, timeout=timeout, args=args)
+
+    # ---- sampling -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
+        """Sample `sampling.n` responses per prompt (token-id prompts)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        self._require_alive("generate")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: every prompt needs at least one token")
+        longest = max(len(p) for p in prompts) + sampling.max_tokens
+        limit = self.llm.llm_engine.model_config.max_model_len
+        if longest > limit:
+            raise ValueError(f"longest prompt + max_tokens = {longest} exceeds the engine's max_model_len={limit}")
+        params = [
+            SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                stop=list(sampling.stop) or None,
+                logprobs=0,
+                seed=None if sampling.seed is None else sampling.seed + i,
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self._guard(
+            "generate", self.llm.generate, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        routes = self._guard("route capture", self.capture.collect, self.llm, outputs) if self.capture else None
+        return self._to_batch(outputs, routes)
+
+    def _to_batch(self, outputs, routes) -> RolloutBatch:
+        prompt_ids, response_ids, logps, reasons, pidx, sidx, recs = [], [], [], [], [], [], []
+        for i, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                resp = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(resp):
+                    raise RolloutEngineError(
+                        f"prompt {i} sample {c.index}: engine returned "
+                        f"{0 if c.logprobs is None else len(c.logprobs)} log-probs for "
+                        f"{len(resp)} tokens"
+                    )
+                lp = np.array([step[tok].logprob for step, tok in zip(c.logprobs, resp, strict=True)], dtype=np.float32)
+                prompt_ids.append(list(out.prompt_token_ids))
+                response_ids.append(resp)
+                logps.append(lp)
+                reasons.append(str(c.finish_reason))
+                pidx.append(i)
+                sidx.append(c.index)
+                if routes is not None:
+                    t = len(out.prompt_token_ids) + len(resp)
+                    recs.append(
+                        validate_routes(
+                            routes[(i, c.index)],
+                            num_tokens=t,
+                            num_experts=self.num_experts,
+                            num_moe_layers=len(self.moe_layers),
+                            topk=self.topk,
+                            sample=f"{len(prompt_ids) - 1} (prompt {i}, sample {c.index})",
+                        )
+                    )
+        return RolloutBatch(
+            prompt_ids,
+            response_ids,
+            logps,
+            reasons,
+            np.array(pidx),
+            np.array(sidx),
+            recs if routes is not None else None,
+            self.moe_layers,
+            self.num_experts,
+            self.topk,
+        )
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[np.ndarray]:
+        """Teacher-forced log-probs of each token given its prefix (entry 0 is 0)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outs = self._guard(
+            "prompt_logprobs",
+            self.llm.generate,
+            [TokensPrompt(prompt_token_ids=s) for s in sequences],
+            params,
+            use_tqdm=False,
+        )
+        result = []
+        for s, o in zip(sequences, outs, strict=True):
+            lp = np.zeros(len(s), dtype=np.float32)
+            for t in range(1, len(s)):
+                lp[t] = o.prompt_logprobs[t][s[t]].logprob
+            result.append(lp)
+        # capture of these forwards is not wanted
+        if isinstance(self.capture, HookRouteCapture):
+            self._rpc("moe_rl_take_routes", args=({},))
+        return result
+
+    # ---- weight sync ----------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Load HF-named tensors into the engine in buckets of <= weight_sync_bucket_mb."""
+        import time
+
+        if self.cfg.weight_transport != "rpc":
+            raise NotImplementedError(
+                f"rollout.weight_transport={self.cfg.weight_transport!r} is not implemented "
+                "on this build (GPU path not yet run); use rpc"
+            )
+        from safetensors.torch import save
+
+        t0 = time.perf_counter()
+        n_bytes = n_tensors = n_buckets = 0
+        self._rpc("moe_rl_begin_weight_update")
+        for bucket in _buckets(named_tensors, self.cfg.weight_sync_bucket_mb * 2**20):
+            payload = save({k: v.detach().to("cpu").contiguous() for k, v in bucket})
+            loaded = self._rpc("moe_rl_load_weights", args=(payload,))
+            if any(n != len(bucket) for n in loaded):
+                raise RolloutEngineError(f"weight sync: engine loaded {loaded} of {len(bucket)} tensors")
+            n_bytes += sum(v.numel() * v.element_size() for _, v in bucket)
+            n_tensors += len(bucket)
+            n_buckets += 1
+        self._rpc("moe_rl_finish_weight_update")
+        seconds = time.perf_counter() - t0
+        return {"bytes": n_bytes, "tensors": n_tensors, "buckets": n_buckets, "seconds": seconds}
+
+
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket

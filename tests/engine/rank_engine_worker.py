@@ -1,0 +1,51 @@
+"""torchrun worker: one independent vLLM engine per rank next to the Megatron process groups.
+
+torchrun --nproc-per-node=2 -m tests.engine.rank_engine_worker MODEL OUT_DIR
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(model: str, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from moe_rl.rollout.engine import SamplingConfig
+    from tests.engine.conftest import start_engine
+    from tests.engine.test_rollout_engine import _compare_with_hf, _prompts
+    from tests.reference import load_hf
+
+    init_distributed(ParallelConfig())
+    rank = dist.get_rank()
+    eng = start_engine(model)
+    try:
+        prompts = _prompts(seed=100 + rank, count=8)  # each rank its own prompts
+        batch = eng.generate(prompts, SamplingConfig(n=4, max_tokens=8, seed=rank))
+        bad, rows, lp_diff = _compare_with_hf(batch, load_hf(model), eng.moe_layers)
+        dist.barrier()  # the gloo world still works next to the engine
+        t = torch.tensor([float(rows)])
+        dist.all_reduce(t)
+        (out / f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "bad": bad,
+                    "rows": rows,
+                    "lp_diff": lp_diff,
+                    "total_rows": t.item(),
+                    "first_prompt": batch.prompt_ids[0],
+                }
+            )
+        )
+    finally:
+        eng.shutdown()
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    main(sys.argv[1], Path(sys.argv[2]))

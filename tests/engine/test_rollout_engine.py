@@ -1,0 +1,196 @@
+"""vLLM rollouts: captured routes vs transformers' router top-k, log-probs, weight sync, lifecycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from moe_rl.rollout.engine import RolloutEngineError, SamplingConfig
+from tests.reference import hf_forward, load_hf
+
+pytestmark = pytest.mark.engine
+
+
+def _prompts(seed: int, count: int = 8, vocab: int = 500) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, vocab, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(count)
+    ]
+
+
+def _compare_with_hf(batch, hf, moe_layers):
+    """(route rows differing as sets, rows compared, max |log mu - log p_HF|) over the batch."""
+    bad = rows = 0
+    lp_diff = 0.0
+    for i in range(len(batch)):
+        ids = torch.tensor([batch.prompt_ids[i] + batch.response_ids[i]])
+        t = ids.shape[1]
+        logits, topk = hf_forward(hf, ids, torch.ones_like(ids))
+        assert batch.routes[i].shape == (t, len(moe_layers), batch.topk)
+        for col, layer in enumerate(moe_layers):
+            ref = topk[layer][0, : t - 1].sort(-1).values
+            got = torch.from_numpy(batch.routes[i][: t - 1, col].astype(np.int64)).sort(-1).values
+            bad += int((ref != got).any(-1).sum())
+            rows += t - 1
+        # last row: filled with distinct ids 0..K-1 (the token never went through the engine)
+        assert (batch.routes[i][t - 1] == np.arange(batch.topk)).all()
+        p = len(batch.prompt_ids[i])
+        ref_lp = torch.log_softmax(logits[0].float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0][p - 1 :]
+        lp_diff = max(lp_diff, (ref_lp - torch.from_numpy(batch.rollout_logprobs[i])).abs().max().item())
+    return bad, rows, lp_diff
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+def test_fp32_routes_equal_transformers_topk(arch, engines, tiny_models):
+    eng = engines(arch)
+    prompts = _prompts(seed=int(torch.randint(0, 2**31, ()).item()))
+    batch = eng.generate(prompts, SamplingConfig(n=4, max_tokens=10, temperature=1.0, seed=3))
+    assert len(batch) == 32
+    assert list(batch.prompt_index) == [i for i in range(8) for _ in range(4)]
+    assert list(batch.sample_index) == [j for _ in range(8) for j in range(4)]
+    assert all(r.dtype == np.uint8 for r in batch.routes)
+    bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(tiny_models[arch])), eng.moe_layers)
+    print(f"\n{arch}: {rows} token-layers compared, {bad} differ; max |log mu - log p_HF| = {lp_diff:.2e}")
+    assert rows > 32 * 10 * len(eng.moe_layers) and bad == 0
+    assert lp_diff < 1e-4
+    if arch == "qwen3_moe":
+        assert eng.moe_layers == [0, 2, 3]  # layer 1 is dense and not in the record
+
+
+def test_seeded_sampling_is_reproducible_and_lengths_are_consistent(engines):
+    eng = engines("mixtral")
+    prompts = _prompts(seed=5, count=3)
+    cfg = SamplingConfig(n=2, max_tokens=8, temperature=0.9, top_p=0.95, seed=11, stop=["e"])
+    a, b = eng.generate(prompts, cfg), eng.generate(prompts, cfg)
+    assert a.response_ids == b.response_ids
+    for i in range(len(a)):
+        assert len(a.rollout_logprobs[i]) == len(a.response_ids[i])
+        assert a.routes[i].shape[0] == len(a.prompt_ids[i]) + len(a.response_ids[i])
+        assert a.finish_reasons[i] in ("length", "stop")
+    with pytest.raises(ValueError, match="exceeds the engine's max_model_len"):
+        eng.generate([[1, 2]], SamplingConfig(n=1, max_tokens=10**6))
+
+
+def test_more_than_256_experts_use_int16_routes(engines, tiny_models):
+    eng = engines("qwen3_moe_320e")
+    batch = eng.generate(_prompts(seed=2, count=4), SamplingConfig(n=2, max_tokens=6, seed=1))
+    assert all(r.dtype == np.int16 for r in batch.routes)
+    bad, rows, _ = _compare_with_hf(batch, load_hf(str(tiny_models["qwen3_moe_320e"])), eng.moe_layers)
+    assert bad == 0 and rows > 0
+    assert max(int(r.max()) for r in batch.routes) >= 256
+
+
+def test_bf16_route_mismatch_is_reported(engines, tiny_models):
+    """bf16 engine vs fp32 transformers on the same tokens: the mismatch replay removes."""
+    eng = engines("qwen3_moe", "bfloat16")
+    batch = eng.generate(_prompts(seed=9, count=8), SamplingConfig(n=4, max_tokens=12, seed=4))
+    bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(tiny_models["qwen3_moe"])), eng.moe_layers)
+    print(
+        f"\nbf16 engine vs fp32 reference: {bad}/{rows} token-layers route to a different expert set "
+        f"({bad / rows:.2%}); max |log mu - log p_fp32| = {lp_diff:.3f}"
+    )
+    assert 0 <= bad <= rows and rows > 0
+
+
+def test_weight_sync_from_megatron(engines, tiny_models, world1):
+    from moe_rl.actor.forward import compute_logprobs
+    from moe_rl.actor.model import build_model, load_hf_config
+    from moe_rl.actor.parallel import ParallelConfig
+    from moe_rl.actor.weights import iter_hf_tensors, load_hf_weights
+
+    path = tiny_models["qwen3_moe"]
+    eng = engines("qwen3_moe")
+    chunks, conv = build_model(load_hf_config(path), ParallelConfig())
+    load_hf_weights(chunks, conv, path)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    with torch.no_grad():  # an "update": perturb every weight
+        for p in chunks[0].parameters():
+            p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
+    seqs = _prompts(seed=4, count=5)
+    seqs = [s + s[::-1] for s in seqs]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    meg = compute_logprobs(chunks, ids, mask)["logprobs"]
+
+    def diff():
+        vl = eng.prompt_logprobs(seqs)
+        return max((torch.from_numpy(v) - meg[i, : len(v)]).abs().max().item() for i, v in enumerate(vl))
+
+    before = diff()
+    stats = eng.update_weights(iter_hf_tensors(chunks, conv))
+    after = diff()
+    print(f"\nweight sync: {stats}; max |vLLM - Megatron| logprob before {before:.3f}, after {after:.2e}")
+    assert before > 1e-2 and after < 1e-4
+    assert stats["tensors"] == 113 and stats["buckets"] >= 1
+    # restore the original weights for other tests sharing this engine
+    from moe_rl.actor.weights import HFCheckpoint
+
+    ckpt = HFCheckpoint(path)
+    eng.update_weights((k, ckpt.get(k)) for k in ckpt.weight_map)
+
+
+def test_small_buckets_and_dead_engine_gives_clear_error(tiny_models):
+    """Own engine: kill its core process; calls fail fast with RolloutEngineError, no hang."""
+    import psutil
+
+    from tests.engine.conftest import start_engine
+
+    eng = start_engine(tiny_models["olmoe"], weight_sync_bucket_mb=1)
+    from moe_rl.actor.weights import HFCheckpoint
+
+    ckpt = HFCheckpoint(tiny_models["olmoe"])
+    stats = eng.update_weights((k, ckpt.get(k)) for k in ckpt.weight_map)
+    assert stats["buckets"] >= 2  # ~1.5 MB of weights in 1 MiB buckets
+    eng.health_check()
+    children = psutil.Process().children(recursive=True)
+    assert children, "engine core should run in a subprocess"
+    for c in children:
+        os.kill(c.pid, signal.SIGKILL)
+    t0 = time.time()
+    with pytest.raises(RolloutEngineError, match="died|did not answer|shut down"):
+        eng.generate([[1, 2, 3]], SamplingConfig(n=1, max_tokens=4))
+    assert time.time() - t0 < 60
+    eng.shutdown()
+    time.sleep(1)
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"leaked engine processes: {alive}"
+
+
+def test_shutdown_leaves_no_processes(tiny_models):
+    import psutil
+
+    from tests.engine.conftest import start_engine
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    eng = start_engine(tiny_models["mixtral"])
+    eng.generate([[4, 5, 6]], SamplingConfig(n=1, max_tokens=3))
+    mine = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert mine
+    eng.shutdown()
+    eng.shutdown()  # idempotent
+    psutil.wait_procs(mine, timeout=30)
+    assert not [p for p in mine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    with pytest.raises(RolloutEngineError, match="shut down"):
+        eng.generate([[1]], SamplingConfig(n=1, max_tokens=1))
+
+
+@pytest.mark.distributed
+def test_one_engine_per_rank_under_torchrun(tiny_models, tmp_path):
+    from tests.conftest import read_json_results, torchrun
+
+    torchrun("tests.engine.rank_engine_worker", 2, [str(tiny_models["qwen3_moe"]), str(tmp_path)])
+    results = read_json_results(tmp_path)
+    assert len(results) == 2
+    assert results[0]["first_prompt"] != results[1]["first_prompt"]
+    for r in results:
+        assert r["rows"] > 0 and r["bad"] == 0 and r["lp_diff"] < 1e-4, r
+        assert r["total_rows"] == sum(x["rows"] for x in results)
