@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # keep stdout for the JSON result
 
 
 def route_bytes(layers: int = 48, experts: int = 128, topk: int = 8, tokens: int = 4096) -> dict:

@@ -28,8 +28,6 @@ class ModelOptions:
     """Parameter and compute dtype: float32 | bfloat16."""
     use_te: bool = False
     """Transformer Engine layer spec (GPU only). The local spec is the CPU path."""
-    router_replay: bool = True
-    """Build routers with megatron-core RouterReplay hooks (needed for R2/R3)."""
     router_dtype: str | None = None
     """Router logits dtype: None (model dtype, like HF and vLLM) | fp32 | fp64."""
     recompute: str | None = None
@@ -123,7 +121,9 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
         moe_aux_loss_coeff=0.0,
         moe_router_dtype=opts.router_dtype,
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-        moe_enable_routing_replay=opts.router_replay,
+        # Replay hooks are bound per model by moe_rl.actor.replay, not through megatron's
+        # process-global RouterReplay list (which a second model in the process would shift).
+        moe_enable_routing_replay=False,
         moe_router_fusion=False,
         moe_grouped_gemm=False,
         **recompute,

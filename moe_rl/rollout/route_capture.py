@@ -146,7 +146,7 @@ class HookRouteCapture:
                 wanted[ids[c.index]] = (i, c.index, len(out.prompt_token_ids) + len(c.token_ids) - 1)
         got = llm.collective_rpc("moe_rl_take_routes", args=({k: v[2] for k, v in wanted.items()},))[0]
         result = {}
-        for req, (i, j, rows) in wanted.items():
+        for req, (i, j, _rows) in wanted.items():
             raw, shape = got[req]
             result[(i, j)] = np.frombuffer(raw, dtype=self.dtype).reshape(shape)
         return result

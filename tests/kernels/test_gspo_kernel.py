@@ -56,12 +56,13 @@ def test_reference_equals_padded_objectives(correction):
     lens = [6, 0, 13, 2]
     logp, old, roll, mask, adv, cu = _packed(lens, 1e-3, seed=3)
     t = max(lens)
-    pad = lambda x: torch.stack(
-        [
-            torch.nn.functional.pad(x[cu[i] : cu[i + 1]], (0, t - lens[i]))  # noqa: E731
-            for i in range(len(lens))
-        ]
-    )
+    def pad(x):
+        return torch.stack(
+            [
+                torch.nn.functional.pad(x[cu[i] : cu[i + 1]], (0, t - lens[i]))  # noqa: E731
+                for i in range(len(lens))
+            ]
+        )
     w = {
         "none": None,
         "icepop": O.icepop_weights(pad(old), pad(roll), pad(mask)),

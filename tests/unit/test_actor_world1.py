@@ -11,7 +11,7 @@ import torch
 from moe_rl.actor.forward import compute_logprobs, run_schedule, split_microbatches
 from moe_rl.actor.model import build_model, check_divisibility, load_hf_config
 from moe_rl.actor.parallel import ParallelConfig
-from moe_rl.actor.routers import record_topk
+from moe_rl.actor.replay import record_topk
 from moe_rl.actor.weights import HFCheckpoint, export_hf_state_dict, load_hf_weights
 from tests.reference import hf_forward, load_hf, random_batch
 

@@ -1,0 +1,246 @@
+"""Routing replay in the Megatron actor (R3: rollout routes; R2: routes recorded by the actor).
+
+megatron-core's routers call `router.router_replay.get_replay_topk(...)` for their top-k
+selection. We install our own `RouterHook` on *this model's* routers instead of using
+megatron's `RouterReplay`, whose instances live in one process-global list in construction
+order (a second model in the process would shift the mapping) and whose recompute path needs
+a global action switch. Each hook keeps FIFO queues:
+
+- forward: one target per micro-batch, consumed in the schedule's forward order;
+- recompute: a forward that runs inside activation checkpointing (megatron's
+  `is_checkpointing()` without grad) re-queues its target, and the recompute in the backward
+  pass (`is_checkpointing()` with grad) consumes it again, in the order the schedule runs
+  backwards (FIFO per router: 1F1B and interleaved schedules run each chunk's backward passes
+  in forward order).
+
+On exit every queue must be empty: every route was used exactly once (else `RouteError`).
+Replay replaces only the top-k selection; probabilities are gathered from the live scores,
+so the router still gets gradients.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_rl.actor.forward import MicroBatch
+from moe_rl.actor.routers import model_routers
+from moe_rl.routing.layout import rank_positions, slice_sequence, to_router_order
+from moe_rl.routing.records import RouteError, filler_row
+
+REPLAY_MODES = ("r3", "r2", "off")
+
+
+def check_replay_supported(config) -> None:
+    """Refuse router settings under which replay would be skipped or undone silently."""
+    problems = []
+    if getattr(config, "moe_router_fusion", False):
+        problems.append("moe_router_fusion=True (Transformer Engine's fused top-k never calls the replay hook)")
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        problems.append(f"moe_expert_capacity_factor={config.moe_expert_capacity_factor} (token dropping after "
+                        "replay would route tokens differently from the rollout)")
+    if getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
+        problems.append("moe_router_load_balancing_type='sinkhorn' (bypasses the top-k hook)")
+    if problems:
+        raise ValueError("routing replay cannot be used with " + "; ".join(problems))
+
+
+class RouterHook:
+    """Stands in for `router.router_replay` on one router: idle, record or replay."""
+
+    def __init__(self, layer: int, router: torch.nn.Module):
+        self.layer = layer
+        self.mode = "idle"
+        self.forward_q: deque[torch.Tensor] = deque()
+        self.recompute_q: deque[torch.Tensor] = deque()
+        self.recorded: list[torch.Tensor] = []
+        self.verify = False
+        self.last_target: torch.Tensor | None = None
+        router.register_forward_hook(self._verify_hook)
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        from megatron.core.tensor_parallel.random import is_checkpointing
+
+        if self.mode == "record":
+            probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            if not (is_checkpointing() and torch.is_grad_enabled()):
+                self.recorded.append(idx.detach().clone())
+            return probs, idx
+        if self.mode != "replay":
+            return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        recompute = is_checkpointing() and torch.is_grad_enabled()
+        queue = self.recompute_q if recompute else self.forward_q
+        if not queue:
+            raise RouteError(f"MoE layer {self.layer}: a {'recompute' if recompute else 'forward'} pass found no "
+                             "routes to replay (more forwards than micro-batches given?)")
+        target = queue.popleft()
+        if not recompute and is_checkpointing():
+            self.recompute_q.append(target)
+        if target.shape != (scores.shape[0], topk):
+            raise RouteError(f"MoE layer {self.layer}: replay target {tuple(target.shape)} does not match "
+                             f"{scores.shape[0]} tokens x top-{topk} at this router")
+        idx = target.to(scores.device)
+        self.last_target = idx
+        return scores.gather(1, idx), idx
+
+    def _verify_hook(self, _module, _inputs, output) -> None:
+        if not (self.verify and self.mode == "replay" and self.last_target is not None):
+            return
+        routing_map = output[1]
+        expected = torch.zeros_like(routing_map, dtype=torch.bool).scatter(1, self.last_target, True)
+        if not torch.equal(routing_map.bool(), expected):
+            bad = int((routing_map.bool() != expected).any(-1).sum())
+            raise RouteError(f"MoE layer {self.layer}: {bad} tokens were dispatched to experts other than the "
+                             "replayed ones (token dropping or a routing path that ignores replay?)")
+
+
+def install_hook(layer: int, router: torch.nn.Module, verify: bool = False) -> RouterHook:
+    """This router's hook (installed once; megatron's own RouterReplay, if any, is replaced)."""
+    hook = router.router_replay if isinstance(router.router_replay, RouterHook) else RouterHook(layer, router)
+    hook.verify = verify
+    router.router_replay = hook
+    return hook
+
+
+@contextmanager
+def record_topk(chunks: list[torch.nn.Module]) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Record each router's top-k ids for every forward inside the block.
+
+    Yields {global layer: [ids per forward]}; ids are `[tokens, K]` in megatron's token order
+    (`s * B + b` over this rank's sequence slice).
+    """
+    hooks = [install_hook(layer, router) for layer, router in model_routers(chunks)]
+    recorded: dict[int, list[torch.Tensor]] = {h.layer: h.recorded for h in hooks}
+    for h in hooks:
+        h.recorded.clear()
+        h.mode = "record"
+    try:
+        yield recorded
+    finally:
+        for h in hooks:
+            h.mode = "idle"
+
+
+class RouteReplay:
+    """Replay / record controller bound to one model's routers.
+
+    chunks: this rank's model chunks; moe_layers: decoder layer of each route column.
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module], moe_layers: list[int], verify: bool = False):
+        check_replay_supported(chunks[0].config)
+        self.moe_layers = list(moe_layers)
+        self.col = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.hooks: list[RouterHook] = []
+        for layer, router in model_routers(chunks):
+            if layer not in self.col:
+                raise RouteError(f"decoder layer {layer} has a router but is not in the route record's MoE layers "
+                                 f"{self.moe_layers}")
+            self.hooks.append(install_hook(layer, router, verify))
+        self.topk = chunks[0].config.moe_router_topk
+        self.num_experts = chunks[0].config.num_moe_experts
+
+    # ---- parallel layout of this rank -----------------------------------------------------
+    @staticmethod
+    def _layout() -> dict:
+        from megatron.core import parallel_state as ps
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        return dict(tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), cp=ps.get_context_parallel_world_size(),
+                    cp_rank=ps.get_context_parallel_rank(), sequence_parallel=tp > 1)
+
+    def _targets(self, routes: torch.Tensor, seq_len: int) -> dict[int, torch.Tensor]:
+        """Per-layer `[s_local * b, K]` int64 targets of one micro-batch's `[b, T, L_moe, K]` routes."""
+        if routes.dim() != 4 or routes.shape[2] != len(self.moe_layers) or routes.shape[3] != self.topk:
+            raise RouteError(f"micro-batch routes have shape {tuple(routes.shape)}; expected [b, T, "
+                             f"{len(self.moe_layers)}, {self.topk}]")
+        if routes.shape[1] < seq_len:  # pad rows: distinct ids, never duplicates
+            pad = torch.from_numpy(filler_row(len(self.moe_layers), self.topk, routes.numpy().dtype))
+            routes = torch.cat([routes, pad.expand(routes.shape[0], seq_len - routes.shape[1], -1, -1)], dim=1)
+        elif routes.shape[1] > seq_len:
+            raise RouteError(f"routes have {routes.shape[1]} positions for a {seq_len}-token micro-batch")
+        local = slice_sequence(routes, rank_positions(seq_len, **self._layout()))
+        return {h.layer: to_router_order(local[:, :, self.col[h.layer]]).long() for h in self.hooks}
+
+    # ---- replay ---------------------------------------------------------------------------
+    @contextmanager
+    def replay(self, microbatches: list[MicroBatch], key: str = "routes") -> Iterator[None]:
+        """Replay `mb.extra[key]` ([b, T, L_moe, K], host) for each micro-batch, in order."""
+        for mb in microbatches:
+            if key not in mb.extra:
+                raise RouteError(f"micro-batch {mb.index.tolist()} carries no {key!r} to replay")
+            targets = self._targets(mb.extra[key], mb.input_ids.shape[1])
+            for h in self.hooks:
+                h.forward_q.append(targets[h.layer])
+        for h in self.hooks:
+            h.mode = "replay"
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            left = {h.layer: (len(h.forward_q), len(h.recompute_q)) for h in self.hooks
+                    if h.forward_q or h.recompute_q}
+            for h in self.hooks:
+                h.mode, h.last_target = "idle", None
+                h.forward_q.clear()
+                h.recompute_q.clear()
+            if ok and left:
+                raise RouteError(f"routes not consumed exactly once: layer -> (forward, recompute) left {left}")
+
+    # ---- record (R2) ----------------------------------------------------------------------
+    @contextmanager
+    def record(self, microbatches: list[MicroBatch], num_samples: int) -> Iterator[dict]:
+        """Record this model's top-k for the micro-batches run inside the block.
+
+        Yields a dict whose "routes" entry (set on exit) is a host `[num_samples, T, L_moe, K]`
+        array holding this rank's layers (other layers hold filler ids), gathered over
+        sequence/context-parallel ranks so it can be re-sliced for any later micro-batching.
+        """
+        for h in self.hooks:
+            h.recorded.clear()
+            h.mode = "record"
+        out: dict = {}
+        try:
+            yield out
+        finally:
+            for h in self.hooks:
+                h.mode = "idle"
+        out["routes"] = self._assemble(microbatches, num_samples)
+
+    def _assemble(self, microbatches: list[MicroBatch], num_samples: int) -> np.ndarray:
+        from megatron.core import parallel_state as ps
+
+        from moe_rl.routing.records import route_dtype
+
+        dtype = route_dtype(self.num_experts)
+        seq_len = microbatches[0].input_ids.shape[1]
+        lay = self._layout()
+        local_pos = rank_positions(seq_len, **lay)
+        full = np.empty((num_samples, seq_len, len(self.moe_layers), self.topk), dtype=dtype)
+        full[:] = filler_row(len(self.moe_layers), self.topk, dtype)
+        mine = []  # (mb index rows, layer col, [b, s_local, K])
+        for h in self.hooks:
+            if len(h.recorded) != len(microbatches):
+                raise RouteError(f"MoE layer {h.layer}: recorded {len(h.recorded)} forwards for "
+                                 f"{len(microbatches)} micro-batches")
+            for mb, ids in zip(microbatches, h.recorded, strict=True):
+                b = len(mb.index)
+                mine.append((mb.index.numpy(), self.col[h.layer],
+                             ids.reshape(len(local_pos), b, self.topk).transpose(0, 1).cpu().numpy().astype(dtype)))
+            h.recorded.clear()
+        parts = [(lay["tp_rank"], lay["cp_rank"], mine)]
+        group = ps.get_tensor_and_context_parallel_group() if dist.is_initialized() else None
+        if group is not None and dist.get_world_size(group) > 1:
+            parts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, (lay["tp_rank"], lay["cp_rank"], mine), group=group)
+        for tp_rank, cp_rank, entries in parts:
+            pos = rank_positions(seq_len, **{**lay, "tp_rank": tp_rank, "cp_rank": cp_rank})
+            for rows, col, ids in entries:
+                full[np.ix_(rows, pos, [col])] = ids[:, :, None, :]
+        return full
