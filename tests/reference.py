@@ -41,3 +41,47 @@ def random_batch(vocab_size: int, batch: int, length: int, seed: int, min_len: i
     lens[0] = length
     mask = (torch.arange(length)[None, :] < lens[:, None]).long()
     return ids * mask, mask
+
+
+def hf_forward_forced(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, forced: dict[int, torch.Tensor]
+) -> torch.Tensor:
+    """HF logits with each MoE layer's top-k ids forced to `forced[layer]` ([B, T, K]).
+
+    The router still computes its own softmax; the forced experts' probabilities are gathered
+    from it (renormalised when the config says `norm_topk_prob`, as HF does for its own top-k).
+    """
+    import torch.nn.functional as F
+
+    b, t = input_ids.shape
+    originals = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            layer = int(name.split("layers.")[1].split(".")[0])
+            norm = getattr(module, "norm_topk_prob", True)  # Mixtral always renormalises
+
+            def forward(hidden, module=module, layer=layer, norm=norm):
+                hidden = hidden.reshape(-1, module.weight.shape[1])
+                logits = F.linear(hidden, module.weight)
+                probs = torch.softmax(logits.float(), dim=-1)
+                idx = forced[layer].reshape(b * t, -1).to(torch.long)
+                vals = probs.gather(1, idx)
+                if norm:
+                    vals = vals / vals.sum(-1, keepdim=True)
+                return logits, vals.to(logits.dtype), idx
+
+            originals.append((module, module.forward))
+            module.forward = forward
+    try:
+        with torch.no_grad():
+            return model(input_ids=input_ids, attention_mask=attention_mask).logits
+    finally:
+        for module, fwd in originals:
+            module.forward = fwd
+
+
+def random_routes(batch: int, length: int, layers: int, topk: int, experts: int, seed: int) -> torch.Tensor:
+    """[B, T, L, K] uint8/int16 routes with K distinct random experts per row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(batch, length, layers, experts, generator=g).argsort(-1)[..., :topk]
+    return ids.to(torch.uint8 if experts <= 256 else torch.int16)

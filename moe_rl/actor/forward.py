@@ -70,12 +70,8 @@ def run_schedule(
     microbatches: list[MicroBatch],
     step_fn: StepFn,
     forward_only: bool,
-    before_forward: Callable[[MicroBatch], None] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run megatron-core's forward(-backward) schedule; returns step_fn outputs on the last stage.
-
-    `before_forward(mb)` runs right before each micro-batch's forward (e.g. to set replay routes).
-    """
+    """Run megatron-core's forward(-backward) schedule; returns step_fn outputs on the last stage."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = next(chunks[0].parameters()).device
@@ -84,8 +80,6 @@ def run_schedule(
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        if before_forward is not None:
-            before_forward(mb)
         ids = mb.input_ids.to(device)
         pos = torch.arange(seq_len, device=device).unsqueeze(0).expand_as(ids)
         output = model(ids, pos, mask)
@@ -171,22 +165,44 @@ def compute_logprobs(
     micro_batch_size: int | None = None,
     with_entropy: bool = True,
     temperature: float = 1.0,
-    before_forward: Callable[[MicroBatch], None] | None = None,
+    routes: torch.Tensor | None = None,
+    replay=None,
+    record: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token log pi(y_t | y_<t) and entropy for a right-padded batch.
 
     Returns {"logprobs": [B, T], "entropy": [B, T]}: entry t scores token t given tokens < t
     (column 0 and padding are 0). Available on every rank of the pipeline.
     Full-vocabulary logits live only inside one micro-batch's loss function.
+
+    Routing (`replay`: a `moe_rl.actor.replay.RouteReplay` bound to these chunks):
+      routes=[B, T, L_moe, K] -> replay them (R3, or the update passes of R2);
+      record=True             -> record this pass's routes, returned as out["routes"] (R2).
     """
+    from contextlib import nullcontext
+
     from megatron.core import parallel_state as ps
 
+    if (routes is not None or record) and replay is None:
+        raise ValueError("routes/record need a RouteReplay bound to these chunks (replay=...)")
+    if routes is not None and record:
+        raise ValueError("replay and record are exclusive in one pass")
     for c in chunks:
         c.eval()
     b, t = input_ids.shape
     mbs = split_microbatches(
-        input_ids, attention_mask, micro_batch_size or b, pad_multiple=ps.get_tensor_model_parallel_world_size()
+        input_ids,
+        attention_mask,
+        micro_batch_size or b,
+        pad_multiple=ps.get_tensor_model_parallel_world_size(),
+        extra=None if routes is None else {"routes": routes},
     )
+    if routes is not None:
+        routing = replay.replay(mbs)
+    elif record:
+        routing = replay.record(mbs, b)
+    else:
+        routing = nullcontext({})
 
     def step(logits, mb: MicroBatch):
         ids = mb.input_ids.to(logits.device)
@@ -196,7 +212,8 @@ def compute_logprobs(
             out["entropy"] = ent
         return lp.new_zeros(()), out
 
-    results = run_schedule(chunks, mbs, step, forward_only=True, before_forward=before_forward)
+    with routing as recorded:
+        results = run_schedule(chunks, mbs, step, forward_only=True)
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     out = {}
     for k in keys:
@@ -206,6 +223,8 @@ def compute_logprobs(
                 full[mb.index, 1:] = r[k][:, : t - 1].float().cpu()
         full = _broadcast_from_last_stage(full)
         out[k] = full * attention_mask.float() * _not_first(attention_mask)
+    if record:
+        out["routes"] = torch.from_numpy(recorded["routes"][:, :t])
     return out
 
 

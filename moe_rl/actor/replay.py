@@ -42,8 +42,10 @@ def check_replay_supported(config) -> None:
     if getattr(config, "moe_router_fusion", False):
         problems.append("moe_router_fusion=True (Transformer Engine's fused top-k never calls the replay hook)")
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
-        problems.append(f"moe_expert_capacity_factor={config.moe_expert_capacity_factor} (token dropping after "
-                        "replay would route tokens differently from the rollout)")
+        problems.append(
+            f"moe_expert_capacity_factor={config.moe_expert_capacity_factor} (token dropping after "
+            "replay would route tokens differently from the rollout)"
+        )
     if getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
         problems.append("moe_router_load_balancing_type='sinkhorn' (bypasses the top-k hook)")
     if problems:
@@ -76,14 +78,18 @@ class RouterHook:
         recompute = is_checkpointing() and torch.is_grad_enabled()
         queue = self.recompute_q if recompute else self.forward_q
         if not queue:
-            raise RouteError(f"MoE layer {self.layer}: a {'recompute' if recompute else 'forward'} pass found no "
-                             "routes to replay (more forwards than micro-batches given?)")
+            raise RouteError(
+                f"MoE layer {self.layer}: a {'recompute' if recompute else 'forward'} pass found no "
+                "routes to replay (more forwards than micro-batches given?)"
+            )
         target = queue.popleft()
         if not recompute and is_checkpointing():
             self.recompute_q.append(target)
         if target.shape != (scores.shape[0], topk):
-            raise RouteError(f"MoE layer {self.layer}: replay target {tuple(target.shape)} does not match "
-                             f"{scores.shape[0]} tokens x top-{topk} at this router")
+            raise RouteError(
+                f"MoE layer {self.layer}: replay target {tuple(target.shape)} does not match "
+                f"{scores.shape[0]} tokens x top-{topk} at this router"
+            )
         idx = target.to(scores.device)
         self.last_target = idx
         return scores.gather(1, idx), idx
@@ -95,8 +101,10 @@ class RouterHook:
         expected = torch.zeros_like(routing_map, dtype=torch.bool).scatter(1, self.last_target, True)
         if not torch.equal(routing_map.bool(), expected):
             bad = int((routing_map.bool() != expected).any(-1).sum())
-            raise RouteError(f"MoE layer {self.layer}: {bad} tokens were dispatched to experts other than the "
-                             "replayed ones (token dropping or a routing path that ignores replay?)")
+            raise RouteError(
+                f"MoE layer {self.layer}: {bad} tokens were dispatched to experts other than the "
+                "replayed ones (token dropping or a routing path that ignores replay?)"
+            )
 
 
 def install_hook(layer: int, router: torch.nn.Module, verify: bool = False) -> RouterHook:
@@ -139,8 +147,9 @@ class RouteReplay:
         self.hooks: list[RouterHook] = []
         for layer, router in model_routers(chunks):
             if layer not in self.col:
-                raise RouteError(f"decoder layer {layer} has a router but is not in the route record's MoE layers "
-                                 f"{self.moe_layers}")
+                raise RouteError(
+                    f"decoder layer {layer} has a router but is not in the route record's MoE layers {self.moe_layers}"
+                )
             self.hooks.append(install_hook(layer, router, verify))
         self.topk = chunks[0].config.moe_router_topk
         self.num_experts = chunks[0].config.num_moe_experts
@@ -151,14 +160,21 @@ class RouteReplay:
         from megatron.core import parallel_state as ps
 
         tp = ps.get_tensor_model_parallel_world_size()
-        return dict(tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), cp=ps.get_context_parallel_world_size(),
-                    cp_rank=ps.get_context_parallel_rank(), sequence_parallel=tp > 1)
+        return dict(
+            tp=tp,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            cp=ps.get_context_parallel_world_size(),
+            cp_rank=ps.get_context_parallel_rank(),
+            sequence_parallel=tp > 1,
+        )
 
     def _targets(self, routes: torch.Tensor, seq_len: int) -> dict[int, torch.Tensor]:
         """Per-layer `[s_local * b, K]` int64 targets of one micro-batch's `[b, T, L_moe, K]` routes."""
         if routes.dim() != 4 or routes.shape[2] != len(self.moe_layers) or routes.shape[3] != self.topk:
-            raise RouteError(f"micro-batch routes have shape {tuple(routes.shape)}; expected [b, T, "
-                             f"{len(self.moe_layers)}, {self.topk}]")
+            raise RouteError(
+                f"micro-batch routes have shape {tuple(routes.shape)}; expected [b, T, "
+                f"{len(self.moe_layers)}, {self.topk}]"
+            )
         if routes.shape[1] < seq_len:  # pad rows: distinct ids, never duplicates
             pad = torch.from_numpy(filler_row(len(self.moe_layers), self.topk, routes.numpy().dtype))
             routes = torch.cat([routes, pad.expand(routes.shape[0], seq_len - routes.shape[1], -1, -1)], dim=1)
@@ -184,8 +200,7 @@ class RouteReplay:
             yield
             ok = True
         finally:
-            left = {h.layer: (len(h.forward_q), len(h.recompute_q)) for h in self.hooks
-                    if h.forward_q or h.recompute_q}
+            left = {h.layer: (len(h.forward_q), len(h.recompute_q)) for h in self.hooks if h.forward_q or h.recompute_q}
             for h in self.hooks:
                 h.mode, h.last_target = "idle", None
                 h.forward_q.clear()
@@ -227,12 +242,18 @@ class RouteReplay:
         mine = []  # (mb index rows, layer col, [b, s_local, K])
         for h in self.hooks:
             if len(h.recorded) != len(microbatches):
-                raise RouteError(f"MoE layer {h.layer}: recorded {len(h.recorded)} forwards for "
-                                 f"{len(microbatches)} micro-batches")
+                raise RouteError(
+                    f"MoE layer {h.layer}: recorded {len(h.recorded)} forwards for {len(microbatches)} micro-batches"
+                )
             for mb, ids in zip(microbatches, h.recorded, strict=True):
                 b = len(mb.index)
-                mine.append((mb.index.numpy(), self.col[h.layer],
-                             ids.reshape(len(local_pos), b, self.topk).transpose(0, 1).cpu().numpy().astype(dtype)))
+                mine.append(
+                    (
+                        mb.index.numpy(),
+                        self.col[h.layer],
+                        ids.reshape(len(local_pos), b, self.topk).transpose(0, 1).cpu().numpy().astype(dtype),
+                    )
+                )
             h.recorded.clear()
         parts = [(lay["tp_rank"], lay["cp_rank"], mine)]
         group = ps.get_tensor_and_context_parallel_group() if dist.is_initialized() else None

@@ -100,6 +100,10 @@ def apply_cpu_shims() -> bool:
 
     mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute (CheckpointFunction via _get_all_rng_states/_set_all_rng_states)
+    # saves and restores the CUDA generator; the CPU generator is already saved beside it.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
     # moe_utils.router_gating_linear references `te_general_gemm`, which 0.16.x only defines
     # when Transformer Engine imports (NameError otherwise).

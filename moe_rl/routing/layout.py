@@ -33,15 +33,16 @@ def zigzag_indices(length: int, cp: int, cp_rank: int) -> np.ndarray:
     return np.concatenate([first, second])
 
 
-def rank_positions(length: int, tp: int = 1, tp_rank: int = 0, cp: int = 1, cp_rank: int = 0,
-                   sequence_parallel: bool = False) -> np.ndarray:
+def rank_positions(
+    length: int, tp: int = 1, tp_rank: int = 0, cp: int = 1, cp_rank: int = 0, sequence_parallel: bool = False
+) -> np.ndarray:
     """Sequence positions (of a bshd batch) whose tokens reach this rank's routers, in order."""
     pos = zigzag_indices(length, cp, cp_rank)
     if sequence_parallel and tp > 1:
         if len(pos) % tp:
             raise ValueError(f"{len(pos)} positions per CP rank are not divisible by tp={tp} (sequence parallel)")
         per = len(pos) // tp
-        pos = pos[tp_rank * per:(tp_rank + 1) * per]
+        pos = pos[tp_rank * per : (tp_rank + 1) * per]
     return pos
 
 
@@ -67,19 +68,27 @@ def thd_pack(lengths: list[int], multiple: int) -> tuple[np.ndarray, np.ndarray]
     max_len = max(lengths) if lengths else 0
     index = np.full(int(cu[-1]), -1, dtype=np.int64)
     for i, n in enumerate(lengths):
-        index[cu[i]:cu[i] + n] = i * max_len + np.arange(n)
+        index[cu[i] : cu[i] + n] = i * max_len + np.arange(n)
     return cu, index
 
 
-def thd_rank_positions(cu_seqlens_padded: np.ndarray, tp: int = 1, tp_rank: int = 0, cp: int = 1,
-                       cp_rank: int = 0, sequence_parallel: bool = False) -> np.ndarray:
+def thd_rank_positions(
+    cu_seqlens_padded: np.ndarray,
+    tp: int = 1,
+    tp_rank: int = 0,
+    cp: int = 1,
+    cp_rank: int = 0,
+    sequence_parallel: bool = False,
+) -> np.ndarray:
     """Indices into the packed sequence whose tokens reach this rank's routers."""
-    parts = [cu_seqlens_padded[i] + zigzag_indices(int(cu_seqlens_padded[i + 1] - cu_seqlens_padded[i]), cp, cp_rank)
-             for i in range(len(cu_seqlens_padded) - 1)]
+    parts = [
+        cu_seqlens_padded[i] + zigzag_indices(int(cu_seqlens_padded[i + 1] - cu_seqlens_padded[i]), cp, cp_rank)
+        for i in range(len(cu_seqlens_padded) - 1)
+    ]
     pos = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if sequence_parallel and tp > 1:
         per = len(pos) // tp
-        pos = pos[tp_rank * per:(tp_rank + 1) * per]
+        pos = pos[tp_rank * per : (tp_rank + 1) * per]
     return pos
 
 

@@ -56,6 +56,7 @@ def test_reference_equals_padded_objectives(correction):
     lens = [6, 0, 13, 2]
     logp, old, roll, mask, adv, cu = _packed(lens, 1e-3, seed=3)
     t = max(lens)
+
     def pad(x):
         return torch.stack(
             [
@@ -63,6 +64,7 @@ def test_reference_equals_padded_objectives(correction):
                 for i in range(len(lens))
             ]
         )
+
     w = {
         "none": None,
         "icepop": O.icepop_weights(pad(old), pad(roll), pad(mask)),
