@@ -1,0 +1,137 @@
+"""Replay guardrails and failure modes at world size 1 (design.md, "Failure modes seen in peer systems")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moe_rl.actor.forward import compute_logprobs, split_microbatches
+from moe_rl.actor.model import build_model, load_hf_config
+from moe_rl.actor.parallel import ParallelConfig
+from moe_rl.actor.replay import RouteReplay, check_replay_supported
+from moe_rl.actor.weights import load_hf_weights
+from moe_rl.routing.layout import dp_shard, rank_positions, thd_pack, thd_rank_positions, zigzag_indices
+from moe_rl.routing.model_layout import moe_layout
+from moe_rl.routing.records import RouteError
+from tests.reference import random_batch, random_routes
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_models, world1):
+    path = tiny_models["mixtral"]
+    cfg = load_hf_config(path)
+    chunks, conv = build_model(cfg, ParallelConfig())
+    load_hf_weights(chunks, conv, path)
+    lay = moe_layout(cfg)
+    return cfg, chunks, RouteReplay(chunks, lay.moe_layers, verify=True), lay
+
+
+def test_guardrails_refuse_settings_that_skip_or_undo_replay(actor):
+    _, chunks, _, _ = actor
+    cfg = chunks[0].config
+    for field, value, msg in [
+        ("moe_router_fusion", True, "fused top-k never calls the replay hook"),
+        ("moe_expert_capacity_factor", 1.0, "token dropping"),
+        ("moe_router_load_balancing_type", "sinkhorn", "sinkhorn"),
+    ]:
+        old = getattr(cfg, field)
+        setattr(cfg, field, value)
+        try:
+            with pytest.raises(ValueError, match=msg):
+                check_replay_supported(cfg)
+        finally:
+            setattr(cfg, field, old)
+
+
+def test_routes_must_be_consumed_exactly_once(actor):
+    cfg, chunks, replay, lay = actor
+    ids, mask = random_batch(cfg.vocab_size, 4, 10, seed=1)
+    routes = random_routes(4, 10, len(lay.moe_layers), lay.topk, lay.num_experts, seed=2)
+    mbs = split_microbatches(ids, mask, 2, extra={"routes": routes})
+    with pytest.raises(RouteError, match="not consumed exactly once"):
+        with replay.replay(mbs):
+            pass  # no forward ran: every queued route is left over
+    # a forward with no queued routes is an error too (never silently live routing)
+    with pytest.raises(RouteError, match="found no routes to replay"):
+        with replay.replay(mbs[:1]):
+            compute_logprobs(chunks, ids, mask, micro_batch_size=2)
+    with pytest.raises(RouteError, match="carries no 'routes'"):
+        with replay.replay(split_microbatches(ids, mask, 2)):
+            pass
+
+
+def test_wrong_route_shapes_are_refused(actor):
+    cfg, chunks, replay, lay = actor
+    ids, mask = random_batch(cfg.vocab_size, 2, 8, seed=3)
+    bad_k = random_routes(2, 8, len(lay.moe_layers), lay.topk + 1, lay.num_experts, seed=0)
+    with pytest.raises(RouteError, match="expected \\[b, T, 4, 2\\]"):
+        compute_logprobs(chunks, ids, mask, replay=replay, routes=bad_k)
+    too_long = random_routes(2, 9, len(lay.moe_layers), lay.topk, lay.num_experts, seed=0)
+    with pytest.raises(RouteError, match="9 positions for a 8-token micro-batch"):
+        compute_logprobs(chunks, ids, mask, replay=replay, routes=too_long)
+    with pytest.raises(ValueError, match="need a RouteReplay"):
+        compute_logprobs(chunks, ids, mask, routes=too_long)
+
+
+def test_short_routes_are_padded_with_distinct_ids_not_duplicates(actor):
+    """Padding rows with duplicate ids break megatron's dispatchers; ours hold 0..K-1."""
+    cfg, chunks, replay, lay = actor
+    ids, mask = random_batch(cfg.vocab_size, 2, 8, seed=4)
+    routes = random_routes(2, 5, len(lay.moe_layers), lay.topk, lay.num_experts, seed=5)  # 3 rows short
+    targets = replay._targets(routes, 8)
+    for t in targets.values():
+        rows = t.reshape(8, 2, -1)[5:]
+        assert (rows == torch.arange(lay.topk)).all()
+    out = compute_logprobs(chunks, ids, mask, replay=replay, routes=routes)
+    assert torch.isfinite(out["logprobs"]).all()
+
+
+def test_recorded_routes_replay_bit_identically_with_other_microbatching(actor):
+    """R2: record with one micro-batching, replay with another (what the update passes do)."""
+    cfg, chunks, replay, _ = actor
+    ids, mask = random_batch(cfg.vocab_size, 6, 11, seed=6)
+    live = compute_logprobs(chunks, ids, mask, micro_batch_size=6, replay=replay, record=True)
+    assert live["routes"].shape == (6, 11, 4, 2) and live["routes"].dtype == torch.uint8
+    same = compute_logprobs(chunks, ids, mask, micro_batch_size=6, replay=replay, routes=live["routes"])
+    assert torch.equal(same["logprobs"], live["logprobs"])
+    # another micro-batching changes matmul shapes (fp32 rounding), not the routes
+    again = compute_logprobs(chunks, ids, mask, micro_batch_size=2, replay=replay, record=True)
+    assert torch.equal(again["routes"][mask.bool()], live["routes"][mask.bool()])
+    replayed = compute_logprobs(chunks, ids, mask, micro_batch_size=2, replay=replay, routes=live["routes"])
+    assert torch.allclose(replayed["logprobs"], live["logprobs"], atol=1e-5)
+
+
+def test_zigzag_thd_and_dp_layouts():
+    assert zigzag_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="not divisible by 2\\*cp"):
+        zigzag_indices(10, 2, 0)
+    assert rank_positions(8, tp=2, tp_rank=1, cp=2, cp_rank=0, sequence_parallel=True).tolist() == [6, 7]
+    cu, index = thd_pack([3, 5, 1], multiple=4)
+    assert cu.tolist() == [0, 4, 12, 16]
+    assert index.tolist() == [0, 1, 2, -1, 5, 6, 7, 8, 9, -1, -1, -1, 10, -1, -1, -1]
+    # CP=2 on packed sequences: each sample's padded segment is zig-zagged on its own
+    pos = thd_rank_positions(cu, cp=2, cp_rank=1)
+    assert pos.tolist() == [1, 2, 6, 7, 8, 9, 13, 14]
+    # every packed position lands on exactly one (tp, cp) rank
+    all_pos = np.concatenate(
+        [
+            thd_rank_positions(cu, tp=2, tp_rank=t, cp=2, cp_rank=c, sequence_parallel=True)
+            for c in range(2)
+            for t in range(2)
+        ]
+    )
+    assert sorted(all_pos.tolist()) == list(range(16))
+    assert dp_shard(8, 4, 2) == slice(4, 6)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        dp_shard(7, 2, 0)
+
+
+def test_only_this_ranks_slice_reaches_the_device(actor):
+    """Targets hold s_local * b rows per layer: no full-batch broadcast to every rank."""
+    _, _, replay, lay = actor
+    routes = random_routes(4, 16, len(lay.moe_layers), lay.topk, lay.num_experts, seed=7)
+    targets = replay._targets(routes, 16)
+    assert {tuple(t.shape) for t in targets.values()} == {(16 * 4, lay.topk)}  # world 1: everything
+    assert sorted(targets) == lay.moe_layers
