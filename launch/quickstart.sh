@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Fresh machine to a running job: set up the environment, build a tiny MoE and score prompts
-# with the Megatron actor on 2 processes (tensor parallel 2 + sequence parallel, gloo).
+# Fresh machine to a running RL job: set up the environment, then train the built-in tiny MoE
+# on the toy task with R3 + GSPO + IcePop on 2 processes (gloo). Extra arguments are Hydra
+# overrides, e.g. `bash launch/quickstart.sh trainer.steps=5 parallel.ep=2`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/launch/setup_env.sh"
 VENV="$(bash "$ROOT/launch/setup_env.sh" --print-venv)"
-MODEL="${MOE_RL_TINY_MODEL:-/tmp/moe-rl-tiny-qwen3}"
 cd "$ROOT"
-export PYTHONWARNINGS=ignore
-"$VENV/bin/python" -m moe_rl.tools.tiny_model --arch qwen3_moe --dense-layers 1 --out "$MODEL"
-"$VENV/bin/torchrun" --standalone --nproc-per-node=2 -m moe_rl.tools.logprobs --model "$MODEL" --tp 2
+export PYTHONWARNINGS=ignore VLLM_CONFIGURE_LOGGING=0
+exec "$VENV/bin/torchrun" --standalone --nproc-per-node=2 launch/train_moe.py "$@"

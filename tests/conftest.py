@@ -68,23 +68,40 @@ def world1():
     yield
 
 
-def torchrun(module: str, nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc-per-node=nproc -m module args` from the repo root; fail with its log."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--standalone",
-        "-m",
-        module,
-        *args,
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
+def run_job(cmd: list[str], timeout: int = 600, env: dict | None = None) -> str:
+    """Run a (multi-process) command from the repo root in its own session; fail with its log.
+
+    Output goes to a file, not a pipe, and the whole session is killed afterwards: a process
+    orphaned by a crashed rank (e.g. a vLLM engine core) can neither hang the test nor linger.
+    """
+    import signal
+    import tempfile
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0", **(env or {}))
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        log.seek(0)
+        out = log.read()
+    if code != 0:
+        status = "timed out" if code is None else f"failed ({code})"
+        pytest.fail(f"{' '.join(cmd)} {status}:\n{out[-10000:]}")
+    return out
+
+
+def torchrun(module: str, nproc: int, args: list[str], timeout: int = 600) -> str:
+    """Run `torchrun --nproc-per-node=nproc -m module args`; returns its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone", "-m", module]
+    return run_job([*cmd, *args], timeout=timeout)
 
 
 def read_json_results(folder: Path) -> list[dict]:

@@ -33,11 +33,15 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
-    def to_padded(self, pad_id: int = 0, pad_to_multiple: int = 1) -> PaddedBatch:
-        """Right-padded tensors; log-probs and routes aligned to token positions."""
+    def to_padded(self, pad_id: int = 0, pad_to_multiple: int = 1, min_length: int = 0) -> PaddedBatch:
+        """Right-padded tensors; log-probs and routes aligned to token positions.
+
+        `min_length` lets all ranks of an expert-parallel group use one sequence length (their
+        token dispatchers exchange equal-sized blocks).
+        """
         b = len(self)
         lengths = [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids, strict=True)]
-        t = max(lengths)
+        t = max(max(lengths), min_length)
         t += (-t) % pad_to_multiple
         ids = torch.full((b, t), pad_id, dtype=torch.long)
         attn = torch.zeros(b, t, dtype=torch.long)

@@ -16,8 +16,8 @@ transport is behind `weight_transport` and not yet run on a GPU. For GPU colocat
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +124,6 @@ class RolloutEngine:
         # The engine core and its workers: watched while we wait on the engine, because a
         # killed engine core can leave vLLM's client blocked forever (seen with 0.32 on CPU).
         self._procs = [p for p in me.children(recursive=True) if p.pid not in before]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-vllm")
         self._alive = True
         self._rpc("moe_rl_init_worker")
         if self.capture is not None:
@@ -171,7 +170,6 @@ class RolloutEngine:
 
             del self.llm
             gc.collect()
-            self._pool.shutdown(wait=False, cancel_futures=True)
             for p in self._procs:
                 try:
                     p.kill()
@@ -196,29 +194,40 @@ class RolloutEngine:
         return dead
 
     def _guard(self, what: str, fn, *args, **kwargs):
-        """Run an engine call on the engine thread; fail fast if an engine process dies."""
-        from concurrent.futures import TimeoutError as FutureTimeout
+        """Run an engine call on a daemon thread; fail fast if an engine process dies.
 
+        A daemon thread (not an executor, whose threads are joined at exit): a call blocked on a
+        dead engine must not keep the interpreter from exiting.
+        """
         from vllm.v1.engine.exceptions import EngineDeadError
 
         self._require_alive(what)
-        future = self._pool.submit(fn, *args, **kwargs)
-        while True:
+        box: dict[str, Any] = {}
+
+        def run():
             try:
-                return future.result(timeout=0.5)
-            except FutureTimeout:
-                dead = self._dead_processes()
-                if dead:
-                    self._alive = False
-                    raise RolloutEngineError(
-                        f"{what}: vLLM engine process(es) {dead} died; see the engine log "
-                        "above (out of memory? killed?)"
-                    ) from None
-            except EngineDeadError as e:
+                box["result"] = fn(*args, **kwargs)
+            except BaseException as e:  # re-raised on the calling thread
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name=f"moe-rl-vllm-{what}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+            if thread.is_alive() and (dead := self._dead_processes()):
                 self._alive = False
-                raise RolloutEngineError(f"{what}: the vLLM engine process died ({e}); see its log above") from e
-            except TimeoutError as e:
-                raise RolloutEngineError(f"{what}: the vLLM engine did not answer in time") from e
+                raise RolloutEngineError(
+                    f"{what}: vLLM engine process(es) {dead} died; see the engine log above (out of memory? killed?)"
+                )
+        error = box.get("error")
+        if isinstance(error, EngineDeadError):
+            self._alive = False
+            raise RolloutEngineError(f"{what}: the vLLM engine process died ({error}); see its log above") from error
+        if isinstance(error, TimeoutError):
+            raise RolloutEngineError(f"{what}: the vLLM engine did not answer in time") from error
+        if error is not None:
+            raise error
+        return box["result"]
 
     def _rpc(self, method: str, timeout: float | None = None, args: tuple = ()):
         return self._guard(method, self.llm.collective_rpc, method, timeout=timeout, args=args)

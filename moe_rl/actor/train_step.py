@@ -1,0 +1,125 @@
+"""One policy update of the Megatron actor: micro-batched forward+backward with the configured
+loss and correction, gradient sync over data-parallel groups, clipping, optimizer step.
+
+CPU path: torch AdamW and explicit gradient all-reduces (megatron-core's optimizer needs CUDA).
+Gradient sync follows megatron's DDP: dense parameters over the data-parallel group, experts
+over the expert-data-parallel group, sequence-parallel norms additionally over TP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.actor.forward import run_schedule, split_microbatches, vocab_parallel_logprobs
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def sync_gradients(chunks: list[torch.nn.Module]) -> None:
+    """Sum gradients like megatron DDP + finalize_model_grads (losses are pre-scaled by the global count)."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    edp_group = ps.get_expert_data_parallel_group()
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if getattr(p, "sequence_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
+                dist.all_reduce(p.grad, group=tp_group)
+            group = edp_group if _is_expert(name) else dp_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+
+
+def grad_norm(chunks: list[torch.nn.Module]) -> float:
+    """L2 norm of the full (unsharded, de-duplicated) gradient across all ranks."""
+    from megatron.core import parallel_state as ps
+
+    sq = torch.zeros((), dtype=torch.float64)
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if p.grad is None:
+                continue
+            if _is_expert(name):
+                owner = ps.get_expert_data_parallel_rank() == 0 and (
+                    getattr(p, "tensor_model_parallel", False) or ps.get_expert_tensor_parallel_rank() == 0
+                )
+            else:
+                owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and (
+                    getattr(p, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
+                )
+            if owner:
+                sq += p.grad.double().pow(2).sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+    return math.sqrt(sq.item())
+
+
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def train_minibatch(
+    chunks: list[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    loss_fn: LossFn,
+    micro_batch_size: int,
+    grad_clip: float,
+    replay=None,
+) -> dict[str, float]:
+    """Forward+backward over one mini-batch and one optimizer step.
+
+    batch: input_ids/attention_mask [b, T] plus per-token tensors the loss needs (and
+    "routes" when `replay` is given). loss_fn(logp [mb, T] aligned to tokens, micro-batch
+    tensors) -> (loss share of this micro-batch in the global mini-batch loss, metrics).
+    """
+    from contextlib import nullcontext
+
+    from megatron.core import parallel_state as ps
+
+    for c in chunks:
+        c.train()
+        c.zero_grad(set_to_none=True)
+    extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+    mbs = split_microbatches(
+        batch["input_ids"],
+        batch["attention_mask"],
+        micro_batch_size,
+        pad_multiple=ps.get_tensor_model_parallel_world_size(),
+        extra=extra,
+    )
+    t = batch["input_ids"].shape[1]
+    n_mb = len(mbs)
+
+    def step(logits, mb):
+        lp, _ = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:].to(logits.device), with_entropy=False)
+        logp = torch.nn.functional.pad(lp, (1, 0))[:, :t]  # entry t scores token t
+        extra_t = {k: v[:, :t] if v.dim() >= 2 and v.shape[1] >= t else v for k, v in mb.extra.items()}
+        loss, metrics = loss_fn(logp, extra_t)
+        # megatron's schedule divides each micro-batch loss by the number of micro-batches
+        return loss * n_mb, {k: v.detach() for k, v in metrics.items()}
+
+    routing = replay.replay(mbs) if replay is not None else nullcontext()
+    with routing:
+        results = run_schedule(chunks, mbs, step, forward_only=False)
+    sync_gradients(chunks)
+    norm = grad_norm(chunks)
+    if grad_clip > 0 and norm > grad_clip:
+        for c in chunks:
+            for p in c.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(grad_clip / (norm + 1e-6))
+    optimizer.step()
+    out = {"actor/grad_norm": norm}
+    if results:
+        for k in results[0]:
+            out[k] = float(torch.stack([r[k] for r in results]).mean())
+    return out

@@ -1,0 +1,1 @@
+"""The RL loop and its run-time services (logging)."""
