@@ -118,6 +118,23 @@ def gspo_loss_reference(
 if HAVE_TRITON:
 
     @triton.jit
+    def _token_weight(od, ROLL, offs, inb, log_low, log_high, log_cap, CORRECTION: tl.constexpr, BLOCK: tl.constexpr):
+        """IcePop (1) / TIS (2) / none (0) weight of each token in the block, from log k = old - rollout.
+
+        `od` holds the block's old log-probs, already loaded by the caller."""
+        if CORRECTION == 0:
+            w = tl.full([BLOCK], 1.0, tl.float32)
+        else:
+            rl = tl.load(ROLL + offs, mask=inb, other=0.0).to(tl.float32)
+            log_k = od - rl
+            if CORRECTION == 1:
+                keep = (log_k >= log_low) & (log_k <= log_high)
+                w = tl.where(keep, tl.exp(tl.minimum(log_k, log_high)), 0.0)
+            else:
+                w = tl.exp(tl.minimum(log_k, log_cap))
+        return w
+
+    @triton.jit
     def _gspo_fwd_kernel(
         LOGP,
         OLD,
@@ -169,16 +186,7 @@ if HAVE_TRITON:
             m = tl.load(MASK + offs, mask=inb, other=0).to(tl.float32)
             lp = tl.load(LOGP + offs, mask=inb, other=0.0).to(tl.float32)
             od = tl.load(OLD + offs, mask=inb, other=0.0).to(tl.float32)
-            if CORRECTION == 0:
-                w = tl.full([BLOCK], 1.0, tl.float32)
-            else:
-                rl = tl.load(ROLL + offs, mask=inb, other=0.0).to(tl.float32)
-                log_k = od - rl
-                if CORRECTION == 1:
-                    keep = (log_k >= log_low) & (log_k <= log_high)
-                    w = tl.where(keep, tl.exp(tl.minimum(log_k, log_high)), 0.0)
-                else:
-                    w = tl.exp(tl.minimum(log_k, log_cap))
+            w = _token_weight(od, ROLL, offs, inb, log_low, log_high, log_cap, CORRECTION, BLOCK)
             acc_pg += pg * w * m
             acc_kl += (od - lp) * m
             acc_zero += (w == 0.0).to(tl.float32) * m
@@ -224,17 +232,8 @@ if HAVE_TRITON:
             offs = b + offs0
             inb = offs < end
             m = tl.load(MASK + offs, mask=inb, other=0).to(tl.float32)
-            if CORRECTION == 0:
-                w = tl.full([BLOCK], 1.0, tl.float32)
-            else:
-                od = tl.load(OLD + offs, mask=inb, other=0.0).to(tl.float32)
-                rl = tl.load(ROLL + offs, mask=inb, other=0.0).to(tl.float32)
-                log_k = od - rl
-                if CORRECTION == 1:
-                    keep = (log_k >= log_low) & (log_k <= log_high)
-                    w = tl.where(keep, tl.exp(tl.minimum(log_k, log_high)), 0.0)
-                else:
-                    w = tl.exp(tl.minimum(log_k, log_cap))
+            od = tl.load(OLD + offs, mask=inb, other=0.0).to(tl.float32)
+            w = _token_weight(od, ROLL, offs, inb, log_low, log_high, log_cap, CORRECTION, BLOCK)
             tl.store(GRAD + offs, g_seq * w * m, mask=inb)
 
     class _FusedGSPO(torch.autograd.Function):

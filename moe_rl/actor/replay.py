@@ -63,6 +63,7 @@ class RouterHook:
         self.recorded: list[torch.Tensor] = []
         self.verify = False
         self.last_target: torch.Tensor | None = None
+        self.recomputes = 0  # targets replayed by activation recompute (for tests and logs)
         router.register_forward_hook(self._verify_hook)
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
@@ -83,6 +84,7 @@ class RouterHook:
                 "routes to replay (more forwards than micro-batches given?)"
             )
         target = queue.popleft()
+        self.recomputes += recompute
         if not recompute and is_checkpointing():
             self.recompute_q.append(target)
         if target.shape != (scores.shape[0], topk):

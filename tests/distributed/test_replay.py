@@ -31,6 +31,9 @@ def test_replay_exact_under_layout(layout, tiny_models, tmp_path):
         assert r["forced_vs_live"] > 1e-2, where  # replay is enforced
         assert r["router_grad_min"] is None or r["router_grad_min"] > 0, where
         assert r["recompute_grad_max_diff"] <= 1e-6 and r["grads_compared"] > 0, where
+        assert r["selective_recompute_grad_max_diff"] <= 1e-6, where
+        # the recompute passes really replayed (one per micro-batch and MoE layer on this rank)
+        assert r["recompute_replays"] == r["selective_recompute_replays"] == 4 * len(r["layers_on_rank"]), where
         assert r["after_second_model"], where
     assert set().union(*(r["layers_on_rank"] for r in results)) == {0, 2, 3}
 
