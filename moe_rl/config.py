@@ -84,6 +84,9 @@ class LoggingConfig:
     wandb_mode: str = "offline"
     """online | offline | disabled."""
     wandb_project: str = "moe-rl"
+    router_agreement_every: int = 1
+    """Log router/agreement (trainer's live routing vs the engine's routes) every N steps; 0 = never.
+    Costs one extra forward under R3 (R2 records live routes anyway)."""
 
 
 @dataclass

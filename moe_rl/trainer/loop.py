@@ -127,8 +127,14 @@ class Trainer:
         )
         with timer("old_logprobs"):
             old = self.old_logprobs(padded)
+        every = self.cfg.logging.router_agreement_every
+        agreement = {}
+        if every and self.replay is not None and padded.routes is not None and self.step_index % every == 0:
+            with timer("router_agreement"):  # before the update changes the actor
+                agreement["router/agreement"] = self.router_agreement(padded, old)
         with timer("update"):
             metrics = self.update(padded, old, advantages)
+        metrics.update(agreement)
         with timer("weight_sync"):
             self.sync_weights()
         metrics.update(self.batch_metrics(rewards, batch, old))
@@ -209,6 +215,29 @@ class Trainer:
                 key = k if "/" in k else f"actor/{k}"
                 out[key] = out.get(key, 0.0) + v / a.mini_batches
         return out
+
+    def router_agreement(self, padded, old) -> float:
+        """Fraction of (token, MoE layer) pairs where the actor's own routing picks the same expert
+        set as the rollout engine (this rank's layers; real tokens except the last)."""
+        from moe_rl.actor.forward import compute_logprobs
+
+        if self.cfg.actor.router_replay == "r2":
+            live = old["routes"]
+        else:
+            live = compute_logprobs(
+                self.chunks,
+                padded.input_ids,
+                padded.attention_mask,
+                self.cfg.actor.micro_batch_size,
+                with_entropy=False,
+                replay=self.replay,
+                record=True,
+            )["routes"]
+        cols = sorted({self.replay.col[h.layer] for h in self.replay.hooks})
+        valid = padded.attention_mask.bool().clone()
+        valid[torch.arange(valid.shape[0]), padded.attention_mask.sum(1) - 1] = False
+        same = (live[:, :, cols].long().sort(-1).values == padded.routes[:, :, cols].long().sort(-1).values).all(-1)
+        return float(same[valid].float().mean())
 
     def sync_weights(self) -> None:
         from moe_rl.actor.weights import export_hf_state_dict

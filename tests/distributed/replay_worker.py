@@ -122,7 +122,8 @@ def main() -> None:
     g_sel = train_grads(chunks3, replay3, ids, mask, forced, micro_batch_size=1)
     res["selective_recompute_replays"] = sum(h.recomputes for h in replay3.hooks)
     res["selective_recompute_grad_max_diff"] = max(
-        float((g_plain[k] - g_sel[k]).abs().max()) for k in g_plain if g_plain[k] is not None)
+        float((g_plain[k] - g_sel[k]).abs().max()) for k in g_plain if g_plain[k] is not None
+    )
     again = compute_logprobs(chunks, ids, mask, micro_batch_size=2, replay=replay, routes=forced)["logprobs"]
     res["after_second_model"] = bool(torch.equal(again, lp_forced))
     res["pp"] = ps.get_pipeline_model_parallel_world_size()

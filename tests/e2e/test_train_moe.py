@@ -29,6 +29,7 @@ KEYS = [
     "time/old_logprobs",
     "time/update",
     "time/weight_sync",
+    "router/agreement",
 ]
 
 
@@ -51,6 +52,8 @@ def test_default_run_learns_the_toy_task(tmp_path):
     # pi_theta == pi_old on the first mini-batch of every step (R3, fp32): ratio 1
     assert max(abs(h["actor/first_minibatch_ppo_kl"]) for h in history) < 1e-4
     assert list(tmp_path.glob("wandb/offline-run-*")), "wandb offline files missing"
+    # fp32 actor and engine route identically on almost every token-layer
+    assert min(h["router/agreement"] for h in history) > 0.99
 
 
 def test_overrides_r2_ep2_tis(tmp_path):
@@ -67,3 +70,4 @@ def test_overrides_r2_ep2_tis(tmp_path):
     assert len(history) == 3
     assert max(abs(h["actor/first_minibatch_ppo_kl"]) for h in history) < 1e-4
     assert "tis/capped_fraction" in history[0]
+    assert 0.99 < history[-1]["router/agreement"] <= 1.0
