@@ -52,12 +52,10 @@ class HFCheckpoint:
         if weight_map is None:
             weight_map = {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
         self.weight_map: dict[str, str] = weight_map
-        self.used: set[str] = set()
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise KeyError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        self.used.add(name)
         return self._handles[self.weight_map[name]].get_tensor(name)
 
 
@@ -205,20 +203,3 @@ def export_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict
     for part in parts:
         out.update(part or {})
     return out
-
-
-def save_hf_folder(chunks: list[torch.nn.Module], conv: Converter, src_dir: str | Path, out_dir: str | Path) -> None:
-    """Export the actor as an HF folder (config + tokenizer copied from `src_dir`). Collective."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    state = export_hf_state_dict(chunks, conv)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in Path(src_dir).iterdir():
-        if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model"):
-            shutil.copy2(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -35,6 +35,18 @@ def _check(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> to
     return mask.to(logp.dtype)
 
 
+def _weighted_loss(pg, weights, mask, agg, agg_kwargs) -> torch.Tensor:
+    """Per-token loss times the (constant) correction weights, aggregated."""
+    if weights is not None:
+        pg = pg * weights.detach()
+    return aggregate(pg, mask, agg, **agg_kwargs)
+
+
+@torch.no_grad()
+def _ratio_metrics(pg1, pg2, logp, old_logp, mask) -> dict[str, torch.Tensor]:
+    return {"clipfrac": masked_mean((pg2 > pg1).to(logp.dtype), mask), "ppo_kl": masked_mean(old_logp - logp, mask)}
+
+
 def gspo_sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log s_i = sum_t mask (logp - old) / sum_t mask  ->  [B] (0 for an empty response)."""
     return masked_mean(logp - old_logp, mask, dim=-1)
@@ -68,15 +80,9 @@ def gspo_loss(
     pg1 = -adv * s
     pg2 = -adv * s.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg = torch.maximum(pg1, pg2)
-    if weights is not None:
-        pg = pg * weights.detach()
-    loss = aggregate(pg, m, agg, **agg_kwargs)
-    with torch.no_grad():
-        metrics = {
-            "clipfrac": masked_mean((pg2 > pg1).to(logp.dtype), m),
-            "ppo_kl": masked_mean(old_logp - logp, m),
-            "seq_ratio_mean": masked_mean(seq_log_ratio.exp(), (m.sum(-1) > 0).to(logp.dtype)),
-        }
+    loss = _weighted_loss(pg, weights, m, agg, agg_kwargs)
+    metrics = _ratio_metrics(pg1, pg2, logp, old_logp, m)
+    metrics["seq_ratio_mean"] = masked_mean(seq_log_ratio.exp(), (m.sum(-1) > 0).to(logp.dtype)).detach()
     return loss, metrics
 
 
@@ -112,13 +118,7 @@ def ppo_loss(
         use3 = (adv < 0) & (pg3 < pg)
         pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
         dual_frac = masked_mean(use3.to(logp.dtype), m).detach()
-    if weights is not None:
-        pg = pg * weights.detach()
-    loss = aggregate(pg, m, agg, **agg_kwargs)
-    with torch.no_grad():
-        metrics = {
-            "clipfrac": masked_mean((pg2 > pg1).to(logp.dtype), m),
-            "ppo_kl": masked_mean(old_logp - logp, m),
-            "dual_clipfrac": dual_frac,
-        }
+    loss = _weighted_loss(pg, weights, m, agg, agg_kwargs)
+    metrics = _ratio_metrics(pg1, pg2, logp, old_logp, m)
+    metrics["dual_clipfrac"] = dual_frac
     return loss, metrics

@@ -151,9 +151,6 @@ class RolloutEngine:
         """Raise RolloutEngineError unless the engine answers within `timeout_s`."""
         self._rpc("moe_rl_ping", timeout=timeout_s)
 
-    def engine_pids(self) -> list[int]:
-        return [int(p) for p in self._rpc("moe_rl_ping")]
-
     def shutdown(self) -> None:
         """Stop the engine core and its workers (idempotent), also after the engine died."""
         if not hasattr(self, "llm"):

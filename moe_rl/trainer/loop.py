@@ -137,7 +137,7 @@ class Trainer:
         metrics.update(agreement)
         with timer("weight_sync"):
             self.sync_weights()
-        metrics.update(self.batch_metrics(rewards, batch, old))
+        metrics.update(self.batch_metrics(rewards, batch, padded, old))
         metrics.update(timer.times)
         metrics = _mean_over_world(metrics)
         self.step_index += 1
@@ -244,24 +244,18 @@ class Trainer:
 
         self.engine.update_weights(export_hf_state_dict(self.chunks, self.conv).items())
 
-    def batch_metrics(self, rewards, batch, old) -> dict[str, float]:
+    def batch_metrics(self, rewards, batch, padded, old) -> dict[str, float]:
         from moe_rl.objectives import mismatch_metrics
 
-        padded = batch.to_padded()
+        mask = padded.loss_mask
         m = {
             "reward/mean": float(rewards.mean()),
             "reward/max": float(rewards.max()),
             "response/length_mean": float(sum(map(len, batch.response_ids)) / len(batch)),
+            "actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
         }
-        mask = padded.loss_mask
-        m["actor/entropy"] = float((old["entropy"][:, : mask.shape[1]] * mask).sum() / mask.sum().clamp(min=1))
-        mm = mismatch_metrics(
-            old["logprobs"][:, : mask.shape[1]],
-            padded.rollout_logprobs,
-            mask,
-            self.cfg.algorithm.correction_low,
-            self.cfg.algorithm.correction_high,
-        )
+        alg = self.cfg.algorithm
+        mm = mismatch_metrics(old["logprobs"], padded.rollout_logprobs, mask, alg.correction_low, alg.correction_high)
         m.update({f"mismatch/{k}": float(v) for k, v in mm.items()})
         return m
 
