@@ -77,6 +77,19 @@ class TrainerConfig:
     seed: int = 1234
     first_minibatch_tolerance: float = 1e-4
     """Warn when |mean(log pi_theta - log pi_old)| on the first mini-batch exceeds this."""
+    mode: str = "train"
+    """train | rollout_only (rollout + old log-probs + a dump each step, no update) | from_dump
+    (train on the dumps in dump_dir, no engine)."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every N steps (also at the last step and on SIGTERM); 0 = only those."""
+    checkpoint_dir: str = ""
+    """Empty: <run dir>/checkpoints."""
+    resume: str = "auto"
+    """auto (newest checkpoint in checkpoint_dir, else a fresh start) | off | path to a step_* folder."""
+    dump_every: int = 0
+    """Write a rollout dump (for moe-rl-diagnose offline / from_dump) every N steps; 0 = never."""
+    dump_dir: str = ""
+    """Empty: <run dir>/dumps. from_dump reads it."""
 
 
 @dataclass
@@ -125,6 +138,16 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("model.dtype", f"{cfg.model.dtype!r}: choose float32 or bfloat16")
     if cfg.logging.wandb_mode not in ("online", "offline", "disabled"):
         bad("logging.wandb_mode", f"{cfg.logging.wandb_mode!r}: choose online, offline or disabled")
+    t = cfg.trainer
+    if t.mode not in ("train", "rollout_only", "from_dump"):
+        bad("trainer.mode", f"{t.mode!r}: choose train, rollout_only or from_dump")
+    if t.mode == "from_dump" and not t.dump_dir:
+        bad("trainer.dump_dir", "mode=from_dump needs the folder of an earlier run's dumps")
+    if t.mode == "from_dump" and t.dump_every:
+        bad("trainer.dump_every", "mode=from_dump reads dumps; it cannot also write them")
+    for key in ("steps", "checkpoint_every", "dump_every"):
+        if getattr(t, key) < 0:
+            bad(f"trainer.{key}", "must be >= 0")
     if cfg.data.task not in ("toy", "file"):
         bad("data.task", f"{cfg.data.task!r}: choose toy or file")
     if cfg.data.task == "file" and not cfg.data.path:

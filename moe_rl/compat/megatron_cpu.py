@@ -115,9 +115,13 @@ def apply_cpu_shims() -> bool:
     # pipeline_parallel.schedules allocates its token counter with a literal device="cuda", and
     # p2p_communication calls torch.cuda.synchronize(): give those two modules a `torch`
     # stand-in that maps "cuda" to the CPU and makes synchronize a no-op.
+    # dist_checkpointing's torch_dist save path does the same: torch.cuda.synchronize() before
+    # writing (filesystem_async, async_utils) and device="cuda" flags for its consistency
+    # all-reduces (state_dict_saver).
+    from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async, state_dict_saver
     from megatron.core.pipeline_parallel import p2p_communication, schedules
 
-    for mod in (schedules, p2p_communication):
+    for mod in (schedules, p2p_communication, async_utils, filesystem_async, state_dict_saver):
         mod.torch = _torch_cuda_as_cpu()
 
     _APPLIED = True

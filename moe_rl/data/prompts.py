@@ -59,6 +59,10 @@ class PromptSource:
         self.order: list[int] = []
         self.position = 0  # prompts consumed (saved in checkpoints to resume the stream)
 
+    def skip(self, count: int) -> None:
+        """Fast-forward `count` prompts: a resumed run continues the same stream."""
+        self.next(count)
+
     def next(self, count: int) -> list[Prompt]:
         out = []
         for _ in range(count):

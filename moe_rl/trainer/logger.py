@@ -9,7 +9,8 @@ from pathlib import Path
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, cfg, enabled: bool = True):
+    def __init__(self, run_dir: Path, cfg, enabled: bool = True, wandb_id: str | None = None):
+        """wandb_id: continue that wandb run (a resumed checkpoint's)."""
         self.enabled = enabled
         self.run = None
         if not enabled:
@@ -26,8 +27,14 @@ class RunLogger:
                 project=cfg.logging.wandb_project,
                 mode=cfg.logging.wandb_mode,
                 dir=str(run_dir),
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
                 config=dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg),
             )
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.run is None else self.run.id
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -37,13 +37,18 @@ def _mean_over_world(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v / dist.get_world_size() for k, v in zip(keys, t.tolist(), strict=True)}
 
 
-def _world_max(value: int) -> int:
-    """Max over all ranks: data-parallel ranks that share an expert-parallel group must pad to
-    one sequence length (megatron's token dispatchers exchange equal-sized blocks)."""
-    t = torch.tensor([value], dtype=torch.long)
+def _world_max(*values: int) -> list[int]:
+    """Max over all ranks (one all-reduce). Used for the padded length (data-parallel ranks that
+    share an expert-parallel group must pad to one sequence length: megatron's token dispatchers
+    exchange equal-sized blocks) and for flags every rank must agree on."""
+    t = torch.tensor(values, dtype=torch.long)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return t.tolist()
+
+
+class StepAbandoned(Exception):
+    """A stop signal cut the step short before it changed the actor (the engine died with it)."""
 
 
 def _global_count(x: torch.Tensor) -> float:
@@ -85,22 +90,64 @@ class Trainer:
             hf_cfg, cfg.parallel, ModelOptions(dtype=cfg.model.dtype, recompute=cfg.model.recompute)
         )
         load_hf_weights(self.chunks, self.conv, model_path)
-        self.replay = None if cfg.actor.router_replay == "off" else RouteReplay(self.chunks, self.layout.moe_layers)
+        t = cfg.trainer
+        self.dumping = t.dump_every > 0 or t.mode == "rollout_only"
+        wants_replay = cfg.actor.router_replay != "off" or self.dumping
+        self.replay = RouteReplay(self.chunks, self.layout.moe_layers) if wants_replay else None
         params = [p for c in self.chunks for p in c.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
-        rollout_cfg = type(cfg.rollout)(**{**cfg.rollout.__dict__, "model": model_path, "seed": cfg.trainer.seed})
-        self.engine = RolloutEngine(rollout_cfg, self.layout.moe_layers, self.layout.num_experts, self.layout.topk)
+        self.model_path, self.hf_cfg = model_path, hf_cfg
+        self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
+        self.dump_dir = Path(t.dump_dir or run_dir / "dumps")
+        self.step_index = 0
+        self.stop = StopFlag()
+        resumed = self._resume()
+        self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
+        self.engine = None
+        if t.mode != "from_dump":
+            rollout_cfg = type(cfg.rollout)(**{**cfg.rollout.__dict__, "model": model_path, "seed": t.seed})
+            self.engine = RolloutEngine(rollout_cfg, self.layout.moe_layers, self.layout.num_experts, self.layout.topk)
+            if resumed:  # the engine starts from the HF weights; give it the resumed actor's
+                self.sync_weights()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
         d = cfg.data
-        self.data = PromptSource(d.task, d.path, d.prompt_key, d.answer_key, cfg.trainer.seed, dp_rank, dp_size)
+        self.data = PromptSource(d.task, d.path, d.prompt_key, d.answer_key, t.seed, dp_rank, dp_size)
+        if resumed:
+            self.data.skip(resumed["data_position"])
+        self.data_position = self.data.position  # prompts consumed by completed steps
         self.reward_fn = load_reward(d.reward)
         self.advantage_fn = ADVANTAGES.get(cfg.algorithm.advantage)
         self.correction_fn = CORRECTIONS.get(cfg.algorithm.correction)
         self.loss_fn = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
-        self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0)
-        self.step_index = 0
+
+    def _resume(self) -> dict | None:
+        """Restore the newest checkpoint (trainer.resume=auto) or the named one; None for a fresh run."""
+        from moe_rl.trainer import checkpoint
+
+        how = self.cfg.trainer.resume
+        if how == "off":
+            return None
+        path = checkpoint.latest(self.checkpoint_dir) if how == "auto" else Path(how)
+        if path is None:
+            return None
+        if not path.is_dir():
+            raise checkpoint.CheckpointError(f"trainer.resume={how!r}: no checkpoint folder {path}")
+        state = checkpoint.load(path, self.chunks, self.optimizer)
+        self.step_index = state["step"]
+        if self.rank == 0:
+            print(f"[moe-rl] resumed from {path} at step {self.step_index}", flush=True)
+        return state
+
+    def save_checkpoint(self) -> Path:
+        from moe_rl.trainer import checkpoint
+
+        state = {"data_position": self.data_position, "wandb_run_id": self.logger.run_id, "model_path": self.model_path}
+        path = checkpoint.save(self.checkpoint_dir, self.step_index, self.chunks, self.optimizer, state)
+        if self.rank == 0:
+            print(f"[moe-rl] checkpoint step {self.step_index} -> {path}", flush=True)
+        return path
 
     def _tiny_model(self, run_dir: Path) -> str:
         from moe_rl.tools.tiny_model import TinySpec, build_tiny_model
@@ -114,42 +161,83 @@ class Trainer:
     # ---- one RL step: one line per phase ------------------------------------------------
     def step(self) -> dict[str, float]:
         timer = Timer()
-        with timer("rollout"):
-            prompts, batch = self.rollout()
-        with timer("reward"):
-            rewards = self.reward(prompts, batch)
-        advantages = self.advantage_fn(rewards, self.cfg.sampling.n)
-        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
-        padded = batch.to_padded(
-            pad_id=self.tokenizer.pad_token_id or 0,
-            pad_to_multiple=self.cfg.parallel.tp,
-            min_length=_world_max(max(lengths)),
-        )
+        t, n = self.cfg.trainer, self.cfg.sampling.n
+        if t.mode == "from_dump":
+            with timer("load_dump"):
+                padded, rewards = self.load_dump()
+            lengths_mean = float(padded.loss_mask.sum() / len(rewards))
+        else:
+            with timer("rollout"):
+                prompts, batch = self.rollout()
+            if _world_max(batch is None)[0]:  # ranks leave the step together
+                raise StepAbandoned(f"step {self.step_index + 1}: the rollout engine stopped with the signal")
+            with timer("reward"):
+                rewards = self.reward(prompts, batch)
+            with timer("route_handling"):  # padding, route tensors, EP length agreement
+                padded = self.pad(batch)
+            lengths_mean = sum(map(len, batch.response_ids)) / len(batch)
+        advantages = self.advantage_fn(rewards, n)
         with timer("old_logprobs"):
             old = self.old_logprobs(padded)
+        metrics: dict[str, float] = {}
         every = self.cfg.logging.router_agreement_every
-        agreement = {}
-        if every and self.replay is not None and padded.routes is not None and self.step_index % every == 0:
-            with timer("router_agreement"):  # before the update changes the actor
-                agreement["router/agreement"] = self.router_agreement(padded, old)
-        with timer("update"):
-            metrics = self.update(padded, old, advantages)
-        metrics.update(agreement)
-        with timer("weight_sync"):
-            self.sync_weights()
-        metrics.update(self.batch_metrics(rewards, batch, padded, old))
+        dump_now = self.dumping and (t.mode == "rollout_only" or self.step_index % t.dump_every == 0)
+        agree_now = every and self.replay is not None and padded.routes is not None and self.step_index % every == 0
+        if dump_now or agree_now:
+            with timer("diagnostics"):  # before the update changes the actor
+                views = self.routing_views(padded, old)
+            if agree_now:
+                metrics["router/agreement"] = self.router_agreement(padded, views["routes_live"])
+            if dump_now:
+                self.write_dump(padded, rewards, views)
+        if t.mode != "rollout_only":
+            with timer("update"):
+                metrics.update(self.update(padded, old, advantages))
+            if self.engine is not None:
+                with timer("weight_sync"), self._engine_may_stop():
+                    self.sync_weights()
+        metrics.update(self.batch_metrics(rewards, lengths_mean, padded, old))
         metrics.update(timer.times)
         metrics = _mean_over_world(metrics)
         self.step_index += 1
+        self.data_position = self.data.position
         self.logger.log(self.step_index, metrics)
         for warning in health_warnings(metrics, self.cfg.trainer.first_minibatch_tolerance):
             self.logger.warn(self.step_index, warning)
         return metrics
 
+    def pad(self, batch):
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
+        return batch.to_padded(
+            pad_id=self.tokenizer.pad_token_id or 0,
+            pad_to_multiple=self.cfg.parallel.tp,
+            min_length=_world_max(max(lengths))[0],
+        )
+
+    @contextmanager
+    def _engine_may_stop(self):
+        """Under a stop signal (SIGTERM reaches the engine's processes too) an engine failure ends
+        the step's engine work instead of the run: the checkpoint does not need the engine."""
+        from moe_rl.rollout.engine import RolloutEngineError
+
+        try:
+            yield
+        except RolloutEngineError as e:
+            if not self.stop.requested:
+                raise
+            self.logger.warn(self.step_index + 1, f"engine stopped by the signal ({e}); checkpointing without it")
+
     def rollout(self):
-        prompts = self.data.next(self.cfg.data.prompts_per_step)
+        """(prompts, RolloutBatch); (prompts, None) when a stop signal took the engine down."""
+        prompts, batch = self.data.next(self.cfg.data.prompts_per_step), None
         ids = [self.tokenizer(p.text)["input_ids"] for p in prompts]
-        return prompts, self.engine.generate(ids, self.cfg.sampling)
+        sampling = self.cfg.sampling
+        if sampling.seed is not None:  # distinct per step and rank, reproducible after a resume
+            stream = self.step_index * dist.get_world_size() + self.rank
+            sampling = type(sampling)(**{**sampling.__dict__, "seed": sampling.seed + stream * len(ids)})
+        with self._engine_may_stop():
+            batch = self.engine.generate(ids, sampling)
+        return prompts, batch
 
     def reward(self, prompts, batch) -> torch.Tensor:
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
@@ -216,42 +304,99 @@ class Trainer:
                 out[key] = out.get(key, 0.0) + v / a.mini_batches
         return out
 
-    def router_agreement(self, padded, old) -> float:
-        """Fraction of (token, MoE layer) pairs where the actor's own routing picks the same expert
-        set as the rollout engine (this rank's layers; real tokens except the last)."""
+    def routing_views(self, padded, old) -> dict[str, torch.Tensor | None]:
+        """pi_old with the engine's routes replayed and with the actor's own routing (plus its
+        routes), reusing the old-log-prob pass for whichever of the two it already is."""
         from moe_rl.actor.forward import compute_logprobs
 
-        if self.cfg.actor.router_replay == "r2":
-            live = old["routes"]
+        mode = self.cfg.actor.router_replay
+        args = (self.chunks, padded.input_ids, padded.attention_mask, self.cfg.actor.micro_batch_size)
+        if mode == "r2":
+            live = old
         else:
-            live = compute_logprobs(
-                self.chunks,
-                padded.input_ids,
-                padded.attention_mask,
-                self.cfg.actor.micro_batch_size,
-                with_entropy=False,
-                replay=self.replay,
-                record=True,
-            )["routes"]
+            live = compute_logprobs(*args, with_entropy=False, replay=self.replay, record=True)
+        if mode == "r3":
+            replayed = old["logprobs"]
+        elif padded.routes is not None:
+            replayed = compute_logprobs(*args, with_entropy=False, routes=padded.routes, replay=self.replay)["logprobs"]
+        else:
+            replayed = None
+        return {"logprobs_replay": replayed, "logprobs_live": live["logprobs"], "routes_live": live["routes"]}
+
+    def router_agreement(self, padded, live_routes: torch.Tensor) -> float:
+        """Fraction of (token, MoE layer) pairs where the actor's own routing picks the same expert
+        set as the rollout engine (this rank's layers; real tokens except the last)."""
         cols = sorted({self.replay.col[h.layer] for h in self.replay.hooks})
         valid = padded.attention_mask.bool().clone()
         valid[torch.arange(valid.shape[0]), padded.attention_mask.sum(1) - 1] = False
-        same = (live[:, :, cols].long().sort(-1).values == padded.routes[:, :, cols].long().sort(-1).values).all(-1)
-        return float(same[valid].float().mean())
+        same = live_routes[:, :, cols].long().sort(-1).values == padded.routes[:, :, cols].long().sort(-1).values
+        return float(same.all(-1)[valid].float().mean())
+
+    def write_dump(self, padded, rewards, views) -> None:
+        from moe_rl.rollout import dump
+
+        meta = {
+            "step": self.step_index,
+            "rank": self.rank,
+            "world_size": dist.get_world_size(),
+            "model_path": self.model_path,
+            "model": dump.model_fingerprint(self.hf_cfg, self.layout),
+            "actor_dtype": self.cfg.model.dtype,
+            "rollout_dtype": self.cfg.rollout.dtype,
+            "router_replay": self.cfg.actor.router_replay,
+            "n": self.cfg.sampling.n,
+        }
+        tensors = {
+            "input_ids": padded.input_ids,
+            "attention_mask": padded.attention_mask,
+            "loss_mask": padded.loss_mask,
+            "rollout_logprobs": padded.rollout_logprobs,
+            "rewards": rewards,
+            "routes": padded.routes,
+            **views,
+        }
+        dump.write(dump.rank_file(self.dump_dir, self.step_index, self.rank), tensors, meta)
+
+    def load_dump(self):
+        """The padded batch and rewards of the next dumped step (trainer.mode=from_dump)."""
+        from moe_rl.rollout import dump
+        from moe_rl.rollout.batch import PaddedBatch
+
+        steps = dump.step_folders(self.dump_dir)
+        folder = steps[self.step_index % len(steps)]
+        tensors, meta = dump.read(folder / f"rank_{self.rank:05d}.safetensors")
+        expected = dump.model_fingerprint(self.hf_cfg, self.layout)
+        if meta["model"] != expected:
+            raise dump.DumpError(f"{folder}: dump is from model {meta['model']}, the actor is {expected}")
+        if meta["world_size"] != dist.get_world_size():
+            raise dump.DumpError(
+                f"{folder}: written by {meta['world_size']} ranks, this run has {dist.get_world_size()}"
+            )
+        routes = tensors.get("routes")
+        if self.cfg.actor.router_replay == "r3" and routes is None:
+            raise dump.DumpError(f"{folder}: actor.router_replay=r3 needs engine routes; the dump has none")
+        padded = PaddedBatch(
+            tensors["input_ids"],
+            tensors["attention_mask"],
+            tensors["loss_mask"],
+            tensors["rollout_logprobs"],
+            routes,
+        )
+        return padded, tensors["rewards"]
 
     def sync_weights(self) -> None:
         from moe_rl.actor.weights import export_hf_state_dict
 
         self.engine.update_weights(export_hf_state_dict(self.chunks, self.conv).items())
 
-    def batch_metrics(self, rewards, batch, padded, old) -> dict[str, float]:
+    def batch_metrics(self, rewards, lengths_mean, padded, old) -> dict[str, float]:
         from moe_rl.objectives import mismatch_metrics
 
         mask = padded.loss_mask
         m = {
             "reward/mean": float(rewards.mean()),
             "reward/max": float(rewards.max()),
-            "response/length_mean": float(sum(map(len, batch.response_ids)) / len(batch)),
+            "response/length_mean": float(lengths_mean),
             "actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
         }
         alg = self.cfg.algorithm
@@ -260,7 +405,8 @@ class Trainer:
         return m
 
     def close(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
         self.logger.close()
 
 
@@ -307,22 +453,54 @@ def _correction_kwargs(alg) -> dict:
     return {}
 
 
-def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
-    """Run `trainer.steps` RL steps; returns the per-step metrics (rank 0 also writes them)."""
-    import signal
+class StopFlag:
+    """SIGTERM/SIGUSR1 (Slurm preemption, torchrun shutdown) ask for a checkpoint at the next step
+    boundary; a second signal exits at once. Ranks agree on stopping with one all-reduce."""
 
+    def __init__(self):
+        import signal
+
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        if self.requested:
+            raise SystemExit(128 + signum)
+        self.requested = True
+
+    def agreed(self) -> bool:
+        t = torch.tensor([int(self.requested)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
+    """Run RL steps up to `trainer.steps` (counting resumed ones); returns this run's per-step
+    metrics (rank 0 also writes them). Checkpoints every `trainer.checkpoint_every` steps, at the
+    end, and on SIGTERM."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-
-    def on_sigterm(signum, frame):  # torchrun / Slurm stop a job with SIGTERM: unwind so engines shut down
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
     trainer = Trainer(cfg, run_dir)
+    t = cfg.trainer
+    saves = t.mode != "rollout_only"
     history = []
     try:
-        for _ in range(cfg.trainer.steps):
-            history.append(trainer.step())
+        while trainer.step_index < t.steps:
+            try:
+                history.append(trainer.step())
+            except StepAbandoned as e:
+                trainer.logger.warn(trainer.step_index + 1, str(e))
+            if trainer.stop.agreed():
+                if saves:
+                    trainer.save_checkpoint()
+                trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
+                break
+            if saves and (
+                trainer.step_index == t.steps or (t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0)
+            ):
+                trainer.save_checkpoint()
     finally:
         trainer.close()
     return history

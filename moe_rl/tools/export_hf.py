@@ -1,0 +1,119 @@
+"""Export a training checkpoint's actor to a Hugging Face folder that transformers and vLLM load.
+
+The checkpoint's model/ is a megatron-core sharded checkpoint, so the export runs under any
+parallel layout (world 1 by default) whatever layout trained it. Config, tokenizer and
+generation config come from the HF folder the run started from (trainer.json's model_path, or
+--model); weights are written as sharded safetensors with an index.
+
+Examples:
+  python -m moe_rl.tools.export_hf runs/2026-11-22_08-00-00/checkpoints/step_000030 --out /tmp/actor-hf
+  python -m moe_rl.tools.export_hf runs/my-run/checkpoints --out /tmp/actor-hf        # the newest checkpoint
+  python -m moe_rl.tools.export_hf CKPT --out /tmp/actor-hf --model /data/Qwen3-30B-A3B --dtype bfloat16
+  torchrun --nproc-per-node=2 -m moe_rl.tools.export_hf CKPT --out /tmp/actor-hf --ep 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+# Files copied from the source HF folder next to the exported weights.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step_* folder, or a checkpoint root (its newest complete checkpoint)."""
+    from moe_rl.trainer import checkpoint
+
+    path = Path(path)
+    if (path / "model").is_dir():
+        return path
+    newest = checkpoint.latest(path) if path.is_dir() else None
+    if newest is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint step folder (with model/) nor a folder with `latest`")
+    return newest
+
+
+def export(
+    ckpt: str | Path, out: str | Path, model: str | None = None, dtype: str | None = None, parallel=None
+) -> Path:
+    """Collective when distributed; rank 0 writes `out`. Returns the output folder."""
+    import torch.distributed as dist
+    from huggingface_hub import save_torch_state_dict
+
+    from moe_rl.actor.model import build_model, load_hf_config
+    from moe_rl.actor.parallel import ParallelConfig
+    from moe_rl.actor.weights import export_hf_state_dict
+    from moe_rl.trainer import checkpoint
+
+    ckpt = resolve_checkpoint(ckpt)
+    if model is None:
+        meta = ckpt / "trainer.json"
+        if not meta.is_file():
+            raise FileNotFoundError(f"{meta} is missing; pass --model HF_DIR (the folder the run started from)")
+        model = json.loads(meta.read_text())["model_path"]
+    hf_cfg = load_hf_config(model)
+    chunks, conv = build_model(hf_cfg, parallel or ParallelConfig())
+    checkpoint.load_model(ckpt, chunks)
+    state = export_hf_state_dict(chunks, conv)
+    out = Path(out)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        target = getattr(torch, dtype) if dtype else getattr(hf_cfg, "dtype", None) or torch.float32
+        if isinstance(target, str):
+            target = getattr(torch, target)
+        out.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.detach().to(target, copy=True) for k, v in state.items()}  # views share storage
+        save_torch_state_dict(weights, out, max_shard_size="5GB")
+        hf_cfg.dtype = target
+        hf_cfg.save_pretrained(out)
+        for name in SIDE_FILES:
+            if (Path(model) / name).is_file():
+                shutil.copy2(Path(model) / name, out / name)
+        (out / "moe_rl_export.json").write_text(json.dumps({"checkpoint": str(ckpt), "source_model": str(model)}))
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m moe_rl.tools.export_hf",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="checkpoint step folder (…/checkpoints/step_000030) or the checkpoints folder")
+    p.add_argument("--out", required=True, help="output HF folder")
+    p.add_argument("--model", help="source HF folder for config/tokenizer (default: trainer.json's model_path)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="weight dtype (default: the config's)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size of this export job")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size of this export job")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size of this export job")
+    a = p.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+
+    parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep)
+    init_distributed(parallel)
+    out = export(a.checkpoint, a.out, a.model, a.dtype, parallel)
+    if dist.get_rank() == 0:
+        print(f"[moe-rl] exported {resolve_checkpoint(a.checkpoint)} -> {out}")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Checkpoints: megatron-core distributed checkpoints of the actor, its optimizer and every rank's
+RNG state, plus the trainer state (step, data position, wandb run id).
+
+Layout: `<dir>/step_000012/{model/, optimizer/, trainer.json}`; `<dir>/latest` names the newest
+complete checkpoint and is written last, so a save cut short (a second SIGTERM, a node loss) is
+never resumed. `model/` is a sharded checkpoint: it loads under another parallel layout (the HF
+export runs at world 1 on a checkpoint saved with EP=2).
+
+Resume is all or nothing: a missing optimizer/ or trainer.json is an error, never a silently
+re-initialised optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed as a whole."""
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    marker = Path(root) / "latest"
+    if not marker.is_file():
+        return None
+    path = Path(root) / marker.read_text().strip()
+    if not path.is_dir():
+        raise CheckpointError(f"{marker} names {path.name}, which does not exist")
+    return path
+
+
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    """megatron's naming: `model` for one chunk, `model0`, `model1`, ... for virtual pipeline chunks."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _rng_object():
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank, world = _rank_world()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its (zero) Adam state so the sharded layout exists before loading."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+
+def _optimizer_sharded_state_dict(chunks, optimizer: torch.optim.Optimizer) -> dict:
+    """torch AdamW state as sharded tensors keyed like the parameters (megatron's FP32Optimizer recipe)."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    _init_adam_state(optimizer)
+    state = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict(chunks), params)
+    if len(id_map) != len(params):
+        raise RuntimeError(f"{len(params) - len(id_map)} optimizer parameters have no sharded model tensor")
+    steps = {float(s["step"]) for s in state["state"].values()}
+    if len(steps) != 1:
+        raise RuntimeError(f"parameters are at different optimizer steps {sorted(steps)}; expected one")
+    optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+    state["state"]["common_step"] = steps.pop()
+    return {"optimizer": state}
+
+
+def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint folder."""
+    from megatron.core import dist_checkpointing
+
+    rank, _ = _rank_world()
+    path = step_dir(root, step)
+    if rank == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        (path / "model").mkdir(parents=True)
+        (path / "optimizer").mkdir()
+    if dist.is_initialized():
+        dist.barrier()
+    dist_checkpointing.save({**model_sharded_state_dict(chunks), "rng_state": _rng_object()}, str(path / "model"))
+    dist_checkpointing.save(_optimizer_sharded_state_dict(chunks, optimizer), str(path / "optimizer"))
+    if rank == 0:
+        (path / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        (Path(root) / "latest").write_text(path.name)
+    return path
+
+
+def load_model(path: str | Path, chunks) -> None:
+    """Load only the actor weights (any parallel layout) from a checkpoint folder."""
+    from megatron.core import dist_checkpointing
+
+    model_dir = Path(path) / "model"
+    if not (model_dir / "metadata.json").is_file():
+        raise CheckpointError(f"{path} holds no model checkpoint ({model_dir}/metadata.json missing)")
+    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), str(model_dir))
+    for i, c in enumerate(chunks):
+        c.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+
+
+def load(path: str | Path, chunks, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore model, optimizer, this rank's RNG; returns trainer.json. Refuses partial checkpoints."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    for piece, what in (("optimizer/metadata.json", "optimizer state"), ("trainer.json", "trainer state")):
+        if not (path / piece).is_file():
+            raise CheckpointError(
+                f"cannot resume from {path}: its {what} ({piece}) is missing. Resuming without it would "
+                "silently restart that state; restore the file or start a fresh run (trainer.resume=off)."
+            )
+    load_model(path, chunks)
+    rng = dist_checkpointing.load({"rng_state": _rng_object()}, str(path / "model"))["rng_state"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    state = dist_checkpointing.load(_optimizer_sharded_state_dict(chunks, optimizer), str(path / "optimizer"))
+    state = state["optimizer"]
+    step = state["state"].pop("common_step")
+    for s in state["state"].values():
+        s["step"] = torch.tensor(float(step), dtype=torch.float32)
+    optimizer.load_state_dict(state)
+    return json.loads((path / "trainer.json").read_text())

@@ -1,0 +1,114 @@
+"""Checkpoints at world 1: exact round trip of model + Adam state + RNG, refusal of partial
+checkpoints, and the HF export compared with transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from moe_rl.actor.model import build_model, load_hf_config
+from moe_rl.actor.parallel import ParallelConfig
+from moe_rl.actor.weights import load_hf_weights
+from moe_rl.tools.export_hf import export
+from moe_rl.trainer import checkpoint
+from tests.reference import hf_forward, load_hf, random_batch
+from tests.unit.test_actor_world1 import _megatron_logits_and_topk
+
+
+def _actor_and_adam(path):
+    chunks, conv = build_model(load_hf_config(path), ParallelConfig())
+    load_hf_weights(chunks, conv, path)
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2, weight_decay=0.01)
+    return chunks, opt
+
+
+def _adam_step(chunks, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in chunks[0].parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+
+
+def _params(chunks):
+    return {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+
+
+@pytest.fixture
+def trained(tiny_models, tmp_path, world1):
+    """A world-1 actor after two Adam steps and its checkpoint at step 2."""
+    chunks, opt = _actor_and_adam(tiny_models["qwen3_moe"])
+    _adam_step(chunks, opt, 0)
+    _adam_step(chunks, opt, 1)
+    state = {"data_position": 17, "wandb_run_id": None, "model_path": str(tiny_models["qwen3_moe"])}
+    path = checkpoint.save(tmp_path / "ckpt", 2, chunks, opt, state)
+    return chunks, opt, path
+
+
+def test_round_trip_continues_training_exactly(trained, tiny_models):
+    chunks, opt, path = trained
+    assert checkpoint.latest(path.parent) == path
+    rng_after_save = torch.rand(3)
+    torch.manual_seed(999)  # scramble the RNG: load must restore it
+
+    fresh, fresh_opt = _actor_and_adam(tiny_models["qwen3_moe"])
+    state = checkpoint.load(path, fresh, fresh_opt)
+    assert state["step"] == 2 and state["data_position"] == 17
+    assert torch.equal(torch.rand(3), rng_after_save)
+    for name, p in _params(chunks).items():
+        assert torch.equal(p, dict(fresh[0].named_parameters())[name]), name
+    # One more step from the restored Adam moments equals the uninterrupted step (bit-exact).
+    _adam_step(chunks, opt, 2)
+    _adam_step(fresh, fresh_opt, 2)
+    for name, p in _params(chunks).items():
+        assert torch.equal(p, dict(fresh[0].named_parameters())[name]), name
+    assert float(fresh_opt.state_dict()["state"][0]["step"]) == 3.0
+
+
+@pytest.mark.parametrize(
+    "remove, message",
+    [("optimizer", "optimizer state"), ("trainer.json", "trainer state")],
+)
+def test_partial_checkpoint_is_refused(trained, tiny_models, remove, message):
+    _, _, path = trained
+    target = path / remove
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    fresh, fresh_opt = _actor_and_adam(tiny_models["qwen3_moe"])
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        checkpoint.load(path, fresh, fresh_opt)
+
+
+def test_latest_marker_naming_a_missing_folder(trained):
+    _, _, path = trained
+    shutil.rmtree(path)
+    with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
+        checkpoint.latest(path.parent)
+
+
+def test_exported_folder_loads_in_transformers_with_the_actors_logits(trained, tmp_path):
+    chunks, _, path = trained
+    out = export(path.parent, tmp_path / "hf")  # the checkpoints root: resolves `latest`
+    assert json.loads((out / "moe_rl_export.json").read_text())["checkpoint"] == str(path)
+    hf = load_hf(str(out))
+    cfg = hf.config
+    ids, mask = random_batch(cfg.vocab_size, batch=3, length=12, seed=int(torch.randint(0, 10**6, ())))
+    hf_logits, _ = hf_forward(hf, ids, mask)
+    mc_logits, _ = _megatron_logits_and_topk(chunks, ids, mask)
+    valid = mask.bool()
+    diff = (hf_logits[valid] - mc_logits[..., : cfg.vocab_size][valid]).abs().max().item()
+    assert diff < 1e-4, diff
+    # The export is the trained actor, not the initial weights.
+    init = load_hf(str(json.loads((path / "trainer.json").read_text())["model_path"]))
+    init_logits, _ = hf_forward(init, ids, mask)
+    assert (init_logits[valid] - hf_logits[valid]).abs().max().item() > 1e-2
+
+
+def test_export_without_model_reference(trained, tmp_path):
+    _, _, path = trained
+    (path / "trainer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="--model"):
+        export(path, tmp_path / "hf")
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
+        export(tmp_path / "nowhere", tmp_path / "hf")
