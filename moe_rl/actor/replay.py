@@ -61,7 +61,9 @@ class RouterHook:
         self.forward_q: deque[torch.Tensor] = deque()
         self.recompute_q: deque[torch.Tensor] = deque()
         self.recorded: list[torch.Tensor] = []
-        self.verify = False
+        self.verify: bool | str = False  # True: raise on a dispatch mismatch; "count": only count
+        self.checked = 0  # token rows dispatched under replay and compared with their target
+        self.mismatched = 0  # ... of which went to other experts than the replayed ones
         self.last_target: torch.Tensor | None = None
         self.recomputes = 0  # targets replayed by activation recompute (for tests and logs)
         router.register_forward_hook(self._verify_hook)
@@ -101,15 +103,17 @@ class RouterHook:
             return
         routing_map = output[1]
         expected = torch.zeros_like(routing_map, dtype=torch.bool).scatter(1, self.last_target, True)
-        if not torch.equal(routing_map.bool(), expected):
-            bad = int((routing_map.bool() != expected).any(-1).sum())
+        bad = int((routing_map.bool() != expected).any(-1).sum())
+        self.checked += routing_map.shape[0]
+        self.mismatched += bad
+        if bad and self.verify is True:
             raise RouteError(
                 f"MoE layer {self.layer}: {bad} tokens were dispatched to experts other than the "
                 "replayed ones (token dropping or a routing path that ignores replay?)"
             )
 
 
-def install_hook(layer: int, router: torch.nn.Module, verify: bool = False) -> RouterHook:
+def install_hook(layer: int, router: torch.nn.Module, verify: bool | str = False) -> RouterHook:
     """This router's hook (installed once; megatron's own RouterReplay, if any, is replaced)."""
     hook = router.router_replay if isinstance(router.router_replay, RouterHook) else RouterHook(layer, router)
     hook.verify = verify
@@ -140,9 +144,11 @@ class RouteReplay:
     """Replay / record controller bound to one model's routers.
 
     chunks: this rank's model chunks; moe_layers: decoder layer of each route column.
+    verify: check after each replayed router that tokens were dispatched to exactly the replayed
+    experts; True raises RouteError on a difference, "count" only counts (`dispatch_check`).
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], moe_layers: list[int], verify: bool = False):
+    def __init__(self, chunks: list[torch.nn.Module], moe_layers: list[int], verify: bool | str = False):
         check_replay_supported(chunks[0].config)
         self.moe_layers = list(moe_layers)
         self.col = {layer: i for i, layer in enumerate(self.moe_layers)}
@@ -155,6 +161,14 @@ class RouteReplay:
             self.hooks.append(install_hook(layer, router, verify))
         self.topk = chunks[0].config.moe_router_topk
         self.num_experts = chunks[0].config.num_moe_experts
+
+    def dispatch_check(self, reset: bool = False) -> tuple[int, int]:
+        """(token-layer rows checked, rows dispatched elsewhere than replayed) on this rank."""
+        out = (sum(h.checked for h in self.hooks), sum(h.mismatched for h in self.hooks))
+        if reset:
+            for h in self.hooks:
+                h.checked = h.mismatched = 0
+        return out
 
     # ---- parallel layout of this rank -----------------------------------------------------
     @staticmethod

@@ -4,7 +4,8 @@ One safetensors file per rank and step, `<dir>/step_000003/rank_00001.safetensor
 
   input_ids, attention_mask, loss_mask   [B, T]  right-padded prompt+response, 1 on response tokens
   rollout_logprobs                       [B, T]  mu: the engine's log-probs (0 off the response)
-  rewards                                [B]     samples of one prompt are consecutive (sampling.n)
+  rewards                                [B]     samples of one prompt are consecutive (sampling.n);
+                                                 absent in moe-rl-diagnose live dumps
   logprobs_replay                        [B, T]  pi_old with the engine's routes replayed
   logprobs_live                          [B, T]  pi_old with the actor's own routing
   routes                                 [B, T, L_moe, K]  the engine's routes (when captured)
@@ -13,7 +14,9 @@ One safetensors file per rank and step, `<dir>/step_000003/rank_00001.safetensor
 
 Metadata (strings): `meta` = JSON with step, rank, world_size, model path, `model` fingerprint
 (model_type, vocab_size, num_layers, moe_layers, num_experts, topk), actor/engine dtypes,
-router_replay mode and sampling.n. The fingerprint is what refuses a dump from another model.
+router_replay mode, sampling.n and `replay_check` ({token_layers, mismatched}: router rows
+dispatched under replay before the update and how many went to other experts than replayed).
+The fingerprint is what refuses a dump from another model.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-REQUIRED = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs", "rewards")
+REQUIRED = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")
 PER_TOKEN = ("attention_mask", "loss_mask", "rollout_logprobs", "logprobs_replay", "logprobs_live")
 
 
@@ -77,7 +80,7 @@ def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     for k in PER_TOKEN:
         if k in tensors and tuple(tensors[k].shape) != (b, t):
             raise DumpError(f"{path}: {k} has shape {tuple(tensors[k].shape)}, input_ids has {(b, t)}")
-    if tuple(tensors["rewards"].shape) != (b,):
+    if "rewards" in tensors and tuple(tensors["rewards"].shape) != (b,):
         raise DumpError(f"{path}: rewards has shape {tuple(tensors['rewards'].shape)}, expected ({b},)")
     m = meta["model"]
     for k in ("routes", "routes_live"):

@@ -93,7 +93,7 @@ class Trainer:
         t = cfg.trainer
         self.dumping = t.dump_every > 0 or t.mode == "rollout_only"
         wants_replay = cfg.actor.router_replay != "off" or self.dumping
-        self.replay = RouteReplay(self.chunks, self.layout.moe_layers) if wants_replay else None
+        self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
         params = [p for c in self.chunks for p in c.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
         self.model_path, self.hf_cfg = model_path, hf_cfg
@@ -162,6 +162,8 @@ class Trainer:
     def step(self) -> dict[str, float]:
         timer = Timer()
         t, n = self.cfg.trainer, self.cfg.sampling.n
+        if self.replay is not None:
+            self.replay.dispatch_check(reset=True)
         if t.mode == "from_dump":
             with timer("load_dump"):
                 padded, rewards = self.load_dump()
@@ -305,23 +307,19 @@ class Trainer:
         return out
 
     def routing_views(self, padded, old) -> dict[str, torch.Tensor | None]:
-        """pi_old with the engine's routes replayed and with the actor's own routing (plus its
-        routes), reusing the old-log-prob pass for whichever of the two it already is."""
-        from moe_rl.actor.forward import compute_logprobs
+        from moe_rl.actor.forward import routing_views
 
         mode = self.cfg.actor.router_replay
-        args = (self.chunks, padded.input_ids, padded.attention_mask, self.cfg.actor.micro_batch_size)
-        if mode == "r2":
-            live = old
-        else:
-            live = compute_logprobs(*args, with_entropy=False, replay=self.replay, record=True)
-        if mode == "r3":
-            replayed = old["logprobs"]
-        elif padded.routes is not None:
-            replayed = compute_logprobs(*args, with_entropy=False, routes=padded.routes, replay=self.replay)["logprobs"]
-        else:
-            replayed = None
-        return {"logprobs_replay": replayed, "logprobs_live": live["logprobs"], "routes_live": live["routes"]}
+        return routing_views(
+            self.chunks,
+            padded.input_ids,
+            padded.attention_mask,
+            self.cfg.actor.micro_batch_size,
+            self.replay,
+            padded.routes,
+            replayed=old["logprobs"] if mode == "r3" else None,
+            live=old if mode == "r2" else None,
+        )
 
     def router_agreement(self, padded, live_routes: torch.Tensor) -> float:
         """Fraction of (token, MoE layer) pairs where the actor's own routing picks the same expert
@@ -345,6 +343,7 @@ class Trainer:
             "rollout_dtype": self.cfg.rollout.dtype,
             "router_replay": self.cfg.actor.router_replay,
             "n": self.cfg.sampling.n,
+            "replay_check": dict(zip(("token_layers", "mismatched"), self.replay.dispatch_check(), strict=True)),
         }
         tensors = {
             "input_ids": padded.input_ids,
@@ -373,6 +372,8 @@ class Trainer:
                 f"{folder}: written by {meta['world_size']} ranks, this run has {dist.get_world_size()}"
             )
         routes = tensors.get("routes")
+        if "rewards" not in tensors:
+            raise dump.DumpError(f"{folder}: has no rewards (written by moe-rl-diagnose, not a training run?)")
         if self.cfg.actor.router_replay == "r3" and routes is None:
             raise dump.DumpError(f"{folder}: actor.router_replay=r3 needs engine routes; the dump has none")
         padded = PaddedBatch(

@@ -164,6 +164,13 @@ def test_dumps_then_train_from_dump(tmp_path):
     # R3: the replayed pass equals pi_old used for training; fp32 live routing agrees closely.
     assert (tensors["logprobs_replay"] - tensors["logprobs_live"]).abs().max() < 1e-3
 
+    # The diagnostic CLI reads the trainer's dumps: the replayed pass dispatched exactly the engine's routes.
+    from moe_rl.diagnostics.cli import main as diagnose
+
+    diagnose(["offline", "--dump", str(tmp_path / "rollouts" / "dumps"), "--out", str(tmp_path / "diag"), "--no-plots"])
+    report = json.loads((tmp_path / "diag" / "report.json").read_text())
+    assert report["router"]["with_replay_disagreement"] == 0.0 and report["source"]["steps"] == [0, 1]
+
     history = _train(
         tmp_path / "from_dump",
         ["trainer.mode=from_dump", f"trainer.dump_dir={tmp_path / 'rollouts' / 'dumps'}", "trainer.steps=2", *base],

@@ -1,0 +1,1 @@
+"""Routing-mismatch diagnostics: `moe-rl-diagnose` (live / offline / compare)."""

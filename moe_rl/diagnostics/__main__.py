@@ -1,0 +1,3 @@
+from moe_rl.diagnostics.cli import main
+
+main()

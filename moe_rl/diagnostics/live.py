@@ -1,0 +1,110 @@
+"""`moe-rl-diagnose live`: one rollout with route capture, scored by the Megatron actor with its
+own routing and with the engine's routes replayed; every rank writes its dump, rank 0 reports.
+
+Under torchrun each rank runs its own engine on its share of the prompts (the trainer's
+per-rank topology) and the actor uses `--ep` expert parallelism over the world.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_prompts(path: str, limit: int) -> list[str]:
+    """jsonl with a `prompt` field, or plain text with one prompt a line."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--prompts {path} does not exist")
+    lines = [line for line in p.read_text().splitlines() if line.strip()]
+    prompts = []
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("{"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {i + 1}: not valid JSON ({e})") from None
+            if "prompt" not in row:
+                raise ValueError(f"{path} line {i + 1}: no `prompt` field (keys: {sorted(row)})")
+            prompts.append(str(row["prompt"]))
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ValueError(f"--prompts {path} holds no prompts")
+    return prompts[:limit]
+
+
+def live(args) -> dict | None:
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from moe_rl.actor.forward import routing_views
+    from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
+    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from moe_rl.actor.replay import RouteReplay
+    from moe_rl.actor.weights import load_hf_weights
+    from moe_rl.diagnostics.cli import write_report
+    from moe_rl.diagnostics.report import load_dumps
+    from moe_rl.rollout import dump
+    from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
+    from moe_rl.routing.model_layout import moe_layout
+    from moe_rl.trainer.loop import _world_max
+
+    if not Path(args.model, "config.json").is_file():
+        raise FileNotFoundError(f"--model {args.model}: no config.json there")
+    hf_cfg = load_hf_config(args.model)
+    layout = moe_layout(hf_cfg)  # ValueError naming the config for a model without MoE layers
+    prompts = read_prompts(args.prompts, args.samples)
+    parallel = ParallelConfig(ep=args.ep)
+    init_distributed(parallel, seed=args.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = prompts[rank::world]
+    if not mine:
+        raise ValueError(f"{len(prompts)} prompts cannot feed {world} ranks")
+    out = Path(args.out)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    rollout_cfg = RolloutConfig(
+        model=args.model, dtype=args.dtype, capture="auto", seed=args.seed, kv_cache_gib=args.kv_cache_gib
+    )
+    with RolloutEngine(rollout_cfg, layout.moe_layers, layout.num_experts, layout.topk) as engine:
+        sampling = SamplingConfig(
+            n=1, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + rank * len(mine)
+        )
+        batch = engine.generate([tok(p)["input_ids"] for p in mine], sampling)
+    longest = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True))
+    padded = batch.to_padded(pad_id=tok.pad_token_id or 0, min_length=_world_max(longest)[0])
+
+    chunks, conv = build_model(hf_cfg, parallel, ModelOptions(dtype=args.dtype))
+    load_hf_weights(chunks, conv, args.model)
+    replay = RouteReplay(chunks, layout.moe_layers, verify="count")
+    views = routing_views(chunks, padded.input_ids, padded.attention_mask, None, replay, padded.routes)
+    checked, mismatched = replay.dispatch_check()
+    meta = {
+        "step": 0,
+        "rank": rank,
+        "world_size": world,
+        "model_path": str(args.model),
+        "model": dump.model_fingerprint(hf_cfg, layout),
+        "actor_dtype": args.dtype,
+        "rollout_dtype": args.dtype,
+        "router_replay": "r3",
+        "n": 1,
+        "replay_check": {"token_layers": checked, "mismatched": mismatched},
+    }
+    tensors = {
+        "input_ids": padded.input_ids,
+        "attention_mask": padded.attention_mask,
+        "loss_mask": padded.loss_mask,
+        "rollout_logprobs": padded.rollout_logprobs,
+        "routes": padded.routes,
+        **views,
+    }
+    dump.write(dump.rank_file(out / "dump", 0, rank), tensors, meta)
+    dist.barrier()
+    report = None
+    if rank == 0:
+        data, metas, files = load_dumps(out / "dump")
+        report = write_report(args, data, metas, files, tok)
+    dist.barrier()
+    destroy_distributed()
+    return report

@@ -1,0 +1,203 @@
+"""The routing-mismatch report: numbers computed from rollout dumps (`moe_rl.rollout.dump`).
+
+report.json schema (version 1; keys are stable, new keys may be added):
+
+  schema_version        1
+  source                {dumps: [files], steps: [int], model_path, model: fingerprint,
+                         rollout_dtype, actor_dtype, samples, response_tokens, routed_token_layers}
+  router                (None when the dumps hold no engine routes)
+    moe_layers                   [decoder layer of each MoE layer]
+    disagreement_per_layer       {layer: fraction of token-layers whose expert sets differ},
+                                 engine routes vs the actor's own routing (no replay)
+    set_difference_mean_per_layer {layer: mean |engine set \\ actor set| per token-layer}
+    disagreement                 over all token-layers
+    token_any_disagreement       fraction of tokens with a differing set in any MoE layer
+    with_replay_disagreement     fraction of token-layers that the actor dispatched to other
+                                 experts than the replayed ones (expected 0; None if unmeasured)
+    with_replay_checked_token_layers
+  mismatch
+    without_replay / with_replay {each key of moe_rl.objectives.mismatch_metrics (pi_old vs mu),
+                                  k_above_tis_cap_fraction}; with_replay is None without routes
+  thresholds            {icepop_low, icepop_high, tis_cap}
+  worst_tokens          N response tokens with the largest |log pi_old(no replay) - log mu|:
+                        {sample, position, token_id, text, logprob_mu, logprob_replay,
+                         logprob_live, log_k_live, layers_differing (MoE layers whose expert
+                         sets differ at position - 1, the position whose output scores it)}
+
+Token-layers: every routed position (prompt and response, all but each sequence's last token,
+which the engine never routes) times every MoE layer. Log-prob metrics: response tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from moe_rl.objectives import mismatch_metrics
+from moe_rl.rollout import dump
+
+SCHEMA_VERSION = 1
+
+
+def load_dumps(folder: str | Path, step: int | None = None, model_fingerprint: dict | None = None):
+    """Concatenate the rank files of the chosen step(s) (all steps by default).
+
+    Returns (tensors, metas, files); tensors are right-padded to one length. Raises DumpError
+    for missing folders, malformed files, or files from different models (or not `model_fingerprint`).
+    """
+    steps = dump.step_folders(folder)
+    if step is not None:
+        steps = [p for p in steps if p.name == f"step_{step:06d}"]
+        if not steps:
+            raise dump.DumpError(f"{folder} has no dump for step {step}")
+    files = [f for s in steps for f in sorted(s.glob("rank_*.safetensors"))]
+    if not files:
+        raise dump.DumpError(f"{folder}: the step folders hold no rank_*.safetensors files")
+    parts, metas = [], []
+    for f in files:
+        tensors, meta = dump.read(f)
+        expected = model_fingerprint or (metas[0]["model"] if metas else meta["model"])
+        if meta["model"] != expected:
+            raise dump.DumpError(f"{f} is from another model: {meta['model']} (expected {expected})")
+        parts.append(tensors)
+        metas.append(meta)
+    keys = set(parts[0])
+    for f, p in zip(files, parts, strict=True):
+        if set(p) != keys:
+            raise dump.DumpError(f"{f} holds {sorted(p)}, {files[0]} holds {sorted(keys)}")
+    return _concat(parts), metas, files
+
+
+def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    t = max(p["input_ids"].shape[1] for p in parts)
+    out = {}
+    for k in parts[0]:
+        if parts[0][k].dim() >= 2:
+            padded = []
+            for p in parts:
+                x = p[k]
+                pad = torch.zeros((x.shape[0], t - x.shape[1], *x.shape[2:]), dtype=x.dtype)
+                padded.append(torch.cat([x, pad], dim=1))
+            out[k] = torch.cat(padded)
+        else:
+            out[k] = torch.cat([p[k] for p in parts])
+    return out
+
+
+def routed_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: real tokens except each sequence's last one (the engine routes no more)."""
+    valid = attention_mask.bool().clone()
+    valid[torch.arange(valid.shape[0]), attention_mask.sum(1) - 1] = False
+    return valid
+
+
+def route_sets_differ(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For [..., K] expert ids: (sets differ [...] bool, |a \\ b| [...] long)."""
+    a, b = a.long(), b.long()
+    in_b = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)  # [..., K]: a's expert also chosen in b
+    missing = (~in_b).sum(-1)
+    return missing > 0, missing
+
+
+def router_block(routes: torch.Tensor, routes_live: torch.Tensor, valid: torch.Tensor, moe_layers, metas) -> dict:
+    differ, missing = route_sets_differ(routes[valid], routes_live[valid])  # [N, L]
+    checked = sum(m.get("replay_check", {}).get("token_layers", 0) for m in metas)
+    mismatched = sum(m.get("replay_check", {}).get("mismatched", 0) for m in metas)
+    measured = all("replay_check" in m for m in metas) and checked > 0
+    return {
+        "moe_layers": list(moe_layers),
+        "disagreement_per_layer": {
+            str(layer): float(differ[:, i].double().mean()) for i, layer in enumerate(moe_layers)
+        },
+        "set_difference_mean_per_layer": {
+            str(layer): float(missing[:, i].double().mean()) for i, layer in enumerate(moe_layers)
+        },
+        "disagreement": float(differ.double().mean()),
+        "token_any_disagreement": float(differ.any(-1).double().mean()),
+        "with_replay_disagreement": mismatched / checked if measured else None,
+        "with_replay_checked_token_layers": checked if measured else 0,
+    }
+
+
+def mismatch_block(logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, low: float, high: float, cap: float):
+    out = {k: float(v) for k, v in mismatch_metrics(logp, mu, mask, low, high).items()}
+    m = mask.bool()
+    log_k = (logp - mu).float()[m]
+    out["k_above_tis_cap_fraction"] = float((log_k > math.log(cap)).double().mean())
+    return out
+
+
+def worst_tokens(data: dict[str, torch.Tensor], n: int, moe_layers, tokenizer=None) -> list[dict]:
+    mask = data["loss_mask"].bool()
+    gap = (data["logprobs_live"] - data["rollout_logprobs"]).abs().masked_fill(~mask, -1.0)
+    n = min(n, int(mask.sum()))
+    flat = torch.topk(gap.flatten(), n).indices
+    out = []
+    for idx in flat.tolist():
+        b, t = divmod(idx, gap.shape[1])
+        tok = int(data["input_ids"][b, t])
+        layers = []
+        if "routes" in data and "routes_live" in data and t >= 1:  # position t-1's output scores token t
+            differ, _ = route_sets_differ(data["routes"][b, t - 1], data["routes_live"][b, t - 1])
+            layers = [int(moe_layers[i]) for i in differ.nonzero().flatten().tolist()]
+        replay = data.get("logprobs_replay")
+        out.append(
+            {
+                "sample": b,
+                "position": t,
+                "token_id": tok,
+                "text": tokenizer.decode([tok]) if tokenizer is not None else None,
+                "logprob_mu": float(data["rollout_logprobs"][b, t]),
+                "logprob_replay": None if replay is None else float(replay[b, t]),
+                "logprob_live": float(data["logprobs_live"][b, t]),
+                "log_k_live": float(data["logprobs_live"][b, t] - data["rollout_logprobs"][b, t]),
+                "layers_differing": layers,
+            }
+        )
+    return out
+
+
+def build_report(
+    data: dict[str, torch.Tensor],
+    metas: list[dict],
+    files: list[Path],
+    icepop: tuple[float, float] = (0.5, 5.0),
+    tis_cap: float = 2.0,
+    worst: int = 10,
+    tokenizer=None,
+) -> dict:
+    if "logprobs_live" not in data:
+        raise dump.DumpError(
+            f"{files[0]} has no logprobs_live: write dumps with trainer.dump_every or moe-rl-diagnose live"
+        )
+    moe_layers = metas[0]["model"]["moe_layers"]
+    mask = data["loss_mask"]
+    valid = routed_positions(data["attention_mask"])
+    has_routes = "routes" in data and "routes_live" in data
+    low, high = icepop
+    with_replay = None
+    if data.get("logprobs_replay") is not None:
+        with_replay = mismatch_block(data["logprobs_replay"], data["rollout_logprobs"], mask, low, high, tis_cap)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "source": {
+            "dumps": [str(f) for f in files],
+            "steps": sorted({m["step"] for m in metas}),
+            "model_path": metas[0].get("model_path"),
+            "model": metas[0]["model"],
+            "rollout_dtype": metas[0].get("rollout_dtype"),
+            "actor_dtype": metas[0].get("actor_dtype"),
+            "samples": int(mask.shape[0]),
+            "response_tokens": int(mask.sum()),
+            "routed_token_layers": int(valid.sum()) * len(moe_layers),
+        },
+        "router": router_block(data["routes"], data["routes_live"], valid, moe_layers, metas) if has_routes else None,
+        "mismatch": {
+            "without_replay": mismatch_block(data["logprobs_live"], data["rollout_logprobs"], mask, low, high, tis_cap),
+            "with_replay": with_replay,
+        },
+        "thresholds": {"icepop_low": low, "icepop_high": high, "tis_cap": tis_cap},
+        "worst_tokens": worst_tokens(data, worst, moe_layers, tokenizer),
+    }
