@@ -1,0 +1,90 @@
+"""RL step time breakdown of `torchrun launch/train_moe.py`, printed as JSON.
+
+Runs the trainer twice with the same seed and data, side by side:
+  r3   routes captured by the engine, moved into the padded batch and replayed (the default);
+  off  no capture (rollout.capture=none), no replay.
+Reports each run's mean seconds per phase (time/<phase>, steps after the first: warm-up) and
+the R3 overhead: route handling (padding + route tensors, a phase of its own) and the whole
+step-time difference r3 - off (capture in the engine, route transport, replay in the
+old-log-prob and update passes) as fractions of the R3 step.
+
+  python bench/step_time.py                       # 2 ranks, 8 steps per run
+  python bench/step_time.py --steps 12 --nproc 2 --extra sampling.max_tokens=48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "r3": ["actor.router_replay=r3"],
+    "off": ["actor.router_replay=off", "rollout.capture=none"],
+}
+
+
+def run(variant: str, steps: int, nproc: int, extra: list[str], root: Path) -> list[dict]:
+    run_dir = root / variant
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(REPO / "launch" / "train_moe.py"),
+        f"hydra.run.dir={run_dir}",
+        f"trainer.steps={steps}",
+        "trainer.checkpoint_every=0",
+        "logging.wandb_mode=disabled",
+        "logging.router_agreement_every=0",
+        *VARIANTS[variant],
+        *extra,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{variant} run failed:\n{(proc.stdout + proc.stderr)[-5000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def phases(history: list[dict]) -> dict[str, float]:
+    steady = history[1:]  # the first step pays one-off costs (first engine batch, allocations)
+    keys = sorted({k for h in steady for k in h if k.startswith("time/")})
+    out = {k[5:]: statistics.mean(h.get(k, 0.0) for h in steady) for k in keys}
+    out["step"] = sum(out.values())
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for both runs")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {v: phases(run(v, a.steps, a.nproc, a.extra, Path(tmp))) for v in VARIANTS}
+    r3, off = results["r3"], results["off"]
+    print(
+        json.dumps(
+            {
+                "config": {"steps": a.steps, "nproc": a.nproc, "extra": a.extra, "measured_steps": a.steps - 1},
+                "seconds_per_step": results,
+                "r3_over_off_step_ratio": r3["step"] / off["step"],
+                "route_handling_fraction_of_step": r3.get("route_handling", 0.0) / r3["step"],
+                "r3_overhead_fraction_of_step": (r3["step"] - off["step"]) / r3["step"],
+                "phase_ratios_r3_over_off": {k: r3[k] / off[k] for k in r3 if k in off and off[k] > 0},
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
