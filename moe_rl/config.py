@@ -79,7 +79,7 @@ class TrainerConfig:
     """Warn when |mean(log pi_theta - log pi_old)| on the first mini-batch exceeds this."""
     mode: str = "train"
     """train | rollout_only (rollout + old log-probs + a dump each step, no update) | from_dump
-    (train on the dumps in dump_dir, no engine)."""
+    (train on the dumps in dump_dir, cycling through its steps; no engine)."""
     checkpoint_every: int = 10
     """Save a checkpoint every N steps (also at the last step and on SIGTERM); 0 = only those."""
     checkpoint_dir: str = ""

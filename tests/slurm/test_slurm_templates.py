@@ -67,8 +67,8 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, tmp_path):
             ["scontrol", "show", "job", str(job)], env=slurm.env, capture_output=True, text=True
         ).stdout
         if state == "PENDING" and "Restarts=1" in restarts and not hurried:
-            # Slurm delays a requeued job's start; the test need not wait for that.
-            cmd = ["scontrol", "update", f"JobId={job}", "BeginTime=now"]
+            # Slurm holds a requeued job for ~2 minutes (BeginTime); the test need not wait.
+            cmd = ["scontrol", "update", f"JobId={job}", "StartTime=now"]
             hurried = subprocess.run(cmd, env=slurm.env, capture_output=True).returncode == 0
         if state == "COMPLETED" and "Restarts=1" in restarts:
             break
