@@ -1,14 +1,14 @@
 """One policy update of the Megatron actor: micro-batched forward+backward with the configured
 loss and correction, gradient sync over data-parallel groups, clipping, optimizer step.
 
-CPU path: torch AdamW and explicit gradient all-reduces (megatron-core's optimizer needs CUDA).
-Gradient sync follows megatron's DDP: dense parameters over the data-parallel group, experts
-over the expert-data-parallel group, sequence-parallel norms additionally over TP.
+CPU path: explicit gradient all-reduces, then megatron-core's optimizer (actor/optimizer.py:
+clipping by the joint norm, Adam). Gradient sync follows megatron's DDP: dense parameters over
+the data-parallel group, experts over the expert-data-parallel group, sequence-parallel norms
+additionally over TP.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -39,43 +39,19 @@ def sync_gradients(chunks: list[torch.nn.Module]) -> None:
                 dist.all_reduce(p.grad, group=group)
 
 
-def grad_norm(chunks: list[torch.nn.Module]) -> float:
-    """L2 norm of the full (unsharded, de-duplicated) gradient across all ranks."""
-    from megatron.core import parallel_state as ps
-
-    sq = torch.zeros((), dtype=torch.float64)
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            if p.grad is None:
-                continue
-            if _is_expert(name):
-                owner = ps.get_expert_data_parallel_rank() == 0 and (
-                    getattr(p, "tensor_model_parallel", False) or ps.get_expert_tensor_parallel_rank() == 0
-                )
-            else:
-                owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and (
-                    getattr(p, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
-                )
-            if owner:
-                sq += p.grad.double().pow(2).sum()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sq)
-    return math.sqrt(sq.item())
-
-
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def train_minibatch(
     chunks: list[torch.nn.Module],
-    optimizer: torch.optim.Optimizer,
+    optimizer,
     batch: dict[str, torch.Tensor],
     loss_fn: LossFn,
     micro_batch_size: int,
-    grad_clip: float,
     replay=None,
 ) -> dict[str, float]:
-    """Forward+backward over one mini-batch and one optimizer step.
+    """Forward+backward over one mini-batch and one optimizer step (`optimizer`: a megatron
+    optimizer from `moe_rl.actor.optimizer.build_optimizer`).
 
     batch: input_ids/attention_mask [b, T] plus per-token tensors the loss needs (and
     "routes" when `replay` is given). loss_fn(logp [mb, T] aligned to tokens, micro-batch
@@ -111,14 +87,10 @@ def train_minibatch(
     with routing:
         results = run_schedule(chunks, mbs, step, forward_only=False)
     sync_gradients(chunks)
-    norm = grad_norm(chunks)
-    if grad_clip > 0 and norm > grad_clip:
-        for c in chunks:
-            for p in c.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(grad_clip / (norm + 1e-6))
-    optimizer.step()
-    out = {"actor/grad_norm": norm}
+    ok, norm, _ = optimizer.step()  # megatron-core: joint grad norm, clipping, Adam
+    if not ok:
+        raise RuntimeError("optimizer step failed (non-finite gradients?)")
+    out = {"actor/grad_norm": float(norm)}
     if results:
         for k in results[0]:
             out[k] = float(torch.stack([r[k] for r in results]).mean())

@@ -119,13 +119,36 @@ def apply_cpu_shims() -> bool:
     # writing (filesystem_async, async_utils) and device="cuda" flags for its consistency
     # all-reduces (state_dict_saver).
     from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async, state_dict_saver
+
+    # megatron.core.optimizer: FP32Optimizer allocates its loss scale with device="cuda" and
+    # clip_grads.get_grad_norm_fp32 its norm buffers; the non-apex l2-norm fallback
+    # (utils.local_multi_tensor_l2_norm) returns a CUDA tensor; clip_grad_by_total_norm_fp32
+    # asserts `grad.type() == "torch.cuda.FloatTensor"`. Same formulas, CPU tensors.
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.pipeline_parallel import p2p_communication, schedules
 
-    for mod in (schedules, p2p_communication, async_utils, filesystem_async, state_dict_saver):
+    for mod in (schedules, p2p_communication, async_utils, filesystem_async, state_dict_saver, clip_grads, moptimizer):
         mod.torch = _torch_cuda_as_cpu()
+    clip_grads.l2_norm_impl = _l2_norm
+    moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
 
     _APPLIED = True
     return True
+
+
+def _l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    norms = torch.stack([t.float().norm() for t in tensor_lists[0]])
+    return norms.norm().reshape(1), None
+
+
+def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    coeff = max_norm / (total_norm + 1.0e-6)  # megatron's clip_grad_by_total_norm_fp32
+    if coeff < 1.0:
+        for p in parameters if isinstance(parameters, list) else [parameters]:
+            grad = p.decoupled_grad if use_decoupled_grad else p.grad
+            if grad is not None:
+                grad.mul_(coeff)
 
 
 def _torch_cuda_as_cpu() -> types.ModuleType:

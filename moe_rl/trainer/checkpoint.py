@@ -1,5 +1,6 @@
-"""Checkpoints: megatron-core distributed checkpoints of the actor, its optimizer and every rank's
-RNG state, plus the trainer state (step, data position, wandb run id).
+"""Checkpoints: megatron-core distributed checkpoints of the actor, its megatron optimizer (the
+optimizers' own sharded state dicts) and every rank's RNG state, plus the trainer state (step,
+data position, wandb run id).
 
 Layout: `<dir>/step_000012/{model/, optimizer/, trainer.json}`; `<dir>/latest` names the newest
 complete checkpoint and is written last, so a save cut short (a second SIGTERM, a node loss) is
@@ -59,39 +60,6 @@ def _rng_object():
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
-def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter its (zero) Adam state so the sharded layout exists before loading."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not optimizer.state[p]:
-                optimizer.state[p] = {
-                    "step": torch.zeros((), dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-
-
-def _optimizer_sharded_state_dict(chunks, optimizer: torch.optim.Optimizer) -> dict:
-    """torch AdamW state as sharded tensors keyed like the parameters (megatron's FP32Optimizer recipe)."""
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        optim_state_to_sharding_state,
-    )
-
-    _init_adam_state(optimizer)
-    state = optimizer.state_dict()
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict(chunks), params)
-    if len(id_map) != len(params):
-        raise RuntimeError(f"{len(params) - len(id_map)} optimizer parameters have no sharded model tensor")
-    steps = {float(s["step"]) for s in state["state"].values()}
-    if len(steps) != 1:
-        raise RuntimeError(f"parameters are at different optimizer steps {sorted(steps)}; expected one")
-    optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
-    state["state"]["common_step"] = steps.pop()
-    return {"optimizer": state}
-
-
 def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder."""
     from megatron.core import dist_checkpointing
@@ -106,7 +74,9 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict) ->
     if dist.is_initialized():
         dist.barrier()
     dist_checkpointing.save({**model_sharded_state_dict(chunks), "rng_state": _rng_object()}, str(path / "model"))
-    dist_checkpointing.save(_optimizer_sharded_state_dict(chunks, optimizer), str(path / "optimizer"))
+    dist_checkpointing.save(
+        {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks))}, str(path / "optimizer")
+    )
     if rank == 0:
         (path / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
     if dist.is_initialized():
@@ -128,7 +98,7 @@ def load_model(path: str | Path, chunks) -> None:
         c.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
 
 
-def load(path: str | Path, chunks, optimizer: torch.optim.Optimizer) -> dict:
+def load(path: str | Path, chunks, optimizer) -> dict:
     """Restore model, optimizer, this rank's RNG; returns trainer.json. Refuses partial checkpoints."""
     from megatron.core import dist_checkpointing
 
@@ -143,10 +113,6 @@ def load(path: str | Path, chunks, optimizer: torch.optim.Optimizer) -> dict:
     rng = dist_checkpointing.load({"rng_state": _rng_object()}, str(path / "model"))["rng_state"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    state = dist_checkpointing.load(_optimizer_sharded_state_dict(chunks, optimizer), str(path / "optimizer"))
-    state = state["optimizer"]
-    step = state["state"].pop("common_step")
-    for s in state["state"].values():
-        s["step"] = torch.tensor(float(step), dtype=torch.float32)
-    optimizer.load_state_dict(state)
+    sharded = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True)}
+    optimizer.load_state_dict(dist_checkpointing.load(sharded, str(path / "optimizer"))["optimizer"])
     return json.loads((path / "trainer.json").read_text())

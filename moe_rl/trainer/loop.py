@@ -69,6 +69,7 @@ class Trainer:
         from transformers import AutoTokenizer
 
         from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
+        from moe_rl.actor.optimizer import build_optimizer
         from moe_rl.actor.parallel import init_distributed
         from moe_rl.actor.replay import RouteReplay
         from moe_rl.actor.weights import load_hf_weights
@@ -94,8 +95,7 @@ class Trainer:
         self.dumping = t.dump_every > 0 or t.mode == "rollout_only"
         wants_replay = cfg.actor.router_replay != "off" or self.dumping
         self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
-        params = [p for c in self.chunks for p in c.parameters()]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+        self.optimizer = build_optimizer(self.chunks, cfg.actor.lr, cfg.actor.weight_decay, cfg.actor.grad_clip)
         self.model_path, self.hf_cfg = model_path, hf_cfg
         self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
         self.dump_dir = Path(t.dump_dir or run_dir / "dumps")
@@ -296,7 +296,6 @@ class Trainer:
                 batch,
                 loss,
                 a.micro_batch_size,
-                a.grad_clip,
                 replay=self.replay if routes is not None else None,
             )
             if i == 0:  # pi_theta == pi_old before the first optimizer step

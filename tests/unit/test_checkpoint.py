@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_rl.actor.model import build_model, load_hf_config
+from moe_rl.actor.optimizer import build_optimizer
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.weights import load_hf_weights
 from moe_rl.tools.export_hf import export
@@ -21,15 +22,15 @@ from tests.unit.test_actor_world1 import _megatron_logits_and_topk
 def _actor_and_adam(path):
     chunks, conv = build_model(load_hf_config(path), ParallelConfig())
     load_hf_weights(chunks, conv, path)
-    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2, weight_decay=0.01)
-    return chunks, opt
+    return chunks, build_optimizer(chunks, lr=1e-2, weight_decay=0.01, grad_clip=1.0)
 
 
 def _adam_step(chunks, opt, seed):
     g = torch.Generator().manual_seed(seed)
     for p in chunks[0].parameters():
         p.grad = torch.randn(p.shape, generator=g)
-    opt.step()
+    ok, norm, _ = opt.step()
+    assert ok and norm > 1.0  # clipped by megatron's joint norm
 
 
 def _params(chunks):
@@ -64,7 +65,8 @@ def test_round_trip_continues_training_exactly(trained, tiny_models):
     _adam_step(fresh, fresh_opt, 2)
     for name, p in _params(chunks).items():
         assert torch.equal(p, dict(fresh[0].named_parameters())[name]), name
-    assert float(fresh_opt.state_dict()["state"][0]["step"]) == 3.0
+    for sub in fresh_opt.chained_optimizers:
+        assert {float(s["step"]) for s in sub.optimizer.state.values()} == {3.0}
 
 
 @pytest.mark.parametrize(
@@ -112,3 +114,24 @@ def test_export_without_model_reference(trained, tmp_path):
         export(path, tmp_path / "hf")
     with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
         export(tmp_path / "nowhere", tmp_path / "hf")
+
+
+def test_megatron_optimizer_equals_clip_then_adamw(tiny_models, world1):
+    """The chained megatron optimizer (dense + expert) = global-norm clipping then torch AdamW."""
+    chunks, opt = _actor_and_adam(tiny_models["qwen3_moe"])
+    assert len(opt.chained_optimizers) == 1  # EP=1: megatron marks experts allreduce=True (dense group)
+    ref = {n: p.detach().clone().requires_grad_() for n, p in chunks[0].named_parameters()}
+    adam = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.01)
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        grads = {n: 3 * torch.randn(p.shape, generator=g) for n, p in chunks[0].named_parameters()}
+        for n, p in chunks[0].named_parameters():
+            p.grad = grads[n].clone()
+        ok, norm, _ = opt.step()
+        total = torch.sqrt(sum(x.double().pow(2).sum() for x in grads.values())).item()
+        assert ok and norm == pytest.approx(total, rel=1e-5)
+        for n, p in ref.items():
+            p.grad = grads[n] * min(1.0, 1.0 / (total + 1e-6))
+        adam.step()
+        for n, p in chunks[0].named_parameters():
+            torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-5, atol=1e-6)

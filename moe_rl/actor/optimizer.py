@@ -1,0 +1,63 @@
+"""megatron-core's optimizer for the actor: one FP32Optimizer (torch AdamW inside) for dense
+parameters and one for expert parameters, chained so that gradients are clipped by their joint
+norm (megatron's ChainedOptimizer), and checkpointed through their sharded state dicts.
+
+As megatron's `get_megatron_optimizer` splits them: dense grad statistics reduce over the
+model-parallel group, expert ones over the expert tensor/model/pipeline group, with the
+expert-tensor-parallel group deciding which expert grads are duplicates. It is built here
+without megatron's DDP wrapper because on CPU gradients are synchronised by
+`train_step.sync_gradients` (gloo); the GPU path (DDP buffers + distributed optimizer via
+`get_megatron_optimizer`) is not written yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer, config=None) -> None:
+    """Zero Adam state for every parameter (megatron's init_state_fn: the sharded layout must
+    exist before a checkpoint is loaded into it)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+
+def build_optimizer(chunks: list[torch.nn.Module], lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0):
+    """megatron ChainedOptimizer over [dense, expert] FP32Optimizers. `step()` returns
+    (success, grad norm before clipping, None); grad_clip=0 disables clipping."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=grad_clip)
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    # megatron marks expert-parallel parameters with allreduce=False
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    expert = [p for p in params if not getattr(p, "allreduce", True)]
+    parts = []
+    for group, is_expert, stats_group, tp_group in (
+        (dense, False, ps.get_model_parallel_group(), ps.get_tensor_model_parallel_group()),
+        (expert, True, ps.get_expert_tensor_model_pipeline_parallel_group(), ps.get_expert_tensor_parallel_group()),
+    ):
+        if not group:
+            continue
+        # the keys megatron's checkpoint loading matches param groups by
+        keys = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": is_expert, "is_decoupled_lr": False}
+        adam = torch.optim.AdamW(
+            [{"params": group, **keys}],
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+        )
+        opt = FP32Optimizer(adam, config, init_adam_state)
+        opt.grad_stats_parallel_group = stats_group
+        opt.tp_group = tp_group
+        parts.append(opt)
+    return ChainedOptimizer(parts)
