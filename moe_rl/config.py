@@ -84,6 +84,8 @@ class TrainerConfig:
     """Save a checkpoint every N steps (also at the last step and on SIGTERM); 0 = only those."""
     checkpoint_dir: str = ""
     """Empty: <run dir>/checkpoints."""
+    checkpoint_keep: int = 3
+    """Keep the newest N checkpoints, delete older ones; 0 = keep all."""
     resume: str = "auto"
     """auto (newest checkpoint in checkpoint_dir, else a fresh start) | off | path to a step_* folder."""
     dump_every: int = 0
@@ -145,7 +147,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("trainer.dump_dir", "mode=from_dump needs the folder of an earlier run's dumps")
     if t.mode == "from_dump" and t.dump_every:
         bad("trainer.dump_every", "mode=from_dump reads dumps; it cannot also write them")
-    for key in ("steps", "checkpoint_every", "dump_every"):
+    for key in ("steps", "checkpoint_every", "checkpoint_keep", "dump_every"):
         if getattr(t, key) < 0:
             bad(f"trainer.{key}", "must be >= 0")
     if cfg.data.task not in ("toy", "file"):

@@ -60,8 +60,9 @@ def _rng_object():
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
-def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint folder."""
+def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, keep: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint folder. keep > 0: afterwards delete
+    all but the newest `keep` complete checkpoints."""
     from megatron.core import dist_checkpointing
 
     rank, _ = _rank_world()
@@ -83,6 +84,9 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict) ->
         dist.barrier()
     if rank == 0:
         (Path(root) / "latest").write_text(path.name)
+        older = sorted(p for p in Path(root).glob("step_*") if p.is_dir() and p != path)
+        for old in older[: max(0, len(older) - keep + 1)] if keep > 0 else []:
+            shutil.rmtree(old)
     return path
 
 

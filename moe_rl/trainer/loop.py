@@ -144,7 +144,8 @@ class Trainer:
         from moe_rl.trainer import checkpoint
 
         state = {"data_position": self.data_position, "wandb_run_id": self.logger.run_id, "model_path": self.model_path}
-        path = checkpoint.save(self.checkpoint_dir, self.step_index, self.chunks, self.optimizer, state)
+        keep = self.cfg.trainer.checkpoint_keep
+        path = checkpoint.save(self.checkpoint_dir, self.step_index, self.chunks, self.optimizer, state, keep)
         if self.rank == 0:
             print(f"[moe-rl] checkpoint step {self.step_index} -> {path}", flush=True)
         return path

@@ -135,3 +135,12 @@ def test_megatron_optimizer_equals_clip_then_adamw(tiny_models, world1):
         adam.step()
         for n, p in chunks[0].named_parameters():
             torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_keep_deletes_older_checkpoints(trained, tmp_path):
+    chunks, opt, path = trained  # step 2 under tmp_path/ckpt
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
+    for step in (3, 4):
+        checkpoint.save(path.parent, step, chunks, opt, state, keep=2)
+    assert sorted(p.name for p in path.parent.glob("step_*")) == ["step_000003", "step_000004"]
+    assert checkpoint.latest(path.parent).name == "step_000004"
