@@ -144,3 +144,21 @@ def test_keep_deletes_older_checkpoints(trained, tmp_path):
         checkpoint.save(path.parent, step, chunks, opt, state, keep=2)
     assert sorted(p.name for p in path.parent.glob("step_*")) == ["step_000003", "step_000004"]
     assert checkpoint.latest(path.parent).name == "step_000004"
+
+
+def test_save_survives_a_killed_writer_manager(trained):
+    """megatron's checkpoint writer keeps one Manager process per process; losing it (e.g. killed
+    with an engine's process group) must not break later saves."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    chunks, opt, path = trained
+    import multiprocessing
+
+    assert filesystem_async._results_queue is not None
+    managers = multiprocessing.active_children()  # the writer's Manager (this process starts no others)
+    assert managers
+    for proc in managers:
+        proc.kill()
+        proc.join()
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
+    assert checkpoint.save(path.parent, 3, chunks, opt, state).name == "step_000003"
