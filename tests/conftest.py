@@ -77,7 +77,9 @@ def run_job(cmd: list[str], timeout: int = 600, env: dict | None = None) -> str:
     import signal
     import tempfile
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0", **(env or {}))
+    # A world-1 fixture in this process set MASTER_ADDR/PORT; a child must pick its own port.
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env = dict(inherited, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0", **(env or {}))
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -78,28 +78,19 @@ def live(args) -> dict | None:
     load_hf_weights(chunks, conv, args.model)
     replay = RouteReplay(chunks, layout.moe_layers, verify="count")
     views = routing_views(chunks, padded.input_ids, padded.attention_mask, None, replay, padded.routes)
-    checked, mismatched = replay.dispatch_check()
-    meta = {
-        "step": 0,
-        "rank": rank,
-        "world_size": world,
-        "model_path": str(args.model),
-        "model": dump.model_fingerprint(hf_cfg, layout),
-        "actor_dtype": args.dtype,
-        "rollout_dtype": args.dtype,
-        "router_replay": "r3",
-        "n": 1,
-        "replay_check": {"token_layers": checked, "mismatched": mismatched},
-    }
-    tensors = {
-        "input_ids": padded.input_ids,
-        "attention_mask": padded.attention_mask,
-        "loss_mask": padded.loss_mask,
-        "rollout_logprobs": padded.rollout_logprobs,
-        "routes": padded.routes,
-        **views,
-    }
-    dump.write(dump.rank_file(out / "dump", 0, rank), tensors, meta)
+    dump.write_rank(
+        out / "dump",
+        0,
+        padded,
+        views,
+        replay.dispatch_check(),
+        model_path=str(args.model),
+        model=dump.model_fingerprint(hf_cfg, layout),
+        actor_dtype=args.dtype,
+        rollout_dtype=args.dtype,
+        router_replay="r3",
+        n=1,
+    )
     dist.barrier()
     report = None
     if rank == 0:

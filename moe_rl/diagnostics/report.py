@@ -37,6 +37,7 @@ import torch
 
 from moe_rl.objectives import mismatch_metrics
 from moe_rl.rollout import dump
+from moe_rl.routing.compare import route_sets_differ, routed_positions
 
 SCHEMA_VERSION = 1
 
@@ -84,21 +85,6 @@ def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         else:
             out[k] = torch.cat([p[k] for p in parts])
     return out
-
-
-def routed_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: real tokens except each sequence's last one (the engine routes no more)."""
-    valid = attention_mask.bool().clone()
-    valid[torch.arange(valid.shape[0]), attention_mask.sum(1) - 1] = False
-    return valid
-
-
-def route_sets_differ(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For [..., K] expert ids: (sets differ [...] bool, |a \\ b| [...] long)."""
-    a, b = a.long(), b.long()
-    in_b = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)  # [..., K]: a's expert also chosen in b
-    missing = (~in_b).sum(-1)
-    return missing > 0, missing
 
 
 def router_block(routes: torch.Tensor, routes_live: torch.Tensor, valid: torch.Tensor, moe_layers, metas) -> dict:

@@ -58,6 +58,40 @@ def write(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> Pat
     return path
 
 
+def write_rank(
+    root: str | Path,
+    step: int,
+    padded,
+    views: dict[str, torch.Tensor | None],
+    replay_check: tuple[int, int],
+    rewards: torch.Tensor | None = None,
+    **meta,
+) -> Path:
+    """This rank's dump of one step: a PaddedBatch, the routing views of
+    `moe_rl.actor.forward.routing_views`, RouteReplay.dispatch_check() and metadata (model_path,
+    model fingerprint, actor/rollout dtypes, router_replay, n)."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    meta = {
+        "step": step,
+        "rank": rank,
+        "world_size": world,
+        **meta,
+        "replay_check": {"token_layers": replay_check[0], "mismatched": replay_check[1]},
+    }
+    tensors = {
+        "input_ids": padded.input_ids,
+        "attention_mask": padded.attention_mask,
+        "loss_mask": padded.loss_mask,
+        "rollout_logprobs": padded.rollout_logprobs,
+        "rewards": rewards,
+        "routes": padded.routes,
+        **views,
+    }
+    return write(rank_file(root, step, rank), tensors, meta)
+
+
 def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Load one rank file and check its shapes; raises DumpError naming the file and key."""
     from safetensors import safe_open

@@ -107,16 +107,18 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
     return path
 
 
-def load_model(path: str | Path, chunks) -> None:
-    """Load only the actor weights (any parallel layout) from a checkpoint folder."""
+def load_model(path: str | Path, chunks, extra: dict | None = None) -> dict:
+    """Load the actor weights (any parallel layout) from a checkpoint folder; `extra` sharded
+    entries stored beside them (the RNG states) come back in the returned dict."""
     from megatron.core import dist_checkpointing
 
     model_dir = Path(path) / "model"
     if not (model_dir / "metadata.json").is_file():
         raise CheckpointError(f"{path} holds no model checkpoint ({model_dir}/metadata.json missing)")
-    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), str(model_dir))
+    loaded = dist_checkpointing.load({**model_sharded_state_dict(chunks), **(extra or {})}, str(model_dir))
     for i, c in enumerate(chunks):
         c.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+    return loaded
 
 
 def load(path: str | Path, chunks, optimizer) -> dict:
@@ -130,8 +132,7 @@ def load(path: str | Path, chunks, optimizer) -> dict:
                 f"cannot resume from {path}: its {what} ({piece}) is missing. Resuming without it would "
                 "silently restart that state; restore the file or start a fresh run (trainer.resume=off)."
             )
-    load_model(path, chunks)
-    rng = dist_checkpointing.load({"rng_state": _rng_object()}, str(path / "model"))["rng_state"]
+    rng = load_model(path, chunks, {"rng_state": _rng_object()})["rng_state"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     sharded = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True)}

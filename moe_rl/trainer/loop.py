@@ -172,12 +172,18 @@ class Trainer:
         else:
             with timer("rollout"):
                 prompts, batch = self.rollout()
-            if _world_max(batch is None)[0]:  # ranks leave the step together
+            # One all-reduce: whether any rank lost its engine (ranks leave the step together) and
+            # the padded length (EP ranks must agree on it).
+            pairs = [] if batch is None else zip(batch.prompt_ids, batch.response_ids, strict=True)
+            abandoned, longest = _world_max(batch is None, max((len(p) + len(r) for p, r in pairs), default=0))
+            if abandoned:
                 raise StepAbandoned(f"step {self.step_index + 1}: the rollout engine stopped with the signal")
             with timer("reward"):
                 rewards = self.reward(prompts, batch)
-            with timer("route_handling"):  # padding, route tensors, EP length agreement
-                padded = self.pad(batch)
+            with timer("route_handling"):  # padding, route tensors
+                padded = batch.to_padded(
+                    pad_id=self.tokenizer.pad_token_id or 0, pad_to_multiple=self.cfg.parallel.tp, min_length=longest
+                )
             lengths_mean = sum(map(len, batch.response_ids)) / len(batch)
         advantages = self.advantage_fn(rewards, n)
         with timer("old_logprobs"):
@@ -208,14 +214,6 @@ class Trainer:
         for warning in health_warnings(metrics, self.cfg.trainer.first_minibatch_tolerance):
             self.logger.warn(self.step_index, warning)
         return metrics
-
-    def pad(self, batch):
-        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
-        return batch.to_padded(
-            pad_id=self.tokenizer.pad_token_id or 0,
-            pad_to_multiple=self.cfg.parallel.tp,
-            min_length=_world_max(max(lengths))[0],
-        )
 
     @contextmanager
     def _engine_may_stop(self):
@@ -324,37 +322,30 @@ class Trainer:
     def router_agreement(self, padded, live_routes: torch.Tensor) -> float:
         """Fraction of (token, MoE layer) pairs where the actor's own routing picks the same expert
         set as the rollout engine (this rank's layers; real tokens except the last)."""
+        from moe_rl.routing.compare import route_sets_differ, routed_positions
+
         cols = sorted({self.replay.col[h.layer] for h in self.replay.hooks})
-        valid = padded.attention_mask.bool().clone()
-        valid[torch.arange(valid.shape[0]), padded.attention_mask.sum(1) - 1] = False
-        same = live_routes[:, :, cols].long().sort(-1).values == padded.routes[:, :, cols].long().sort(-1).values
-        return float(same.all(-1)[valid].float().mean())
+        valid = routed_positions(padded.attention_mask)
+        differ, _ = route_sets_differ(live_routes[:, :, cols][valid], padded.routes[:, :, cols][valid])
+        return float((~differ).float().mean())
 
     def write_dump(self, padded, rewards, views) -> None:
         from moe_rl.rollout import dump
 
-        meta = {
-            "step": self.step_index,
-            "rank": self.rank,
-            "world_size": dist.get_world_size(),
-            "model_path": self.model_path,
-            "model": dump.model_fingerprint(self.hf_cfg, self.layout),
-            "actor_dtype": self.cfg.model.dtype,
-            "rollout_dtype": self.cfg.rollout.dtype,
-            "router_replay": self.cfg.actor.router_replay,
-            "n": self.cfg.sampling.n,
-            "replay_check": dict(zip(("token_layers", "mismatched"), self.replay.dispatch_check(), strict=True)),
-        }
-        tensors = {
-            "input_ids": padded.input_ids,
-            "attention_mask": padded.attention_mask,
-            "loss_mask": padded.loss_mask,
-            "rollout_logprobs": padded.rollout_logprobs,
-            "rewards": rewards,
-            "routes": padded.routes,
-            **views,
-        }
-        dump.write(dump.rank_file(self.dump_dir, self.step_index, self.rank), tensors, meta)
+        dump.write_rank(
+            self.dump_dir,
+            self.step_index,
+            padded,
+            views,
+            self.replay.dispatch_check(),
+            model_path=self.model_path,
+            model=dump.model_fingerprint(self.hf_cfg, self.layout),
+            actor_dtype=self.cfg.model.dtype,
+            rollout_dtype=self.cfg.rollout.dtype,
+            router_replay=self.cfg.actor.router_replay,
+            n=self.cfg.sampling.n,
+            rewards=rewards,
+        )
 
     def load_dump(self):
         """The padded batch and rewards of the next dumped step (trainer.mode=from_dump)."""
