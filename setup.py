@@ -30,6 +30,7 @@ setup(
         "rich>=13",
         "numpy>=1.26",
         "psutil>=5.9",
+        "pyarrow>=14",  # parquet prompt files
         "matplotlib>=3.8",  # moe-rl-diagnose plots
         "huggingface_hub>=0.34",  # sharded safetensors for the HF export
     ],

@@ -7,6 +7,7 @@ Hydra's ConfigStore and checks cross-field consistency in `validate`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from moe_rl.actor.parallel import ParallelConfig
@@ -69,6 +70,9 @@ class DataConfig:
     """Reward plugin `module:function(responses, answers, response_ids) -> list[float]`."""
     prompts_per_step: int = 8
     """Prompts per step on each data-parallel rank (samples = prompts * rollout.n)."""
+    overlong_prompts: str = "error"
+    """A prompt whose tokens + sampling.max_tokens exceed the engine's context: error (name its line)
+    | drop (drop such rows at start and print how many)."""
 
 
 @dataclass
@@ -92,6 +96,9 @@ class TrainerConfig:
     """Write a rollout dump (for moe-rl-diagnose offline / from_dump) every N steps; 0 = never."""
     dump_dir: str = ""
     """Empty: <run dir>/dumps. from_dump reads it."""
+    max_skipped_steps: int = 3
+    """An optimizer step with a non-finite loss or gradient is skipped on every rank (counted in
+    actor/skipped_steps); this many consecutive skips stop the run with an error (>= 1)."""
 
 
 @dataclass
@@ -118,7 +125,9 @@ class TrainConfig:
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Cross-field checks that need no model: one clear error naming the key."""
+    """Checks that need no model, run before anything is built: one clear error naming the key."""
+    from moe_rl.data.prompts import OVERLONG_POLICIES
+    from moe_rl.data.rewards import load_reward
     from moe_rl.objectives import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 
     def bad(key: str, msg: str):
@@ -154,8 +163,38 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("data.task", f"{cfg.data.task!r}: choose toy or file")
     if cfg.data.task == "file" and not cfg.data.path:
         bad("data.path", "task=file needs a jsonl or parquet path")
-    if cfg.sampling.n < 1 or cfg.data.prompts_per_step < 1:
-        bad("sampling.n / data.prompts_per_step", "must be >= 1")
+    if cfg.data.task == "file" and not os.path.isfile(cfg.data.path):
+        bad("data.path", f"{cfg.data.path!r} does not exist (or is not a file)")
+    if cfg.data.overlong_prompts not in OVERLONG_POLICIES:
+        bad("data.overlong_prompts", f"{cfg.data.overlong_prompts!r}: choose one of {OVERLONG_POLICIES}")
+    try:
+        load_reward(cfg.data.reward)
+    except ValueError as e:
+        bad("data.reward", str(e))
+    if cfg.data.prompts_per_step < 1:
+        bad("data.prompts_per_step", "must be >= 1")
+    if cfg.sampling.n < 1:
+        bad("sampling.n", "must be >= 1")
+    if cfg.sampling.n < 2 and ADVANTAGES.meta(cfg.algorithm.advantage).get("needs_groups"):
+        bad(
+            "sampling.n",
+            f"{cfg.sampling.n}: algorithm.advantage={cfg.algorithm.advantage} compares samples within a "
+            "group of the same prompt, so every advantage would be 0; use sampling.n >= 2 (or advantage=reinforce)",
+        )
+    if t.mode != "from_dump" and not cfg.sampling.temperature > 0:
+        bad(
+            "sampling.temperature",
+            f"{cfg.sampling.temperature}: training needs sampling (> 0); greedy decoding gives identical "
+            "samples (zero advantages) and no behaviour log-probabilities for the importance ratio",
+        )
+    if cfg.sampling.max_tokens < 1:
+        bad("sampling.max_tokens", f"{cfg.sampling.max_tokens}: must be >= 1 (tokens generated per sample)")
+    if cfg.actor.micro_batch_size < 1:
+        bad("actor.micro_batch_size", f"{cfg.actor.micro_batch_size}: must be >= 1 (samples per forward)")
+    if cfg.actor.mini_batches < 1:
+        bad("actor.mini_batches", f"{cfg.actor.mini_batches}: must be >= 1")
+    if t.max_skipped_steps < 1:
+        bad("trainer.max_skipped_steps", f"{t.max_skipped_steps}: must be >= 1 (1 = stop at the first skip)")
     samples = cfg.sampling.n * cfg.data.prompts_per_step
     if samples % cfg.actor.mini_batches:
         bad("actor.mini_batches", f"{cfg.actor.mini_batches} does not divide the {samples} samples per step")

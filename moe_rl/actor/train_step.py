@@ -5,6 +5,10 @@ CPU path: explicit gradient all-reduces, then megatron-core's optimizer (actor/o
 clipping by the joint norm, Adam). Gradient sync follows megatron's DDP: dense parameters over
 the data-parallel group, experts over the expert-data-parallel group, sequence-parallel norms
 additionally over TP.
+
+Non-finite updates never reach the weights: a NaN/inf loss on any micro-batch or a non-finite
+gradient on any rank makes every rank skip the optimizer step (megatron's found_inf contract:
+`optimizer.step()` reports success False), and the mini-batch reports `skipped`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ def sync_gradients(chunks: list[torch.nn.Module]) -> None:
             group = edp_group if _is_expert(name) else dp_group
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """True when every tensor is finite on every rank (one all-reduce over the world)."""
+    bad = torch.zeros((), dtype=torch.float32)
+    for x in tensors:
+        if not torch.isfinite(x).all():
+            bad.fill_(1.0)
+            break
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad)
 
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -74,12 +90,14 @@ def train_minibatch(
     )
     t = batch["input_ids"].shape[1]
     n_mb = len(mbs)
+    losses = []
 
     def step(logits, mb):
         lp, _ = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:].to(logits.device), with_entropy=False)
         logp = torch.nn.functional.pad(lp, (1, 0))[:, :t]  # entry t scores token t
         extra_t = {k: v[:, :t] if v.dim() >= 2 and v.shape[1] >= t else v for k, v in mb.extra.items()}
         loss, metrics = loss_fn(logp, extra_t)
+        losses.append(loss.detach())
         # megatron's schedule divides each micro-batch loss by the number of micro-batches
         return loss * n_mb, {k: v.detach() for k, v in metrics.items()}
 
@@ -87,10 +105,15 @@ def train_minibatch(
     with routing:
         results = run_schedule(chunks, mbs, step, forward_only=False)
     sync_gradients(chunks)
-    ok, norm, _ = optimizer.step()  # megatron-core: joint grad norm, clipping, Adam
-    if not ok:
-        raise RuntimeError("optimizer step failed (non-finite gradients?)")
-    out = {"actor/grad_norm": float(norm)}
+    finite = all_finite([*losses, *(p.grad for c in chunks for p in c.parameters() if p.grad is not None)])
+    if finite:
+        ok, norm, _ = optimizer.step()  # megatron-core: joint grad norm, clipping, Adam
+    else:
+        ok, norm = False, float("nan")
+    if not ok:  # this rank's or another's loss/gradients are not finite (or megatron found inf)
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+    out = {"actor/grad_norm": float(norm) if ok else float("nan"), "skipped": 0.0 if ok else 1.0}
     if results:
         for k in results[0]:
             out[k] = float(torch.stack([r[k] for r in results]).mean())

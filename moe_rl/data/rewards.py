@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib
+import math
+import numbers
 import re
 from collections.abc import Callable
 
@@ -41,7 +43,7 @@ def numeric_answer_reward(responses: list[str], answers: list, response_ids: lis
 
 
 def load_reward(spec: str) -> RewardFn:
-    """`module:function` -> the function (clear error when missing)."""
+    """`module:function` -> the function (clear error when missing or not callable)."""
     if ":" not in spec:
         raise ValueError(f"data.reward={spec!r} must look like 'module:function'")
     module, name = spec.split(":", 1)
@@ -49,4 +51,48 @@ def load_reward(spec: str) -> RewardFn:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"data.reward={spec!r} cannot be loaded: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"data.reward={spec!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+class RewardError(RuntimeError):
+    """The reward plugin failed or returned something that is not one finite number per sample."""
+
+
+def score(
+    fn: RewardFn,
+    responses: list[str],
+    answers: list,
+    response_ids: list[list[int]],
+    prompts: list[str],
+    step: int,
+    rank: int | None = None,
+) -> list[float]:
+    """Call the reward plugin and check its output: one finite real number per sample.
+
+    A bad value stops the run with the step, the sample index, the prompt's start and the value:
+    a NaN reward would otherwise turn every weight into NaN a step later.
+    """
+    name = getattr(fn, "__qualname__", repr(fn))
+    where = f"step {step}" + (f" (rank {rank})" if rank is not None else "")
+    try:
+        rewards = fn(responses, answers, response_ids)
+    except Exception as e:  # the plugin's own traceback is chained below
+        raise RewardError(f"{where}: reward function {name} raised {type(e).__name__}: {e}") from e
+    try:
+        count = len(rewards)
+    except TypeError:
+        raise RewardError(f"{where}: reward function {name} returned {type(rewards).__name__}, not a list") from None
+    if count != len(responses):
+        raise RewardError(f"{where}: reward function {name} returned {count} rewards for {len(responses)} samples")
+    out = []
+    for i, r in enumerate(rewards):
+        value = r.item() if hasattr(r, "item") and getattr(r, "ndim", 1) == 0 else r
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(
+                f"{where}: reward function {name} returned {value!r} for sample {i} (prompt {prompts[i][:60]!r}); "
+                "rewards must be finite real numbers (no NaN, inf, strings or None)"
+            )
+        out.append(float(value))
+    return out

@@ -1,3 +1,4 @@
 from moe_rl.diagnostics.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,7 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.float().view(-1, group_size)
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", needs_groups=True)  # all-zero with groups of one
 def grpo_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True) -> torch.Tensor:
     """A_i = (r_i - mean(group)) / (std(group) + 1e-6); Dr.GRPO (`norm_by_std=False`) drops the std.
 
@@ -35,13 +35,13 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = 
     return centered.reshape(-1)
 
 
-@ADVANTAGES.register("drgrpo")
+@ADVANTAGES.register("drgrpo", needs_groups=True)  # all-zero with groups of one
 def drgrpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Dr.GRPO: group-mean baseline without std normalisation."""
     return grpo_advantages(rewards, group_size, norm_by_std=False)
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", needs_groups=True)  # all-zero with groups of one
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """REINFORCE leave-one-out: A_i = r_i - mean_{j != i} r_j = n/(n-1) (r_i - mean). Group of one: 0."""
     g = _groups(rewards, group_size)

@@ -178,6 +178,13 @@ def build_tiny_model(spec: TinySpec, out: str | Path) -> Path:
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
+        # transformers zero-initialises the embedding row of padding_idx (<|pad|>). A random model
+        # samples that token, and RMSNorm's slope at a zero input is 1/sqrt(eps): the one row's
+        # gradient dwarfs every other and step 1's grad norm is ~1e4. Real checkpoints have
+        # trained pad rows; draw every all-zero embedding/output row from the init distribution.
+        for table in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            zero = (table == 0).all(dim=1)
+            table[zero] = torch.randn(int(zero.sum()), table.shape[1]) * cfg.initializer_range
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name or "_norm" in name:
                 # Norm gains near 1 but not exactly, so a wrong norm mapping is visible.

@@ -7,6 +7,9 @@ of routing replay (R3 by default), and GSPO's ratio is per sequence.
 
 from __future__ import annotations
 
+import math
+import os
+import statistics
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,18 +83,45 @@ class Trainer:
         from moe_rl.routing.model_layout import moe_layout
         from moe_rl.trainer.logger import RunLogger
 
+        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before anything is built
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
-        validate(cfg, dist.get_world_size())
         self.cfg, self.run_dir = cfg, run_dir
         self.rank = dist.get_rank()
         model_path = cfg.model.path or self._tiny_model(run_dir)
         hf_cfg = load_hf_config(model_path)
         self.layout = moe_layout(hf_cfg)
+        t, d = cfg.trainer, cfg.data
+        # Data and reward before the model and engines: a bad file fails in seconds.
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        context = cfg.rollout.max_model_len or hf_cfg.max_position_embeddings
+        self.data = PromptSource(
+            d.task,
+            d.path,
+            d.prompt_key,
+            d.answer_key,
+            t.seed,
+            dp_rank,
+            dp_size,
+            tokenize=lambda texts: self.tokenizer(texts)["input_ids"],
+            max_prompt_tokens=context - cfg.sampling.max_tokens,
+            overlong=d.overlong_prompts,
+        )
+        if self.data.dropped and self.rank == 0:
+            print(
+                f"[moe-rl] data: dropped {self.data.dropped} prompts of {d.path or d.task} longer than "
+                f"{context - cfg.sampling.max_tokens} tokens (data.overlong_prompts=drop)",
+                flush=True,
+            )
+        self.reward_fn = load_reward(d.reward)
+        self.advantage_fn = ADVANTAGES.get(cfg.algorithm.advantage)
+        self.correction_fn = CORRECTIONS.get(cfg.algorithm.correction)
+        self.loss_fn = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
         self.chunks, self.conv = build_model(
             hf_cfg, cfg.parallel, ModelOptions(dtype=cfg.model.dtype, recompute=cfg.model.recompute)
         )
         load_hf_weights(self.chunks, self.conv, model_path)
-        t = cfg.trainer
         self.dumping = t.dump_every > 0 or t.mode == "rollout_only"
         wants_replay = cfg.actor.router_replay != "off" or self.dumping
         self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
@@ -100,6 +130,8 @@ class Trainer:
         self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
         self.dump_dir = Path(t.dump_dir or run_dir / "dumps")
         self.step_index = 0
+        self.skips = SkipCounter(t.max_skipped_steps)
+        self.health = HealthMonitor()
         self.stop = StopFlag()
         resumed = self._resume()
         self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
@@ -109,18 +141,9 @@ class Trainer:
             self.engine = RolloutEngine(rollout_cfg, self.layout.moe_layers, self.layout.num_experts, self.layout.topk)
             if resumed:  # the engine starts from the HF weights; give it the resumed actor's
                 self.sync_weights()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-        dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-        d = cfg.data
-        self.data = PromptSource(d.task, d.path, d.prompt_key, d.answer_key, t.seed, dp_rank, dp_size)
         if resumed:
             self.data.skip(resumed["data_position"])
         self.data_position = self.data.position  # prompts consumed by completed steps
-        self.reward_fn = load_reward(d.reward)
-        self.advantage_fn = ADVANTAGES.get(cfg.algorithm.advantage)
-        self.correction_fn = CORRECTIONS.get(cfg.algorithm.correction)
-        self.loss_fn = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
 
     def _resume(self) -> dict | None:
         """Restore the newest checkpoint (trainer.resume=auto) or the named one; None for a fresh run."""
@@ -141,8 +164,13 @@ class Trainer:
         return state
 
     def save_checkpoint(self) -> Path:
+        from moe_rl.actor.train_step import all_finite
         from moe_rl.trainer import checkpoint
 
+        if not all_finite([p for c in self.chunks for p in c.parameters()]):
+            raise checkpoint.CheckpointError(
+                f"refusing to save step {self.step_index}: the actor's weights are not finite on some rank"
+            )
         state = {"data_position": self.data_position, "wandb_run_id": self.logger.run_id, "model_path": self.model_path}
         keep = self.cfg.trainer.checkpoint_keep
         path = checkpoint.save(self.checkpoint_dir, self.step_index, self.chunks, self.optimizer, state, keep)
@@ -211,7 +239,7 @@ class Trainer:
         self.step_index += 1
         self.data_position = self.data.position
         self.logger.log(self.step_index, metrics)
-        for warning in health_warnings(metrics, self.cfg.trainer.first_minibatch_tolerance):
+        for warning in health_warnings(metrics, self.cfg.trainer.first_minibatch_tolerance) + self.health(metrics):
             self.logger.warn(self.step_index, warning)
         return metrics
 
@@ -241,11 +269,13 @@ class Trainer:
         return prompts, batch
 
     def reward(self, prompts, batch) -> torch.Tensor:
+        from moe_rl.data.rewards import score
+
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         answers = [prompts[i].answer for i in batch.prompt_index]
-        rewards = self.reward_fn(texts, answers, batch.response_ids)
-        if len(rewards) != len(batch):
-            raise ValueError(f"data.reward returned {len(rewards)} rewards for {len(batch)} samples")
+        sources = [prompts[i].text for i in batch.prompt_index]
+        rank = self.rank if dist.get_world_size() > 1 else None
+        rewards = score(self.reward_fn, texts, answers, batch.response_ids, sources, self.step_index + 1, rank)
         return torch.tensor(rewards, dtype=torch.float32)
 
     def old_logprobs(self, padded) -> dict[str, torch.Tensor]:
@@ -261,6 +291,8 @@ class Trainer:
         b = padded.input_ids.shape[0]
         per = b // a.mini_batches
         out: dict[str, float] = {f"{alg.correction}/{k}": float(v) for k, v in corr.metrics.items()}
+        out["actor/skipped_steps"] = 0.0
+        norms = []
         for i in range(a.mini_batches):
             rows = slice(i * per, (i + 1) * per)
             mask = corr.mask[rows]
@@ -299,9 +331,17 @@ class Trainer:
             )
             if i == 0:  # pi_theta == pi_old before the first optimizer step
                 out["actor/first_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)
+            where = f"step {self.step_index + 1}, mini-batch {i + 1}/{a.mini_batches}"
+            warning = self.skips(bool(m.pop("skipped")), where)
+            if warning:
+                out["actor/skipped_steps"] += 1
+                self.logger.warn(self.step_index + 1, warning)
+            norms.append(m.pop("actor/grad_norm"))
             for k, v in m.items():
                 key = k if "/" in k else f"actor/{k}"
                 out[key] = out.get(key, 0.0) + v / a.mini_batches
+        applied = [x for x in norms if math.isfinite(x)]
+        out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
         return out
 
     def routing_views(self, padded, old) -> dict[str, torch.Tensor | None]:
@@ -388,6 +428,8 @@ class Trainer:
         m = {
             "reward/mean": float(rewards.mean()),
             "reward/max": float(rewards.max()),
+            # every rank holds the same number of groups: the world mean is the global fraction
+            "reward/zero_variance_groups": zero_variance_fraction(rewards, self.cfg.sampling.n),
             "response/length_mean": float(lengths_mean),
             "actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
         }
@@ -399,6 +441,8 @@ class Trainer:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        for line in self.health.summary():
+            self.logger.warn(self.step_index, line)
         self.logger.close()
 
 
@@ -423,6 +467,81 @@ def health_warnings(metrics: dict[str, float], first_minibatch_tolerance: float)
         if key in metrics and bad(metrics[key]):
             out.append(f"training-inference mismatch: {text} ({key} = {metrics[key]:.3g})")
     return out
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient."""
+
+
+class SkipCounter:
+    """Consecutive optimizer steps skipped for a non-finite loss or gradient; `limit` in a row stop
+    the run (trainer.max_skipped_steps)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.streak = limit, 0
+
+    def __call__(self, skipped: bool, where: str) -> str | None:
+        """The warning for a skipped step (None for an applied one); raises at the limit."""
+        if not skipped:
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.streak >= self.limit:
+            raise NonFiniteUpdateError(
+                f"{where}: {self.streak} optimizer step(s) in a row had a non-finite loss or gradient "
+                f"(trainer.max_skipped_steps={self.limit}); stopping before the model is damaged. Check the "
+                "rewards, the learning rate and the mismatch metrics of the last steps (metrics.jsonl)."
+            )
+        return (
+            f"{where}: non-finite loss or gradient; the optimizer step was skipped on every rank "
+            f"({self.streak} in a row, limit trainer.max_skipped_steps={self.limit})"
+        )
+
+
+def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> float:
+    """Fraction of GRPO groups (group_size consecutive samples) whose rewards are all equal: those
+    groups have zero advantage and teach nothing."""
+    groups = rewards.reshape(-1, group_size)
+    return float((groups == groups[:, :1]).all(dim=1).float().mean())
+
+
+class HealthMonitor:
+    """Step-level warnings from the logged metrics: a gradient-norm jump (> 10x the median of the
+    previous ten steps; users of RL trainers report such jumps ahead of collapse) and steps with
+    nothing to learn (every group's rewards equal), the latter shown once and counted at the end."""
+
+    def __init__(self, window: int = 10, spike: float = 10.0):
+        self.norms: list[float] = []
+        self.window, self.spike = window, spike
+        self.flat_steps = 0
+
+    def __call__(self, metrics: dict[str, float]) -> list[str]:
+        out = []
+        norm = metrics.get("actor/grad_norm")
+        if norm is not None and math.isfinite(norm):
+            previous = self.norms[-self.window :]
+            if previous:
+                median = statistics.median(previous)
+                if median > 0 and norm > self.spike * median:
+                    out.append(
+                        f"gradient-norm spike: actor/grad_norm {norm:.3g} is {norm / median:.0f}x the median "
+                        f"{median:.3g} of the previous {len(previous)} steps (often precedes a collapse)"
+                    )
+            self.norms.append(norm)
+        if metrics.get("reward/zero_variance_groups") == 1.0:
+            self.flat_steps += 1
+            if self.flat_steps == 1:
+                out.append(
+                    "every group's rewards are equal (reward/zero_variance_groups = 1): all advantages are 0 and "
+                    "this step teaches nothing; too easy or too hard a task, or a reward that ignores the response? "
+                    "(said once; counted at the end)"
+                )
+        return out
+
+    def summary(self) -> list[str]:
+        if self.flat_steps:
+            return [f"{self.flat_steps} step(s) had nothing to learn (every group's rewards equal)"]
+        return []
 
 
 def _compute_old(chunks, padded, micro_batch_size, replay, mode):

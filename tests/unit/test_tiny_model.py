@@ -87,3 +87,18 @@ def test_cli_help_has_examples_and_errors_exit_2(tmp_path):
     assert bad.returncode == 2 and "multiple of 32" in bad.stderr
     spec = json.loads(json.dumps(TinySpec().__dict__))
     assert spec["hidden"] % 32 == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+def test_no_all_zero_row_in_embedding_or_output(arch, tmp_path):
+    """transformers zeroes the pad row; an all-zero row makes step 1's gradient norm explode."""
+    from transformers import AutoModelForCausalLM
+
+    main(["--arch", arch, "--out", str(tmp_path)])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.config.pad_token_id is not None
+    for name, table in (("embedding", model.get_input_embeddings().weight), ("output", model.get_output_embeddings().weight)):
+        zero_rows = (table == 0).all(dim=1).nonzero().flatten().tolist()
+        assert zero_rows == [], f"{arch} {name}: all-zero rows {zero_rows}"
+        pad_std = table[model.config.pad_token_id].std().item()
+        assert 0.5 * model.config.initializer_range < pad_std < 2 * model.config.initializer_range
