@@ -17,7 +17,7 @@ def _rand_batch(b=6, t=9, scale=1e-3, seed=None):
     old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
     logp = old + scale * torch.randn(b, t, generator=g, dtype=torch.float64)
     roll = old + 0.5 * torch.randn(b, t, generator=g, dtype=torch.float64)
-    lens = torch.randint(1, t + 1, (b,), generator=g)
+    lens = torch.randint(2, t + 1, (b,), generator=g)  # >= 1 response token (row 1 is emptied below)
     mask = (torch.arange(t)[None] < lens[:, None]).double()
     mask[:, 0] = 0  # prompt token
     mask[1] = 0  # an empty response
