@@ -39,6 +39,7 @@ def pytest_configure(config):
         "e2e": "end-to-end training runs",
         "kernels": "Triton kernels under the interpreter",
         "slow": "takes more than ~30 s",
+        "faults": "fault injection (kill -9, damaged checkpoints)",
     }.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     # megatron-core and vLLM deprecation chatter is not ours to fix.

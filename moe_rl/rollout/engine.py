@@ -115,15 +115,21 @@ class RolloutEngine:
             kwargs.update(self.capture.engine_kwargs())
         import psutil
 
+        from moe_rl.rollout.reaper import Reaper
+
         me = psutil.Process()
+        # Started first: if this process dies while the engine starts, the engine dies too.
+        self._reaper = Reaper()
         before = {p.pid for p in me.children(recursive=True)}
         try:
             self.llm = LLM(**kwargs)
         except Exception as e:
+            self._reaper.close()
             raise RolloutEngineError(f"vLLM engine for {cfg.model} failed to start: {e}") from e
         # The engine core and its workers: watched while we wait on the engine, because a
         # killed engine core can leave vLLM's client blocked forever (seen with 0.32 on CPU).
-        self._procs = [p for p in me.children(recursive=True) if p.pid not in before]
+        self._procs = [p for p in me.children(recursive=True) if p.pid not in before and p.pid != self._reaper.proc.pid]
+        self._reaper.watch([p.pid for p in self._procs])
         self._alive = True
         self._rpc("moe_rl_init_worker")
         if self.capture is not None:
@@ -173,6 +179,7 @@ class RolloutEngine:
                 except psutil.NoSuchProcess:
                     pass
             psutil.wait_procs(self._procs, timeout=10)
+            self._reaper.close()  # the engine's shared-memory segments and socket files
 
     def _require_alive(self, what: str) -> None:
         if not getattr(self, "_alive", False):

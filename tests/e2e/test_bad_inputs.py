@@ -14,14 +14,23 @@ from tests.conftest import REPO
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TRAIN1 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "launch/train_moe.py"]
-SMALL = ["trainer.steps=1", "logging.wandb_mode=disabled", "sampling.n=2", "sampling.max_tokens=8", "actor.mini_batches=1"]
+SMALL = [
+    "trainer.steps=1",
+    "logging.wandb_mode=disabled",
+    "sampling.n=2",
+    "sampling.max_tokens=8",
+    "actor.mini_batches=1",
+]
 
 
 def _run(run_dir, overrides):
     env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "VLLM_CONFIGURE_LOGGING": "0"}
     import os
 
-    env = {**{k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}, **env}
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")},
+        **env,
+    }
     proc = subprocess.run(
         [*TRAIN1, f"hydra.run.dir={run_dir}", *SMALL, *overrides],
         cwd=REPO,
@@ -35,7 +44,9 @@ def _run(run_dir, overrides):
 
 def test_file_data_with_numeric_answer_reward_trains_a_step(tmp_path):
     data = tmp_path / "gsm8k.jsonl"
-    rows = [{"prompt": f"Question: what is {a} + {b}? Answer:", "answer": str(a + b)} for a, b in [(1, 2), (12, 30), (7, 6)]]
+    rows = [
+        {"prompt": f"Question: what is {a} + {b}? Answer:", "answer": str(a + b)} for a, b in [(1, 2), (12, 30), (7, 6)]
+    ]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     code, out = _run(
         tmp_path / "run",

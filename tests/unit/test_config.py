@@ -60,8 +60,16 @@ def test_schema_errors_name_the_key(override, match):
         (["parallel.tp=2"], 2, "tp/pp/cp > 1 with rollout.topology=per_rank"),
         (["actor.mini_batches=5"], 2, "config actor.mini_batches: 5 does not divide the 32 samples"),
         (["data.task=file"], 1, "config data.path"),
-        (["data.task=file", "data.path=/no/such/file.jsonl"], 1, "config data.path: '/no/such/file.jsonl' does not exist"),
-        (["data.reward=no_such_module:f"], 1, "config data.reward: .*cannot be loaded: No module named 'no_such_module'"),
+        (
+            ["data.task=file", "data.path=/no/such/file.jsonl"],
+            1,
+            "config data.path: '/no/such/file.jsonl' does not exist",
+        ),
+        (
+            ["data.reward=no_such_module:f"],
+            1,
+            "config data.reward: .*cannot be loaded: No module named 'no_such_module'",
+        ),
         (["data.reward=moe_rl.data.rewards:TOY_HORIZON"], 1, "config data.reward: .*not a function"),
         (["data.overlong_prompts=truncate"], 1, "config data.overlong_prompts"),
         (["logging.wandb_mode=on"], 1, "config logging.wandb_mode"),

@@ -91,7 +91,9 @@ def test_file_prompts_are_sharded_over_data_parallel_ranks(tmp_path):
     assert not sa & sb and len(sa | sb) == 10
     assert a.position == 5
     assert {p.answer for p in a.items} | {p.answer for p in b.items} == {str(i) for i in range(10)}
-    with pytest.raises(DataError, match=r"p.jsonl:1: no key data.prompt_key='prompt' \(keys: \['answer', 'question'\]\)"):
+    with pytest.raises(
+        DataError, match=r"p.jsonl:1: no key data.prompt_key='prompt' \(keys: \['answer', 'question'\]\)"
+    ):
         PromptSource("file", str(path), "prompt", "answer")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         PromptSource("file", str(tmp_path / "missing.jsonl"))

@@ -97,7 +97,10 @@ def test_no_all_zero_row_in_embedding_or_output(arch, tmp_path):
     main(["--arch", arch, "--out", str(tmp_path)])
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.config.pad_token_id is not None
-    for name, table in (("embedding", model.get_input_embeddings().weight), ("output", model.get_output_embeddings().weight)):
+    for name, table in (
+        ("embedding", model.get_input_embeddings().weight),
+        ("output", model.get_output_embeddings().weight),
+    ):
         zero_rows = (table == 0).all(dim=1).nonzero().flatten().tolist()
         assert zero_rows == [], f"{arch} {name}: all-zero rows {zero_rows}"
         pad_std = table[model.config.pad_token_id].std().item()

@@ -1,0 +1,208 @@
+"""Engines die with their owner: one watchdog process per rollout engine.
+
+vLLM's engine core does not watch the process that started it: after a SIGKILL of a training
+rank it lives on (reparented to init) with its worker, its shared-memory ring buffers
+(`/dev/shm/psm_*`), multiprocessing semaphores (`/dev/shm/sem.mp-*`) and its ZMQ socket files
+in the temp folder; even a clean shutdown leaves the socket files behind. The reaper is a tiny
+process in its own session that ignores the signals aimed at the job (torchrun or Slurm killing
+the job does not kill it first):
+
+- every `POLL_S` seconds it records the engine's processes and every descendant of its owner;
+- when the owner dies (exception, SIGTERM, SIGKILL, a peer rank's failure, torchrun's death)
+  it kills every recorded process; on a clean shutdown (`Reaper.close`) the engine's only;
+- then it removes the files of those kinds that appeared since it started and that no live
+  process holds any more: a socket file nobody is bound to (absent from /proc/net/unix), a
+  /dev/shm file no process maps or has open. Files another run still uses are never touched.
+
+Which case each part covers is listed in the README's troubleshooting section.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+POLL_S = 0.5
+SHM = "/dev/shm"
+SHM_KINDS = re.compile(r"^(psm_|sem\.mp-)")  # multiprocessing.shared_memory, multiprocessing semaphores
+SOCKET_NAME = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")  # vLLM's ZMQ ipc paths
+
+
+class Reaper:
+    """Trainer side: start the watchdog for this process, tell it the engine's pids, close it."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moe_rl.rollout.reaper", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+    def watch(self, pids: list[int]) -> None:
+        self._send("watch " + " ".join(map(str, pids)))
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Kill what is left of the engine, remove its files, and wait for the reaper to exit."""
+        if self.proc.poll() is None:
+            self._send("exit")
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def _send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+
+def candidate_files() -> set[str]:
+    """Files of the kinds an engine leaves: /dev/shm segments and semaphores, ZMQ socket files."""
+    out = set()
+    if os.path.isdir(SHM):
+        out |= {os.path.join(SHM, n) for n in os.listdir(SHM) if SHM_KINDS.match(n)}
+    tmp = tempfile.gettempdir()
+    out |= {os.path.join(tmp, n) for n in os.listdir(tmp) if SOCKET_NAME.match(n)}
+    return out
+
+
+def files_in_use() -> set[str]:
+    """Socket paths someone is bound to, and /dev/shm files some live process maps or has open."""
+    used = set()
+    try:
+        with open("/proc/net/unix") as f:
+            next(f)
+            used |= {parts[7] for line in f if len(parts := line.split()) >= 8}
+    except OSError:
+        pass
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                used |= {line.split(None, 5)[5].strip() for line in f if SHM in line}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(SHM):
+                    used.add(target)
+        except OSError:
+            continue
+    return used
+
+
+class _Watch:
+    def __init__(self, owner_pid: int):
+        import psutil
+
+        self.owner = psutil.Process(owner_pid)
+        self.engine: dict[int, psutil.Process] = {}  # Process objects keep identity across pid reuse
+        self.descendants: dict[int, psutil.Process] = {}
+        self.before = candidate_files()
+        self.done = threading.Event()
+
+    def owner_alive(self) -> bool:
+        import psutil
+
+        try:
+            return self.owner.is_running() and self.owner.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def add_engine(self, pids: list[int]) -> None:
+        import psutil
+
+        for pid in pids:
+            try:
+                self.engine[pid] = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                pass
+
+    def scan(self) -> None:
+        import psutil
+
+        for root, into in [(self.owner, self.descendants), *((p, self.engine) for p in list(self.engine.values()))]:
+            try:
+                for child in root.children(recursive=True):
+                    if child.pid != os.getpid() and not _is_reaper(child):  # other engines' reapers do their own
+                        into.setdefault(child.pid, child)
+            except psutil.NoSuchProcess:
+                continue
+
+    def cleanup(self, everything: bool) -> tuple[list[int], list[str]]:
+        """Kill the engine's processes (all the owner's descendants when `everything`), then remove
+        the engine-kind files that appeared since the reaper started and that nobody holds."""
+        import psutil
+
+        victims = {**(self.descendants if everything else {}), **self.engine}
+        alive = []
+        for p in victims.values():
+            try:
+                if p.is_running():
+                    p.kill()
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+        removed = []
+        stale = candidate_files() - self.before
+        if stale:
+            stale -= files_in_use()
+        for path in sorted(stale):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+        return [p.pid for p in alive], removed
+
+
+def _is_reaper(proc) -> bool:
+    import psutil
+
+    try:
+        return "moe_rl.rollout.reaper" in proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def _read_commands(watch: _Watch) -> None:
+    for line in sys.stdin:
+        word, *args = line.split()
+        if word == "watch":
+            watch.add_engine([int(a) for a in args])
+            watch.scan()
+        elif word == "exit":
+            break
+    watch.done.set()  # "exit", or EOF: the owner closed the pipe or died
+
+
+def main() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)  # the job's signals are for the trainer, not for us
+    watch = _Watch(int(sys.argv[1]))
+    threading.Thread(target=_read_commands, args=(watch,), daemon=True).start()
+    while not watch.done.is_set() and watch.owner_alive():
+        watch.scan()
+        watch.done.wait(POLL_S)
+    watch.scan()
+    owner_gone = not watch.owner_alive()
+    killed, removed = watch.cleanup(everything=owner_gone)
+    if owner_gone:
+        print(
+            f"[moe-rl reaper] process {watch.owner.pid} ended without shutting its rollout engine down: killed "
+            f"{len(killed)} process(es) {killed}, removed {len(removed)} leftover file(s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
