@@ -91,7 +91,9 @@ class TrainerConfig:
     checkpoint_keep: int = 3
     """Keep the newest N checkpoints, delete older ones; 0 = keep all."""
     resume: str = "auto"
-    """auto (newest checkpoint in checkpoint_dir, else a fresh start) | off | path to a step_* folder."""
+    """auto (newest checkpoint in checkpoint_dir, else a fresh start) | auto_skip_damaged (as auto, but a
+    checkpoint that fails its manifest check is skipped for the newest older one that passes, with a
+    warning) | off | path to a step_* folder. Checkpoints are verified before any other work."""
     dump_every: int = 0
     """Write a rollout dump (for moe-rl-diagnose offline / from_dump) every N steps; 0 = never."""
     dump_dir: str = ""

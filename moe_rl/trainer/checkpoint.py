@@ -7,8 +7,12 @@ complete checkpoint and is written last, so a save cut short (a second SIGTERM, 
 never resumed. `model/` is a sharded checkpoint: it loads under another parallel layout (the HF
 export runs at world 1 on a checkpoint saved with EP=2).
 
-Resume is all or nothing: a missing optimizer/ or trainer.json is an error, never a silently
-re-initialised optimizer.
+Every complete checkpoint has `manifest.json` (each file's size and CRC-32, computed by the
+ranks in parallel), written after all ranks finished and before `latest`. Resume verifies it
+first (`verify`): a damaged or incomplete checkpoint fails before any other work, naming the
+file, what is wrong, and the newest older checkpoint that passes, with the override to resume
+from it. Resume is all or nothing: a missing optimizer/ or trainer.json is an error, never a
+silently re-initialised optimizer.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -43,6 +48,106 @@ def latest(root: str | Path) -> Path | None:
     if not path.is_dir():
         raise CheckpointError(f"{marker} names {path.name}, which does not exist")
     return path
+
+
+MANIFEST = "manifest.json"
+_CHUNK = 16 * 2**20
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with path.open("rb") as f:
+        while block := f.read(_CHUNK):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _my_share(items: list, rank: int, world: int) -> list:
+    return items[rank::world]
+
+
+def _gather(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def write_manifest(path: Path) -> None:
+    """Collective: every file's size and CRC-32 (files split over the ranks), written by rank 0."""
+    rank, world = _rank_world()
+    files = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name != MANIFEST)
+    mine = {
+        name: {"size": (path / name).stat().st_size, "crc32": _crc32(path / name)}
+        for name in _my_share(files, rank, world)
+    }
+    entries = {k: v for part in _gather(mine) for k, v in part.items()}
+    if rank == 0:
+        (path / MANIFEST).write_text(json.dumps({"version": 1, "checksum": "crc32", "files": entries}, indent=1))
+
+
+def problems(path: Path) -> list[str]:
+    """What is wrong with one checkpoint folder ([] = it passes). Collective when distributed:
+    the checksums are split over the ranks."""
+    rank, world = _rank_world()
+    manifest = path / MANIFEST
+    if not path.is_dir():
+        return [f"{path} does not exist"]
+    if not manifest.is_file():
+        return [f"{manifest} is missing: the save did not finish (or the folder is not a checkpoint)"]
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return [f"{manifest} is unreadable ({e})"]
+    found = []
+    for name in _my_share(sorted(files), rank, world):
+        f, want = path / name, files[name]
+        if not f.is_file():
+            found.append(f"{f} is missing")
+        elif f.stat().st_size != want["size"]:
+            found.append(
+                f"{f} has {f.stat().st_size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+            )
+        elif _crc32(f) != want["crc32"]:
+            found.append(f"{f} does not match its checksum (crc32 {_crc32(f)}, manifest {want['crc32']}): corrupted")
+    return sorted(x for part in _gather(found) for x in part)
+
+
+def resolve_resume(root: Path, how: str) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume for `trainer.resume` (auto | auto_skip_damaged | off | a path) and
+    warnings to print; verifies it first. Collective when distributed.
+
+    A damaged or missing checkpoint raises CheckpointError naming the folder, the file, what is wrong
+    and the newest older checkpoint that passes, with the override to resume from it; under
+    `auto_skip_damaged` that older checkpoint is resumed instead, with a warning."""
+    if how == "off":
+        return None, []
+    root = Path(root)
+    if how in ("auto", "auto_skip_damaged"):
+        marker = root / "latest"
+        if not marker.is_file():
+            return None, []
+        wanted = root / marker.read_text().strip()
+    else:
+        wanted = Path(how)
+        root = wanted.parent
+    found = problems(wanted)
+    if not found:
+        return wanted, []
+    what = f"checkpoint {wanted} cannot be resumed: " + "; ".join(found[:5]) + (" ..." if len(found) > 5 else "")
+    older = [p for p in sorted(root.glob("step_*"), reverse=True) if p.is_dir() and p.name < wanted.name]
+    fallback = next((p for p in older if not problems(p)), None)
+    if how == "auto_skip_damaged" and fallback is not None:
+        return fallback, [f"{what}. RESUMING FROM THE OLDER CHECKPOINT {fallback} (trainer.resume=auto_skip_damaged)"]
+    if fallback is not None:
+        hint = (
+            f"The newest older checkpoint that passes the check is {fallback}: resume from it with "
+            f"trainer.resume={fallback} (or trainer.resume=auto_skip_damaged)."
+        )
+    else:
+        hint = "No older checkpoint passes the check; start fresh with trainer.resume=off."
+    raise CheckpointError(f"{what}. {hint}")
 
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
@@ -99,8 +204,11 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
         (path / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
     if dist.is_initialized():
         dist.barrier()
+    write_manifest(path)  # after every rank's files, before `latest`
     if rank == 0:
-        (Path(root) / "latest").write_text(path.name)
+        marker = Path(root) / "latest"
+        (Path(root) / "latest.tmp").write_text(path.name)
+        (Path(root) / "latest.tmp").replace(marker)  # atomic: `latest` is never half-written
         older = sorted(p for p in Path(root).glob("step_*") if p.is_dir() and p != path)
         for old in older[: max(0, len(older) - keep + 1)] if keep > 0 else []:
             shutil.rmtree(old)

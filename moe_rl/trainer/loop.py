@@ -81,16 +81,22 @@ class Trainer:
         from moe_rl.objectives import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
         from moe_rl.rollout.engine import RolloutEngine
         from moe_rl.routing.model_layout import moe_layout
+        from moe_rl.trainer import checkpoint
         from moe_rl.trainer.logger import RunLogger
 
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before anything is built
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
         self.cfg, self.run_dir = cfg, run_dir
         self.rank = dist.get_rank()
+        t, d = cfg.trainer, cfg.data
+        # A damaged checkpoint fails (or is skipped under auto_skip_damaged) before any other work.
+        self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
+        self.resume_path, notes = checkpoint.resolve_resume(self.checkpoint_dir, t.resume)
+        for note in notes if self.rank == 0 else []:
+            print(f"[moe-rl] WARNING: {note}", flush=True)
         model_path = cfg.model.path or self._tiny_model(run_dir)
         hf_cfg = load_hf_config(model_path)
         self.layout = moe_layout(hf_cfg)
-        t, d = cfg.trainer, cfg.data
         # Data and reward before the model and engines: a bad file fails in seconds.
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
@@ -127,7 +133,6 @@ class Trainer:
         self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
         self.optimizer = build_optimizer(self.chunks, cfg.actor.lr, cfg.actor.weight_decay, cfg.actor.grad_clip)
         self.model_path, self.hf_cfg = model_path, hf_cfg
-        self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
         self.dump_dir = Path(t.dump_dir or run_dir / "dumps")
         self.step_index = 0
         self.skips = SkipCounter(t.max_skipped_steps)
@@ -146,21 +151,15 @@ class Trainer:
         self.data_position = self.data.position  # prompts consumed by completed steps
 
     def _resume(self) -> dict | None:
-        """Restore the newest checkpoint (trainer.resume=auto) or the named one; None for a fresh run."""
+        """Restore the checkpoint chosen (and verified) at start; None for a fresh run."""
         from moe_rl.trainer import checkpoint
 
-        how = self.cfg.trainer.resume
-        if how == "off":
+        if self.resume_path is None:
             return None
-        path = checkpoint.latest(self.checkpoint_dir) if how == "auto" else Path(how)
-        if path is None:
-            return None
-        if not path.is_dir():
-            raise checkpoint.CheckpointError(f"trainer.resume={how!r}: no checkpoint folder {path}")
-        state = checkpoint.load(path, self.chunks, self.optimizer)
+        state = checkpoint.load(self.resume_path, self.chunks, self.optimizer)
         self.step_index = state["step"]
         if self.rank == 0:
-            print(f"[moe-rl] resumed from {path} at step {self.step_index}", flush=True)
+            print(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}", flush=True)
         return state
 
     def save_checkpoint(self) -> Path:

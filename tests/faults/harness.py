@@ -74,8 +74,11 @@ class Run:
     def ranks(self) -> list[psutil.Process]:
         self.track()
         return sorted(
-            (p for p in self.seen.values() if _alive(p) and "launch/train_moe.py" in " ".join(p.cmdline())
-             and p.pid != self.proc.pid),
+            (
+                p
+                for p in self.seen.values()
+                if _alive(p) and "launch/train_moe.py" in " ".join(p.cmdline()) and p.pid != self.proc.pid
+            ),
             key=lambda p: p.pid,
         )
 
@@ -91,7 +94,9 @@ class Run:
             if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
                 return
             if self.proc.poll() is not None:
-                raise AssertionError(f"run ended ({self.proc.returncode}) before step {steps}:\n{self.output()[-5000:]}")
+                raise AssertionError(
+                    f"run ended ({self.proc.returncode}) before step {steps}:\n{self.output()[-5000:]}"
+                )
             time.sleep(0.3)
         raise AssertionError(f"no step {steps} within {timeout} s:\n{self.output()[-5000:]}")
 

@@ -162,3 +162,81 @@ def test_save_survives_a_killed_writer_manager(trained):
         proc.join()
     state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
     assert checkpoint.save(path.parent, 3, chunks, opt, state).name == "step_000003"
+
+
+def _two_checkpoints(trained):
+    chunks, opt, path = trained  # step 2
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
+    newer = checkpoint.save(path.parent, 3, chunks, opt, state)
+    return path, newer
+
+
+def _largest_model_file(path):
+    return max((f for f in (path / "model").iterdir() if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def test_manifest_lists_every_file_and_a_good_checkpoint_passes(trained):
+    _, _, path = trained
+    files = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
+    on_disk = {str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name != checkpoint.MANIFEST}
+    assert set(files) == on_disk and "trainer.json" in files and any(n.startswith("optimizer/") for n in files)
+    assert checkpoint.problems(path) == []
+    assert checkpoint.resolve_resume(path.parent, "auto") == (path, [])
+
+
+def test_truncated_model_file_names_the_file_and_the_older_checkpoint(trained):
+    older, newer = _two_checkpoints(trained)
+    victim = _largest_model_file(newer)
+    size = victim.stat().st_size
+    with victim.open("r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.resolve_resume(newer.parent, "auto")
+    text = str(err.value)
+    assert f"{victim} has {size // 2} bytes, the manifest says {size}" in text
+    assert f"trainer.resume={older}" in text
+    path, notes = checkpoint.resolve_resume(newer.parent, "auto_skip_damaged")
+    assert path == older and "RESUMING FROM THE OLDER CHECKPOINT" in notes[0] and victim.name in notes[0]
+    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
+        checkpoint.resolve_resume(newer.parent, str(newer))  # an explicit path is verified too
+
+
+def test_a_flipped_byte_fails_the_checksum(trained):
+    _, newer = _two_checkpoints(trained)
+    victim = _largest_model_file(newer)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    found = checkpoint.problems(newer)
+    assert len(found) == 1 and found[0].startswith(f"{victim} does not match its checksum") and "corrupted" in found[0]
+
+
+def test_missing_latest_target_points_to_the_older_checkpoint(trained):
+    older, newer = _two_checkpoints(trained)
+    shutil.rmtree(newer)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{newer} does not exist.*trainer.resume={older}"):
+        checkpoint.resolve_resume(older.parent, "auto")
+    assert checkpoint.resolve_resume(older.parent, "auto_skip_damaged")[0] == older
+    shutil.rmtree(older)
+    with pytest.raises(checkpoint.CheckpointError, match="No older checkpoint passes the check"):
+        checkpoint.resolve_resume(older.parent, "auto_skip_damaged")
+
+
+def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch):
+    from megatron.core import dist_checkpointing
+
+    chunks, opt, path = trained
+    real_save = dist_checkpointing.save
+
+    def save_model_then_fail(state, folder, *a, **k):
+        if folder.endswith("optimizer"):
+            raise OSError("disk full (injected)")
+        return real_save(state, folder, *a, **k)
+
+    monkeypatch.setattr(dist_checkpointing, "save", save_model_then_fail)
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(path.parent, 3, chunks, opt, state)
+    assert (path.parent / "step_000003" / "model").is_dir()  # half written
+    assert checkpoint.resolve_resume(path.parent, "auto") == (path, [])  # latest still names step 2
+    assert "the save did not finish" in checkpoint.problems(path.parent / "step_000003")[0]
