@@ -9,7 +9,8 @@ the job does not kill it first):
 
 - every `POLL_S` seconds it records the engine's processes and every descendant of its owner;
 - when the owner dies (exception, SIGTERM, SIGKILL, a peer rank's failure, torchrun's death)
-  it kills every recorded process; on a clean shutdown (`Reaper.close`) the engine's only;
+  it kills every recorded process; on a clean shutdown (`Reaper.close`) the engine's only, and
+  then it waits for the owner to exit (the owner holds the client ends of the engine's sockets);
 - then it removes the files of those kinds that appeared since it started and that no live
   process holds any more: a socket file nobody is bound to (absent from /proc/net/unix), a
   /dev/shm file no process maps or has open. Files another run still uses are never touched.
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 POLL_S = 0.5
 SHM = "/dev/shm"
@@ -40,6 +42,7 @@ class Reaper:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_rl.rollout.reaper", str(os.getpid())],
             stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
             close_fds=True,
@@ -49,14 +52,15 @@ class Reaper:
         self._send("watch " + " ".join(map(str, pids)))
 
     def close(self, timeout: float = 15.0) -> None:
-        """Kill what is left of the engine, remove its files, and wait for the reaper to exit."""
+        """Kill what is left of the engine (returns once it is gone); the reaper removes the
+        engine's files after this process exits."""
+        import select
+
         if self.proc.poll() is None:
             self._send("exit")
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            if ready:
+                self.proc.stdout.readline()  # "killed"
 
     def _send(self, line: str) -> None:
         try:
@@ -136,9 +140,8 @@ class _Watch:
             except psutil.NoSuchProcess:
                 continue
 
-    def cleanup(self, everything: bool) -> tuple[list[int], list[str]]:
-        """Kill the engine's processes (all the owner's descendants when `everything`), then remove
-        the engine-kind files that appeared since the reaper started and that nobody holds."""
+    def kill(self, everything: bool) -> list[int]:
+        """Kill the engine's processes (all the owner's descendants when `everything`)."""
         import psutil
 
         victims = {**(self.descendants if everything else {}), **self.engine}
@@ -151,6 +154,10 @@ class _Watch:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(alive, timeout=10)
+        return [p.pid for p in alive]
+
+    def remove_files(self) -> list[str]:
+        """Remove the engine-kind files that appeared since the reaper started and nobody holds."""
         removed = []
         stale = candidate_files() - self.before
         if stale:
@@ -161,7 +168,7 @@ class _Watch:
                 removed.append(path)
             except OSError:
                 pass
-        return [p.pid for p in alive], removed
+        return removed
 
 
 def _is_reaper(proc) -> bool:
@@ -194,7 +201,12 @@ def main() -> None:
         watch.done.wait(POLL_S)
     watch.scan()
     owner_gone = not watch.owner_alive()
-    killed, removed = watch.cleanup(everything=owner_gone)
+    killed = watch.kill(everything=owner_gone)
+    if not owner_gone:  # a clean close: tell the owner, then wait for it to release its socket ends
+        print("killed", flush=True)
+        while watch.owner_alive():
+            time.sleep(POLL_S)
+    removed = watch.remove_files()
     if owner_gone:
         print(
             f"[moe-rl reaper] process {watch.owner.pid} ended without shutting its rollout engine down: killed "

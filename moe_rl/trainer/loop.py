@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -575,8 +576,13 @@ class StopFlag:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame):
+        import signal
+
+        name = signal.Signals(signum).name
         if self.requested:
+            print(f"[moe-rl] pid {os.getpid()}: second {name}: exiting now", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
+        print(f"[moe-rl] pid {os.getpid()}: {name}: checkpoint at the next step boundary", file=sys.stderr, flush=True)
         self.requested = True
 
     def agreed(self) -> bool:
@@ -586,10 +592,28 @@ class StopFlag:
         return bool(t.item())
 
 
+def stop_with_launcher() -> None:
+    """Under torchrun: receive SIGUSR1 when the launcher dies (even by SIGKILL), so the rank
+    checkpoints at the next step boundary and exits instead of training on unsupervised.
+    Linux prctl(PR_SET_PDEATHSIG); elsewhere a no-op. (SIGUSR1, not SIGTERM: with SIGTERM a rank
+    was seen to receive it twice, which StopFlag takes as "exit now".)"""
+    import ctypes
+    import signal
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGUSR1, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
 def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     """Run RL steps up to `trainer.steps` (counting resumed ones); returns this run's per-step
     metrics (rank 0 also writes them). Checkpoints every `trainer.checkpoint_every` steps, at the
     end, and on SIGTERM."""
+    stop_with_launcher()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, run_dir)

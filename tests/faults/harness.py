@@ -111,8 +111,12 @@ class Run:
         left = [f"{p.pid} {' '.join(_cmd(p))[:120]}" for p in self.seen.values() if _alive(p)]
         raise AssertionError(f"processes still running {timeout} s later:\n" + "\n".join(left))
 
-    def new_leftovers(self) -> set[str]:
-        return leftovers_snapshot() - self.before
+    def new_leftovers(self, within: float = 0.0) -> set[str]:
+        """Files the run created that still exist (polled for up to `within` seconds)."""
+        deadline = time.time() + within
+        while (left := leftovers_snapshot() - self.before) and time.time() < deadline:
+            time.sleep(0.2)
+        return left
 
     def metrics(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"

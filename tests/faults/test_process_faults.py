@@ -1,5 +1,6 @@
-"""Kill -9 of a rank, of torchrun and of an engine mid-run: the run ends (or errors clearly)
-within a bounded time and leaves no process, /dev/shm segment or socket file behind."""
+"""Kill -9 of a rank, of torchrun and of an engine mid-run: the run ends (with a clear error where
+a process survives to say it) within a bounded time and leaves no process, /dev/shm segment or
+socket file behind."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def run(tmp_path):
     runs = []
 
     def start(nproc=2, overrides=()):
-        r = Run(tmp_path / f"run{len(runs)}", nproc, ["trainer.steps=6", "trainer.checkpoint_every=0", *overrides])
+        r = Run(tmp_path / f"run{len(runs)}", nproc, ["trainer.steps=8", "trainer.checkpoint_every=0", *overrides])
         runs.append(r)
         return r
 
@@ -27,14 +28,46 @@ def run(tmp_path):
         r.kill_all()
 
 
+def _kill_and_wait(r: Run, victim, timeout: float) -> float:
+    """kill -9 `victim`; every process of the run must be gone and every file it created removed
+    within `timeout` seconds. Returns the seconds that took."""
+    t0 = time.time()
+    victim.send_signal(signal.SIGKILL)
+    r.wait_gone(timeout=timeout)
+    assert r.new_leftovers(within=timeout - (time.time() - t0)) == set()
+    return time.time() - t0
+
+
 def test_kill9_of_one_rank_leaves_nothing_behind(run):
     r = run()
     r.wait_for_steps(2)
     assert len(r.engines()) >= 2, r.output()[-3000:]
-    victim = r.ranks()[1]
-    t0 = time.time()
-    victim.send_signal(signal.SIGKILL)
-    seconds = r.wait_gone(timeout=30)
-    print(f"\nkill -9 of rank pid {victim.pid}: every process of the run gone {time.time() - t0:.1f} s later")
+    seconds = _kill_and_wait(r, r.ranks()[1], timeout=30)
+    print(f"\nkill -9 of rank 1: every process of the run gone {seconds:.1f} s later")
     assert r.proc.returncode != 0
-    assert r.new_leftovers() == set()
+
+
+def test_kill9_of_torchrun_checkpoints_and_leaves_nothing_behind(run):
+    """The ranks get SIGTERM when their launcher dies (parent-death signal): they checkpoint at
+    the next step boundary and exit, and the checkpoint verifies."""
+    from moe_rl.trainer import checkpoint
+
+    r = run()
+    r.wait_for_steps(1)
+    assert len(r.ranks()) == 2 and r.engines()
+    seconds = _kill_and_wait(r, r.seen[r.proc.pid], timeout=30)
+    print(f"\nkill -9 of torchrun: every process of the run gone {seconds:.1f} s later")
+    assert "stopped by a signal after saving a checkpoint" in r.output(), r.output()[-4000:]
+    assert len(r.metrics()) < 8  # stopped early, not trained to the end unsupervised
+    latest = checkpoint.latest(r.run_dir / "checkpoints")
+    assert latest.name == f"step_{len(r.metrics()):06d}" and checkpoint.problems(latest) == []
+
+
+def test_kill9_of_an_engine_is_a_clear_error_and_leaves_nothing_behind(run):
+    r = run()
+    r.wait_for_steps(1)
+    engine = next(p for p in r.engines() if "EngineCore" in p.name())
+    seconds = _kill_and_wait(r, engine, timeout=60)
+    print(f"\nkill -9 of an engine core: every process of the run gone {seconds:.1f} s later")
+    assert r.proc.returncode != 0
+    assert "RolloutEngineError" in r.output() and "died" in r.output(), r.output()[-4000:]

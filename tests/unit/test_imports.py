@@ -12,12 +12,12 @@ import pkgutil
 import pytest
 
 import moe_rl
-import moe_rl.kernels  # installed from the top-level kernels/ folder
+from moe_rl import kernels  # installed from the top-level kernels/ folder
 
 MODULES = sorted(
     {"moe_rl.kernels"}
     | {m.name for m in pkgutil.walk_packages(moe_rl.__path__, prefix="moe_rl.")}
-    | {m.name for m in pkgutil.walk_packages(moe_rl.kernels.__path__, prefix="moe_rl.kernels.")}
+    | {m.name for m in pkgutil.walk_packages(kernels.__path__, prefix="moe_rl.kernels.")}
 )
 
 
