@@ -53,9 +53,11 @@ class ActorConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    """Max global gradient norm (0 = no clipping)."""
     mini_batches: int = 2
-    """Optimizer steps per rollout batch (pi_theta drifts from pi_old after the first)."""
+    """Optimizer steps per rollout batch (pi_theta drifts from pi_old after the first); >= 1."""
     micro_batch_size: int = 8
+    """Samples per forward/backward pass; >= 1."""
 
 
 @dataclass

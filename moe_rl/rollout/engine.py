@@ -38,10 +38,12 @@ class SamplingConfig:
     """Sampling for one rollout batch."""
 
     n: int = 4
-    """Samples per prompt (the GRPO group size)."""
+    """Samples per prompt (the GRPO group size; >= 2 for group advantages)."""
     temperature: float = 1.0
+    """> 0 for training: greedy decoding gives identical groups and no usable behaviour log-probs."""
     top_p: float = 1.0
     max_tokens: int = 64
+    """Tokens generated per sample (>= 1)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (the response ends before them)."""
     seed: int | None = 0

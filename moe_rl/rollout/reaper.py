@@ -20,6 +20,7 @@ Which case each part covers is listed in the README's troubleshooting section.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -39,6 +40,8 @@ class Reaper:
     """Trainer side: start the watchdog for this process, tell it the engine's pids, close it."""
 
     def __init__(self) -> None:
+        # Snapshot here, not in the reaper: the engine starts creating files while it boots.
+        before = sorted(candidate_files())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_rl.rollout.reaper", str(os.getpid())],
             stdin=subprocess.PIPE,
@@ -47,6 +50,7 @@ class Reaper:
             start_new_session=True,
             close_fds=True,
         )
+        self._send(json.dumps(before))
 
     def watch(self, pids: list[int]) -> None:
         self._send("watch " + " ".join(map(str, pids)))
@@ -109,7 +113,7 @@ class _Watch:
         self.owner = psutil.Process(owner_pid)
         self.engine: dict[int, psutil.Process] = {}  # Process objects keep identity across pid reuse
         self.descendants: dict[int, psutil.Process] = {}
-        self.before = candidate_files()
+        self.before: set[str] = set()  # engine-kind files that existed before the engine started
         self.done = threading.Event()
 
     def owner_alive(self) -> bool:
@@ -195,6 +199,7 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)  # the job's signals are for the trainer, not for us
     watch = _Watch(int(sys.argv[1]))
+    watch.before = set(json.loads(sys.stdin.readline() or "[]"))
     threading.Thread(target=_read_commands, args=(watch,), daemon=True).start()
     while not watch.done.is_set() and watch.owner_alive():
         watch.scan()
@@ -203,7 +208,10 @@ def main() -> None:
     owner_gone = not watch.owner_alive()
     killed = watch.kill(everything=owner_gone)
     if not owner_gone:  # a clean close: tell the owner, then wait for it to release its socket ends
-        print("killed", flush=True)
+        try:
+            print("killed", flush=True)
+        except OSError:  # the owner died while waiting for the answer (e.g. a second SIGTERM)
+            pass
         while watch.owner_alive():
             time.sleep(POLL_S)
     removed = watch.remove_files()

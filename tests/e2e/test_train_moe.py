@@ -18,6 +18,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
 KEYS = [
     "reward/mean",
+    "reward/zero_variance_groups",
+    "actor/skipped_steps",
     "response/length_mean",
     "actor/entropy",
     "actor/clipfrac",
@@ -62,6 +64,11 @@ def test_default_run_learns_the_toy_task(tmp_path):
     assert (tmp_path / "checkpoints" / "step_000030" / "optimizer" / "metadata.json").is_file()
     # fp32 actor and engine route identically on almost every token-layer
     assert min(h["router/agreement"] for h in history) > 0.99
+    # no step-1 gradient-norm spike (the tiny model has no all-zero embedding row), nothing skipped
+    norms = [h["actor/grad_norm"] for h in history]
+    assert norms[0] <= 10 * max(norms[1], norms[2]), norms[:3]
+    assert all(h["actor/skipped_steps"] == 0 for h in history)
+    assert all(0.0 <= h["reward/zero_variance_groups"] <= 1.0 for h in history)
 
 
 def test_overrides_r2_ep2_tis(tmp_path):

@@ -42,7 +42,7 @@ class Run:
         self.before = leftovers_snapshot()
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
         env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
-        self.log_path = run_dir.parent / f"{run_dir.name}.log"
+        self.log_path = run_dir.parent / f"{run_dir.name}.{len(list(run_dir.parent.glob(run_dir.name + '.*.log')))}.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             [*TRAIN[:4], f"--nproc-per-node={nproc}", *TRAIN[4:], f"hydra.run.dir={run_dir}", *QUIET, *overrides],
@@ -55,7 +55,8 @@ class Run:
         self.seen: dict[int, psutil.Process] = {}
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def track(self) -> None:

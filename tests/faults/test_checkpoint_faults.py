@@ -1,0 +1,83 @@
+"""Checkpoint faults end to end: a truncated model file is named at resume with the older
+checkpoint to use; SIGTERM twice during a save never leaves a checkpoint that resume would trust."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from moe_rl.trainer import checkpoint
+from tests.faults.harness import Run
+
+pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow]
+
+
+def _finish(r: Run, timeout: float = 600) -> int:
+    try:
+        return r.proc.wait(timeout=timeout)
+    finally:
+        r.wait_gone(timeout=30)
+        r.kill_all()
+
+
+def test_truncated_checkpoint_is_named_then_the_older_one_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    first = Run(run_dir, 2, ["trainer.steps=2", "trainer.checkpoint_every=1"])
+    assert _finish(first) == 0, first.output()[-4000:]
+    assert first.new_leftovers(within=5) == set()  # a clean run leaves no socket file or segment
+    older, newer = run_dir / "checkpoints" / "step_000001", run_dir / "checkpoints" / "step_000002"
+    victim = max((f for f in (newer / "model").iterdir() if f.is_file()), key=lambda f: f.stat().st_size)
+    with victim.open("r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+
+    t0 = time.time()
+    resumed = Run(run_dir, 2, ["trainer.steps=3"])  # trainer.resume=auto
+    code = _finish(resumed, timeout=120)
+    seconds = time.time() - t0
+    out = resumed.output()
+    print(f"\ndamaged checkpoint refused in {seconds:.1f} s")
+    assert code != 0 and seconds < 60
+    assert str(victim) in out and "truncated" in out and f"trainer.resume={older}" in out, out[-4000:]
+    assert "Loading safetensors" not in out  # failed before any model or engine was built
+
+    again = Run(run_dir, 2, ["trainer.steps=3", f"trainer.resume={older}"])
+    assert _finish(again) == 0, again.output()[-4000:]
+    assert f"resumed from {older} at step 1" in again.output()
+    steps = [m["step"] for m in again.metrics()]
+    assert steps[-2:] == [2, 3]  # steps 2 and 3 trained again from step 1's checkpoint
+    assert checkpoint.problems(run_dir / "checkpoints" / "step_000003") == []
+
+
+def test_sigterm_twice_during_a_save_never_leaves_a_trusted_partial_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    r = Run(run_dir, 2, ["trainer.steps=8", "trainer.checkpoint_every=0"])
+    try:
+        r.wait_for_steps(1)
+        ranks = r.ranks()
+        for p in ranks:
+            p.send_signal(signal.SIGTERM)  # as Slurm's scancel --signal=TERM does
+        deadline = time.time() + 120
+        while time.time() < deadline and not list((run_dir / "checkpoints").glob("step_*")):
+            time.sleep(0.02)
+        for p in ranks:  # the second signal, while the checkpoint is being written
+            try:
+                os.kill(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        r.proc.wait(timeout=120)
+        r.wait_gone(timeout=30)
+        assert r.new_leftovers(within=10) == set()
+    finally:
+        r.kill_all()
+    assert "second SIGTERM: exiting now" in r.output() or "stopped by a signal after saving" in r.output()
+    root = run_dir / "checkpoints"
+    trusted, _ = checkpoint.resolve_resume(root, "auto")  # never raises: latest names a verified checkpoint
+    for folder in root.glob("step_*"):
+        if folder != trusted:
+            assert checkpoint.problems(folder), f"{folder} is complete but latest does not name it"
+    again = Run(run_dir, 2, ["trainer.steps=3"])
+    assert _finish(again) == 0, again.output()[-4000:]
+    assert [m["step"] for m in again.metrics()][-1] == 3
