@@ -2,7 +2,8 @@
 optimizers' own sharded state dicts) and every rank's RNG state, plus the trainer state (step,
 data position, wandb run id).
 
-Layout: `<dir>/step_000012/{model/, optimizer/, trainer.json}`; `<dir>/latest` names the newest
+Layout: `<dir>/step_000012/{model/, optimizer/, trainer.json, manifest.json}`; a save is written
+to `<dir>/.step_000012.partial/` and renamed when complete; `<dir>/latest` names the newest
 complete checkpoint and is written last, so a save cut short (a second SIGTERM, a node loss) is
 never resumed. `model/` is a sharded checkpoint: it loads under another parallel layout (the HF
 export runs at world 1 on a checkpoint saved with EP=2).
@@ -188,30 +189,45 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
 
     rank, _ = _rank_world()
     path = step_dir(root, step)
+    # Written under a hidden name and renamed when complete: an existing folder of the same step
+    # (a re-run after resuming an older checkpoint, possibly the one `latest` names) stays intact
+    # until its replacement is whole, and a save cut short never carries a step_* name.
+    partial = path.with_name(f".{path.name}.partial")
     if rank == 0:
-        if path.exists():
-            shutil.rmtree(path)
-        (path / "model").mkdir(parents=True)
-        (path / "optimizer").mkdir()
+        if partial.exists():
+            shutil.rmtree(partial)
+        (partial / "model").mkdir(parents=True)
+        (partial / "optimizer").mkdir()
     if dist.is_initialized():
         dist.barrier()
     _drop_dead_results_queue()
-    dist_checkpointing.save({**model_sharded_state_dict(chunks), "rng_state": _rng_object()}, str(path / "model"))
+    dist_checkpointing.save({**model_sharded_state_dict(chunks), "rng_state": _rng_object()}, str(partial / "model"))
     dist_checkpointing.save(
-        {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks))}, str(path / "optimizer")
+        {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks))}, str(partial / "optimizer")
     )
     if rank == 0:
-        (path / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
+        (partial / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
     if dist.is_initialized():
         dist.barrier()
-    write_manifest(path)  # after every rank's files, before `latest`
+    write_manifest(partial)  # after every rank's files, before `latest`
     if rank == 0:
+        if path.exists():
+            replaced = path.with_name(f".{path.name}.replaced")
+            if replaced.exists():  # left by a crash between the two renames below
+                shutil.rmtree(replaced)
+            path.rename(replaced)
+            partial.rename(path)
+            shutil.rmtree(replaced)
+        else:
+            partial.rename(path)
         marker = Path(root) / "latest"
         (Path(root) / "latest.tmp").write_text(path.name)
         (Path(root) / "latest.tmp").replace(marker)  # atomic: `latest` is never half-written
         older = sorted(p for p in Path(root).glob("step_*") if p.is_dir() and p != path)
         for old in older[: max(0, len(older) - keep + 1)] if keep > 0 else []:
             shutil.rmtree(old)
+    if dist.is_initialized():
+        dist.barrier()  # no rank returns before the checkpoint has its final name
     return path
 
 

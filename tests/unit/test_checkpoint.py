@@ -237,6 +237,24 @@ def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch):
     state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
     with pytest.raises(OSError, match="disk full"):
         checkpoint.save(path.parent, 3, chunks, opt, state)
-    assert (path.parent / "step_000003" / "model").is_dir()  # half written
+    assert (path.parent / ".step_000003.partial" / "model").is_dir()  # half written, under a hidden name
+    assert not (path.parent / "step_000003").exists()
     assert checkpoint.resolve_resume(path.parent, "auto") == (path, [])  # latest still names step 2
-    assert "the save did not finish" in checkpoint.problems(path.parent / "step_000003")[0]
+    assert "the save did not finish" in checkpoint.problems(path.parent / ".step_000003.partial")[0]
+
+
+def test_resaving_the_latest_step_keeps_it_until_the_new_one_is_complete(trained, monkeypatch):
+    """After resuming an older checkpoint, a step is saved again on top of an existing folder
+    (maybe the one `latest` names): a failed re-save must leave that folder whole."""
+    from megatron.core import dist_checkpointing
+
+    chunks, opt, path = trained  # step 2, named by latest
+    manifest = (path / checkpoint.MANIFEST).read_text()
+    monkeypatch.setattr(dist_checkpointing, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("injected")))
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
+    with pytest.raises(OSError, match="injected"):
+        checkpoint.save(path.parent, 2, chunks, opt, state)
+    assert (path / checkpoint.MANIFEST).read_text() == manifest and checkpoint.problems(path) == []
+    monkeypatch.undo()
+    assert checkpoint.save(path.parent, 2, chunks, opt, state) == path  # a successful re-save replaces it
+    assert checkpoint.problems(path) == [] and not list(path.parent.glob(".step_*"))
