@@ -9,11 +9,12 @@ the job does not kill it first):
 
 - every `POLL_S` seconds it records the engine's processes and every descendant of its owner;
 - when the owner dies (exception, SIGTERM, SIGKILL, a peer rank's failure, torchrun's death)
-  it kills every recorded process; on a clean shutdown (`Reaper.close`) the engine's only, and
-  then it waits for the owner to exit (the owner holds the client ends of the engine's sockets);
-- then it removes the files of those kinds that appeared since it started and that no live
-  process holds any more: a socket file nobody is bound to (absent from /proc/net/unix), a
-  /dev/shm file no process maps or has open. Files another run still uses are never touched.
+  it kills every recorded process; on a clean shutdown (`Reaper.close`) the engine's only;
+- then it removes the files of those kinds that appeared since the engine started and that no
+  other live process holds: a socket file nobody else is bound to (/proc/net/unix), a /dev/shm
+  file no other process maps or has open. The owner's own holdings do not count (after a clean
+  shutdown it still holds the client ends of the dead engine's sockets, which nobody will
+  connect to again); files another run uses are never touched.
 
 Which case each part covers is listed in the README's troubleshooting section.
 """
@@ -28,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 POLL_S = 0.5
 SHM = "/dev/shm"
@@ -56,8 +56,7 @@ class Reaper:
         self._send("watch " + " ".join(map(str, pids)))
 
     def close(self, timeout: float = 15.0) -> None:
-        """Kill what is left of the engine (returns once it is gone); the reaper removes the
-        engine's files after this process exits."""
+        """Kill what is left of the engine and remove its files; returns when that is done."""
         import select
 
         if self.proc.poll() is None:
@@ -84,16 +83,21 @@ def candidate_files() -> set[str]:
     return out
 
 
-def files_in_use() -> set[str]:
-    """Socket paths someone is bound to, and /dev/shm files some live process maps or has open."""
+def files_in_use(owner=None) -> set[str]:
+    """Socket paths someone is bound to, and /dev/shm files some live process maps or has open;
+    `owner` (a psutil.Process): leave out what only it holds."""
     used = set()
     try:
         with open("/proc/net/unix") as f:
             next(f)
-            used |= {parts[7] for line in f if len(parts := line.split()) >= 8}
+            bound = [parts for line in f if len(parts := line.split()) >= 8]  # ... Inode Path
     except OSError:
-        pass
+        bound = []
+    mine = _socket_inodes(owner.pid) if owner is not None else set()
+    used |= {parts[7] for parts in bound if parts[6] not in mine}
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        if owner is not None and int(pid) == owner.pid:
+            continue
         try:
             with open(f"/proc/{pid}/maps") as f:
                 used |= {line.split(None, 5)[5].strip() for line in f if SHM in line}
@@ -104,6 +108,18 @@ def files_in_use() -> set[str]:
         except OSError:
             continue
     return used
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                out.add(target[8:-1])
+    except OSError:
+        pass
+    return out
 
 
 class _Watch:
@@ -161,11 +177,12 @@ class _Watch:
         return [p.pid for p in alive]
 
     def remove_files(self) -> list[str]:
-        """Remove the engine-kind files that appeared since the reaper started and nobody holds."""
+        """Remove the engine-kind files that appeared since the engine started and that no process
+        but the owner holds."""
         removed = []
         stale = candidate_files() - self.before
         if stale:
-            stale -= files_in_use()
+            stale -= files_in_use(self.owner if self.owner_alive() else None)
         for path in sorted(stale):
             try:
                 os.unlink(path)
@@ -207,14 +224,12 @@ def main() -> None:
     watch.scan()
     owner_gone = not watch.owner_alive()
     killed = watch.kill(everything=owner_gone)
-    if not owner_gone:  # a clean close: tell the owner, then wait for it to release its socket ends
+    removed = watch.remove_files()
+    if not owner_gone:  # a clean close: the owner waits for this answer
         try:
             print("killed", flush=True)
-        except OSError:  # the owner died while waiting for the answer (e.g. a second SIGTERM)
+        except OSError:  # the owner died while waiting for it (e.g. a second SIGTERM)
             pass
-        while watch.owner_alive():
-            time.sleep(POLL_S)
-    removed = watch.remove_files()
     if owner_gone:
         print(
             f"[moe-rl reaper] process {watch.owner.pid} ended without shutting its rollout engine down: killed "

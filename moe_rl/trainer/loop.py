@@ -566,12 +566,19 @@ def _correction_kwargs(alg) -> dict:
 
 class StopFlag:
     """SIGTERM/SIGUSR1 (Slurm preemption, torchrun shutdown) ask for a checkpoint at the next step
-    boundary; a second signal exits at once. Ranks agree on stopping with one all-reduce."""
+    boundary; a second signal exits at once. Ranks agree on stopping with one all-reduce.
+
+    A repeat within `REPEAT_S` seconds is the same request, not a second one: under Slurm a rank
+    gets the signal twice within milliseconds (`scancel --signal` reaches every process of the
+    step, and torchrun forwards the one it got)."""
+
+    REPEAT_S = 2.0
 
     def __init__(self):
         import signal
 
         self.requested = False
+        self.first_at = 0.0
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
 
@@ -579,11 +586,14 @@ class StopFlag:
         import signal
 
         name = signal.Signals(signum).name
-        if self.requested:
+        if self.requested and time.monotonic() - self.first_at > self.REPEAT_S:
             print(f"[moe-rl] pid {os.getpid()}: second {name}: exiting now", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
-        print(f"[moe-rl] pid {os.getpid()}: {name}: checkpoint at the next step boundary", file=sys.stderr, flush=True)
-        self.requested = True
+        if not self.requested:
+            print(
+                f"[moe-rl] pid {os.getpid()}: {name}: checkpoint at the next step boundary", file=sys.stderr, flush=True
+            )
+            self.requested, self.first_at = True, time.monotonic()
 
     def agreed(self) -> bool:
         t = torch.tensor([int(self.requested)])

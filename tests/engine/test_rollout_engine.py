@@ -170,6 +170,9 @@ def test_shutdown_leaves_no_processes(tiny_models):
 
     from tests.engine.conftest import start_engine
 
+    from moe_rl.rollout.reaper import candidate_files
+
+    files_before = candidate_files()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     eng = start_engine(tiny_models["mixtral"])
     eng.generate([[4, 5, 6]], SamplingConfig(n=1, max_tokens=3))
@@ -179,6 +182,8 @@ def test_shutdown_leaves_no_processes(tiny_models):
     eng.shutdown()  # idempotent
     psutil.wait_procs(mine, timeout=30)
     assert not [p for p in mine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # nor files: vLLM leaves its ZMQ socket files behind even on a clean shutdown; the reaper removes them
+    assert candidate_files() - files_before == set()
     with pytest.raises(RolloutEngineError, match="shut down"):
         eng.generate([[1]], SamplingConfig(n=1, max_tokens=1))
 
