@@ -168,9 +168,8 @@ def test_small_buckets_and_dead_engine_gives_clear_error(tiny_models):
 def test_shutdown_leaves_no_processes(tiny_models):
     import psutil
 
-    from tests.engine.conftest import start_engine
-
     from moe_rl.rollout.reaper import candidate_files
+    from tests.engine.conftest import start_engine
 
     files_before = candidate_files()
     before = {p.pid for p in psutil.Process().children(recursive=True)}

@@ -105,6 +105,10 @@ class LocalSlurm:
         )
         return int(out.stdout.strip().split(";")[0])
 
+    def node_state(self) -> str:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
+        return out.stdout.strip()
+
     def job_state(self, job: int) -> str:
         out = subprocess.run(["scontrol", "show", "job", str(job)], env=self.env, capture_output=True, text=True).stdout
         for field in out.split():

@@ -66,7 +66,9 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, tmp_path):
         restarts = subprocess.run(
             ["scontrol", "show", "job", str(job)], env=slurm.env, capture_output=True, text=True
         ).stdout
-        if state == "PENDING" and "Restarts=1" in restarts and not hurried:
+        # Hurry only once the node has finished cleaning up the first attempt: a requeued job started
+        # while it is still completing is killed ("Job credential revoked").
+        if state == "PENDING" and "Restarts=1" in restarts and not hurried and slurm.node_state() == "idle":
             # Slurm holds a requeued job for ~2 minutes (BeginTime); the test need not wait.
             cmd = ["scontrol", "update", f"JobId={job}", "StartTime=now"]
             hurried = subprocess.run(cmd, env=slurm.env, capture_output=True).returncode == 0
