@@ -137,7 +137,7 @@ class Trainer:
         self.dump_dir = Path(t.dump_dir or run_dir / "dumps")
         self.step_index = 0
         self.skips = SkipCounter(t.max_skipped_steps)
-        self.health = HealthMonitor()
+        self.health = HealthMonitor(t.first_minibatch_tolerance)
         self.stop = StopFlag()
         resumed = self._resume()
         self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
@@ -239,7 +239,7 @@ class Trainer:
         self.step_index += 1
         self.data_position = self.data.position
         self.logger.log(self.step_index, metrics)
-        for warning in health_warnings(metrics, self.cfg.trainer.first_minibatch_tolerance) + self.health(metrics):
+        for warning in self.health(metrics):
             self.logger.warn(self.step_index, warning)
         return metrics
 
@@ -506,17 +506,19 @@ def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> float:
 
 
 class HealthMonitor:
-    """Step-level warnings from the logged metrics: a gradient-norm jump (> 10x the median of the
-    previous ten steps; users of RL trainers report such jumps ahead of collapse) and steps with
-    nothing to learn (every group's rewards equal), the latter shown once and counted at the end."""
+    """Step-level warnings from the logged metrics: the stateless `health_warnings`, a gradient-norm
+    jump (> 10x the median of the previous ten steps; users of RL trainers report such jumps ahead
+    of collapse) and steps with nothing to learn (every group's rewards equal), the latter shown
+    once and counted at the end."""
 
-    def __init__(self, window: int = 10, spike: float = 10.0):
+    def __init__(self, first_minibatch_tolerance: float = 1e-4, window: int = 10, spike: float = 10.0):
+        self.tolerance = first_minibatch_tolerance
         self.norms: list[float] = []
         self.window, self.spike = window, spike
         self.flat_steps = 0
 
     def __call__(self, metrics: dict[str, float]) -> list[str]:
-        out = []
+        out = health_warnings(metrics, self.tolerance)
         norm = metrics.get("actor/grad_norm")
         if norm is not None and math.isfinite(norm):
             previous = self.norms[-self.window :]

@@ -4,6 +4,7 @@ stops the run naming the sample (nothing is saved)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -25,8 +26,6 @@ SMALL = [
 
 def _run(run_dir, overrides):
     env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "VLLM_CONFIGURE_LOGGING": "0"}
-    import os
-
     env = {
         **{k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")},
         **env,
