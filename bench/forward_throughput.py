@@ -72,7 +72,7 @@ def main() -> None:
         return worker(a)
 
     tmp = Path(tempfile.mkdtemp(prefix="moe-rl-bench-"))
-    from moe_rl.tools.tiny_model import TinySpec, build_tiny_model
+    from moe_rl.models.tiny import TinySpec, build_tiny_model
 
     models = [str(build_tiny_model(TinySpec(arch=arch), tmp / arch)) for arch in ("qwen3_moe", "mixtral", "olmoe")]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

@@ -55,7 +55,7 @@ def main() -> None:
     from moe_rl.actor.replay import RouteReplay
     from moe_rl.actor.weights import load_hf_weights
     from moe_rl.routing.model_layout import moe_layout
-    from moe_rl.tools.tiny_model import TinySpec, build_tiny_model
+    from moe_rl.models.tiny import TinySpec, build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="moe-rl-bench-"))
     spec = TinySpec(arch="qwen3_moe", num_experts=32, topk=4, layers=4, hidden=256, head_dim=64, moe_intermediate=256)

@@ -42,7 +42,7 @@ def run(variant: str, steps: int, nproc: int, extra: list[str], root: Path) -> l
         f"hydra.run.dir={run_dir}",
         f"trainer.steps={steps}",
         "trainer.checkpoint_every=0",
-        "logging.wandb_mode=disabled",
+        "logging.wandb.mode=disabled",
         "logging.router_agreement_every=0",
         *VARIANTS[variant],
         *extra,

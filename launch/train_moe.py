@@ -3,8 +3,11 @@
 Examples:
   torchrun --nproc-per-node=2 launch/train_moe.py                          # tiny MoE, toy task, R3+GSPO+IcePop
   torchrun --nproc-per-node=2 launch/train_moe.py parallel.ep=2 actor.router_replay=r2 algorithm.correction=tis
-  python launch/train_moe.py trainer.steps=3 logging.wandb_mode=disabled    # world of 1
+  torchrun --nproc-per-node=2 launch/train_moe.py algorithm=ppo_tis algorithm.loss.clip_high=0.28
+  python launch/train_moe.py trainer.steps=3 logging.wandb.mode=disabled    # world of 1
   python launch/train_moe.py --help                                         # every key with its default
+
+Defaults: the dataclasses of moe_rl/config.py; conf/ picks groups (algorithm=gspo_icepop | ppo_tis | grpo).
 """
 
 from __future__ import annotations
@@ -17,9 +20,20 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moe_rl.config import TrainConfig, register_configs  # noqa: E402
+from moe_rl.config import ConfigKeyError, TrainConfig, check_overrides, register_configs  # noqa: E402
 
 register_configs()
+
+
+def _check_command_line() -> None:
+    """A misspelled key fails here with the closest valid key, said once (by rank 0), not by
+    every rank in Hydra's words."""
+    try:
+        check_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
+    except ConfigKeyError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[moe-rl] {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 @hydra.main(config_path="../conf", config_name="train_moe", version_base="1.3")
@@ -33,4 +47,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    _check_command_line()
     main()

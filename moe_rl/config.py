@@ -1,17 +1,24 @@
-"""Structured training config: the schema Hydra validates `conf/` against before heavy work.
+"""Structured training config: the one source of defaults (each field's docstring is its comment).
 
 Each component keeps its own dataclass (ParallelConfig in actor.parallel, RolloutConfig and
-SamplingConfig in rollout.engine); this module composes them, registers the schema with
-Hydra's ConfigStore and checks cross-field consistency in `validate`.
+SamplingConfig in rollout.engine, loss and correction configs in objectives); this module
+composes them, registers the schema and the `algorithm/loss` / `algorithm/correction` groups
+with Hydra's ConfigStore, checks command-line keys (`check_overrides`: a typo fails with the
+closest valid key) and cross-field consistency (`validate`). `conf/` only picks groups.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
 
 from moe_rl.actor.parallel import ParallelConfig
+from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
 from moe_rl.objectives.aggregation import AGG_MODES
+from moe_rl.objectives.corrections import IcePopConfig
+from moe_rl.objectives.policy_loss import GSPOConfig
 from moe_rl.rollout.engine import RolloutConfig, SamplingConfig
 
 
@@ -29,21 +36,25 @@ class ModelConfig:
 
 @dataclass
 class AlgorithmConfig:
-    policy_loss: str = "gspo"
-    """Registered policy loss (moe_rl.objectives.POLICY_LOSSES): gspo | ppo."""
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
-    loss_agg: str = "seq-mean-token-mean"
-    correction: str = "icepop"
-    """Registered mismatch correction: none | icepop | tis | seq-tis | seq-mask | geo-mask."""
-    correction_low: float = 0.5
-    """Lower band (icepop, seq-mask, geo-mask)."""
-    correction_high: float = 5.0
-    """Upper band (icepop, seq-mask, geo-mask)."""
-    correction_cap: float = 2.0
-    """Cap (tis, seq-tis)."""
+    """Chosen with `algorithm=<preset>` (conf/algorithm/: gspo_icepop, ppo_tis, grpo) or piece by
+    piece with `algorithm/loss=<name>` and `algorithm/correction=<name>`; each piece's settings
+    (`algorithm.loss.clip_low=...`) and defaults are its own dataclass (objectives/)."""
+
+    loss: Any = field(default_factory=GSPOConfig)
+    """Policy loss config (moe_rl.objectives.POLICY_LOSSES): gspo (GSPOConfig) | ppo (PPOConfig)."""
+    correction: Any = field(default_factory=IcePopConfig)
+    """Mismatch correction config (moe_rl.objectives.CORRECTIONS): none | icepop | tis | seq-tis | seq-mask |
+    geo-mask."""
     advantage: str = "grpo"
     """Registered advantage estimator: grpo | drgrpo | rloo | reinforce."""
+
+    @property
+    def loss_name(self) -> str:
+        return POLICY_LOSSES.name_of(self.loss)
+
+    @property
+    def correction_name(self) -> str:
+        return CORRECTIONS.name_of(self.correction)
 
 
 @dataclass
@@ -51,6 +62,7 @@ class ActorConfig:
     router_replay: str = "r3"
     """r3 (replay the rollout engine's routes) | r2 (replay the actor's own old-pass routes) | off."""
     lr: float = 3e-3
+    """Adam learning rate (high for the tiny model; ~1e-6 for real models)."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
@@ -67,10 +79,12 @@ class DataConfig:
     path: str = ""
     """jsonl or parquet file of prompts (task=file)."""
     prompt_key: str = "prompt"
+    """Field of a prompt row holding the prompt text (task=file)."""
     answer_key: str = "answer"
+    """Field holding the reference answer passed to the reward (task=file)."""
     reward: str = "moe_rl.data.rewards:toy_low_token_reward"
     """Reward plugin `module:function(responses, answers, response_ids) -> list[float]`."""
-    prompts_per_step: int = 8
+    prompts_per_step: int = 4
     """Prompts per step on each data-parallel rank (samples = prompts * rollout.n)."""
     overlong_prompts: str = "error"
     """A prompt whose tokens + sampling.max_tokens exceed the engine's context: error (name its line)
@@ -80,7 +94,10 @@ class DataConfig:
 @dataclass
 class TrainerConfig:
     steps: int = 30
+    """RL steps to run (counting the steps of a resumed checkpoint)."""
     seed: int = 1234
+    """Seed of the model init, the data order, the tiny model and the rollout engine (rollout.seed is
+    set from it); sampling.seed seeds the sampler."""
     first_minibatch_tolerance: float = 1e-4
     """Warn when |mean(log pi_theta - log pi_old)| on the first mini-batch exceeds this."""
     mode: str = "train"
@@ -106,10 +123,24 @@ class TrainerConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (wandb.init arguments)."""
+
+    mode: str = "offline"
+    """online | offline (files under <run dir>/wandb, `wandb sync` later) | disabled."""
+    project: str = "moe-rl"
+    entity: str | None = None
+    """Team or user; null = wandb's default."""
+    name: str | None = None
+    """Run name; null = wandb's generated name."""
+    group: str | None = None
+    """Group runs (e.g. one sweep) in the UI."""
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
 class LoggingConfig:
-    wandb_mode: str = "offline"
-    """online | offline | disabled."""
-    wandb_project: str = "moe-rl"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     router_agreement_every: int = 1
     """Log router/agreement (trainer's live routing vs the engine's routes) every N steps; 0 = never.
     Costs one extra forward under R3 (R2 records live routes anyway)."""
@@ -132,27 +163,33 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need no model, run before anything is built: one clear error naming the key."""
     from moe_rl.data.prompts import OVERLONG_POLICIES
     from moe_rl.data.rewards import load_reward
-    from moe_rl.objectives import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
+    from moe_rl.objectives import ADVANTAGES
 
     def bad(key: str, msg: str):
         raise ValueError(f"config {key}: {msg}")
 
-    if cfg.algorithm.policy_loss not in POLICY_LOSSES:
-        bad("algorithm.policy_loss", f"{cfg.algorithm.policy_loss!r} is not one of {POLICY_LOSSES.names()}")
-    if cfg.algorithm.correction not in CORRECTIONS:
-        bad("algorithm.correction", f"{cfg.algorithm.correction!r} is not one of {CORRECTIONS.names()}")
-    if cfg.algorithm.advantage not in ADVANTAGES:
-        bad("algorithm.advantage", f"{cfg.algorithm.advantage!r} is not one of {ADVANTAGES.names()}")
-    if cfg.algorithm.loss_agg not in AGG_MODES:
-        bad("algorithm.loss_agg", f"{cfg.algorithm.loss_agg!r} is not one of {AGG_MODES}")
+    alg = cfg.algorithm
+    for key, registry, value in (("loss", POLICY_LOSSES, alg.loss), ("correction", CORRECTIONS, alg.correction)):
+        try:
+            registry.name_of(value)
+        except ValueError as e:
+            bad(f"algorithm.{key}", f"{e}; choose one with algorithm/{key}=<name>")
+    if alg.advantage not in ADVANTAGES:
+        bad("algorithm.advantage", f"{alg.advantage!r} is not one of {ADVANTAGES.names()}")
+    if getattr(alg.loss, "agg", AGG_MODES[0]) not in AGG_MODES:
+        bad("algorithm.loss.agg", f"{alg.loss.agg!r} is not one of {AGG_MODES}")
+    if cfg.rollout.model:
+        bad("rollout.model", "is set from model.path by the trainer; set model.path instead")
+    if cfg.rollout.seed is not None:
+        bad("rollout.seed", "is set from trainer.seed by the trainer; set trainer.seed instead")
     if cfg.actor.router_replay not in ("r3", "r2", "off"):
         bad("actor.router_replay", f"{cfg.actor.router_replay!r}: choose r3, r2 or off")
     if cfg.actor.router_replay == "r3" and cfg.rollout.capture == "none":
         bad("actor.router_replay", "r3 replays the rollout engine's routes, but rollout.capture=none")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         bad("model.dtype", f"{cfg.model.dtype!r}: choose float32 or bfloat16")
-    if cfg.logging.wandb_mode not in ("online", "offline", "disabled"):
-        bad("logging.wandb_mode", f"{cfg.logging.wandb_mode!r}: choose online, offline or disabled")
+    if cfg.logging.wandb.mode not in ("online", "offline", "disabled"):
+        bad("logging.wandb.mode", f"{cfg.logging.wandb.mode!r}: choose online, offline or disabled")
     t = cfg.trainer
     if t.mode not in ("train", "rollout_only", "from_dump"):
         bad("trainer.mode", f"{t.mode!r}: choose train, rollout_only or from_dump")
@@ -179,10 +216,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("data.prompts_per_step", "must be >= 1")
     if cfg.sampling.n < 1:
         bad("sampling.n", "must be >= 1")
-    if cfg.sampling.n < 2 and ADVANTAGES.meta(cfg.algorithm.advantage).get("needs_groups"):
+    if cfg.sampling.n < 2 and ADVANTAGES.meta(alg.advantage).get("needs_groups"):
         bad(
             "sampling.n",
-            f"{cfg.sampling.n}: algorithm.advantage={cfg.algorithm.advantage} compares samples within a "
+            f"{cfg.sampling.n}: algorithm.advantage={alg.advantage} compares samples within a "
             "group of the same prompt, so every advantage would be 0; use sampling.n >= 2 (or advantage=reinforce)",
         )
     if t.mode != "from_dump" and not cfg.sampling.temperature > 0:
@@ -214,7 +251,58 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def register_configs() -> None:
-    from hydra.core.config_store import ConfigStore
+GROUPS = {"algorithm/loss": POLICY_LOSSES, "algorithm/correction": CORRECTIONS}
+"""Config groups whose options are registered config dataclasses."""
 
-    ConfigStore.instance().store(name="train_moe_schema", node=TrainConfig)
+
+def register_configs() -> None:
+    """The schema (`train_moe_schema`) and one group option per registered loss and correction."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import MISSING, OmegaConf
+
+    cs = ConfigStore.instance()
+    schema = OmegaConf.structured(TrainConfig)
+    # Filled by the algorithm preset (conf/algorithm/): a typed slot could not take another
+    # loss's dataclass; the Python default (GSPO + IcePop) is the preset's.
+    schema.algorithm.loss = MISSING
+    schema.algorithm.correction = MISSING
+    cs.store(name="train_moe_schema", node=schema)
+    for group, registry in GROUPS.items():
+        for name, cls in registry.configs().items():
+            cs.store(group=group, name=name, node=cls)
+
+
+class ConfigKeyError(ValueError):
+    """A command-line key that is not in the schema."""
+
+
+def _schema_keys(node: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass (instance), nested ones included."""
+    keys = []
+    for f in fields(node):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        value = getattr(node, f.name)
+        if is_dataclass(value):
+            keys += _schema_keys(value, key + ".")
+    return keys
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse a command-line key that no config has, naming the closest valid one, before Hydra
+    composes anything (Hydra's own message lists no alternative). Group choices
+    (`algorithm=ppo_tis`, `algorithm/loss=ppo`) and `hydra.*` / `+key` / `~key` pass through."""
+    known = set(_schema_keys(TrainConfig()))
+    for registry_group, registry in GROUPS.items():  # every loss's and correction's settings
+        slot = registry_group.replace("/", ".")
+        for cls in registry.configs().values():
+            known |= {f"{slot}.{k}" for k in _schema_keys(cls())}
+    for arg in overrides:
+        if "=" not in arg or arg[0] in "+~" or arg.startswith("hydra"):
+            continue
+        key = arg.split("=", 1)[0]
+        if "/" in key or key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigKeyError(f"config: unknown key {key!r} (in {arg!r}){hint} (`--help` lists every key)")

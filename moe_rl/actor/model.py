@@ -192,3 +192,26 @@ def build_model(hf_config: Any, parallel: ParallelConfig, opts: ModelOptions | N
         )
         chunks.append(model)
     return chunks, conv
+
+
+@dataclass
+class LoadedModel:
+    """This rank's model chunks with HF weights loaded, and what describes them."""
+
+    chunks: list[torch.nn.Module]
+    conv: Converter
+    hf_config: Any
+    layout: Any  # moe_rl.routing.model_layout.MoELayout
+
+
+def load_model(hf_dir: str | Path, parallel: ParallelConfig, opts: ModelOptions | None = None) -> LoadedModel:
+    """The one model-building sequence (config -> megatron chunks -> HF weights) used by the
+    trainer, the tools, the diagnostics and the benchmarks. Call after `init_distributed`."""
+    from moe_rl.actor.weights import load_hf_weights
+    from moe_rl.routing.model_layout import moe_layout
+
+    hf_config = load_hf_config(hf_dir)
+    layout = moe_layout(hf_config)
+    chunks, conv = build_model(hf_config, parallel, opts)
+    load_hf_weights(chunks, conv, hf_dir)
+    return LoadedModel(chunks, conv, hf_config, layout)

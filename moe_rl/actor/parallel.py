@@ -101,3 +101,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def world_max(*values: int) -> list[int]:
+    """Max over all ranks (one all-reduce). Used for the padded length (data-parallel ranks that
+    share an expert-parallel group must pad to one sequence length: megatron's token dispatchers
+    exchange equal-sized blocks) and for flags every rank must agree on."""
+    t = torch.tensor(values, dtype=torch.long)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()

@@ -21,7 +21,8 @@ from moe_rl.objectives.corrections import (
 )
 from moe_rl.objectives.kl import kl_loss, kl_penalty, kl_shaped_token_rewards
 from moe_rl.objectives.metrics import MISMATCH_KEYS, mismatch_metrics
-from moe_rl.objectives.policy_loss import gspo_loss, gspo_sequence_log_ratio, ppo_loss
+from moe_rl.objectives.objective import Objective
+from moe_rl.objectives.policy_loss import LossInputs, gspo_loss, gspo_sequence_log_ratio, ppo_loss
 from moe_rl.objectives.registry import ADVANTAGES, CORRECTIONS, POLICY_LOSSES, Registry
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "MISMATCH_KEYS",
     "POLICY_LOSSES",
     "Correction",
+    "LossInputs",
+    "Objective",
     "Registry",
     "aggregate",
     "drgrpo_advantages",

@@ -102,7 +102,55 @@ def seq_reject_mask(
     return mask * keep[:, None].to(mask.dtype)
 
 
-# ---- registered corrections: (old_logp, rollout_logp, mask, **kw) -> Correction -------------
+# ---- registered corrections: (old_logp, rollout_logp, mask, their config) -> Correction --------
+
+
+@dataclass
+class NoCorrectionConfig:
+    """No correction (algorithm/correction=none): the mismatch is only measured."""
+
+
+@dataclass
+class IcePopConfig:
+    """IcePop token masking (algorithm/correction=icepop)."""
+
+    low: float = 0.5
+    """Tokens with k = pi_old / mu below this get weight 0."""
+    high: float = 5.0
+    """Tokens with k above this get weight 0."""
+
+
+@dataclass
+class TISConfig:
+    """Token-level truncated importance sampling (algorithm/correction=tis)."""
+
+    cap: float = 2.0
+    """Weights are min(k, cap)."""
+
+
+@dataclass
+class SeqTISConfig:
+    """Sequence-level truncated importance sampling (algorithm/correction=seq-tis)."""
+
+    cap: float = 2.0
+    """Weights are min(rho_i, cap), rho_i = prod_t k_t."""
+
+
+@dataclass
+class SeqMaskConfig:
+    """Sequence rejection on the sequence ratio (algorithm/correction=seq-mask)."""
+
+    low: float = 0.5
+    high: float = 2.0
+
+
+@dataclass
+class GeoMaskConfig:
+    """Sequence rejection on the geometric mean of the token ratios (algorithm/correction=geo-mask):
+    a per-token band, hence much narrower than seq-mask's."""
+
+    low: float = 0.999
+    high: float = 1.001
 
 
 def _token_metrics(weights: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -110,31 +158,31 @@ def _token_metrics(weights: torch.Tensor, mask: torch.Tensor) -> dict[str, torch
     return {"weight_mean": masked_mean(weights, m), "zeroed_fraction": masked_mean((weights == 0).to(m.dtype), m)}
 
 
-@CORRECTIONS.register("none")
-def no_correction(old_logp, rollout_logp, mask, **_) -> Correction:
+@CORRECTIONS.register("none", config=NoCorrectionConfig)
+def no_correction(old_logp, rollout_logp, mask, cfg: NoCorrectionConfig) -> Correction:
     return Correction(None, mask)
 
 
-@CORRECTIONS.register("icepop")
-def icepop(old_logp, rollout_logp, mask, low: float = 0.5, high: float = 5.0) -> Correction:
-    w = icepop_weights(old_logp, rollout_logp, mask, low, high)
+@CORRECTIONS.register("icepop", config=IcePopConfig)
+def icepop(old_logp, rollout_logp, mask, cfg: IcePopConfig) -> Correction:
+    w = icepop_weights(old_logp, rollout_logp, mask, cfg.low, cfg.high)
     metrics = _token_metrics(w, mask)
     metrics["masked_fraction"] = metrics.pop("zeroed_fraction")
     return Correction(w, mask, metrics)
 
 
-@CORRECTIONS.register("tis")
-def tis(old_logp, rollout_logp, mask, cap: float = 2.0) -> Correction:
-    w = tis_weights(old_logp, rollout_logp, mask, cap)
+@CORRECTIONS.register("tis", config=TISConfig)
+def tis(old_logp, rollout_logp, mask, cfg: TISConfig) -> Correction:
+    w = tis_weights(old_logp, rollout_logp, mask, cfg.cap)
     m = mask.to(w.dtype)
     return Correction(
-        w, mask, {"weight_mean": masked_mean(w, m), "capped_fraction": masked_mean((w >= cap).to(m.dtype), m)}
+        w, mask, {"weight_mean": masked_mean(w, m), "capped_fraction": masked_mean((w >= cfg.cap).to(m.dtype), m)}
     )
 
 
-@CORRECTIONS.register("seq-tis")
-def seq_tis(old_logp, rollout_logp, mask, cap: float = 2.0) -> Correction:
-    w = seq_tis_weights(old_logp, rollout_logp, mask, cap)
+@CORRECTIONS.register("seq-tis", config=SeqTISConfig)
+def seq_tis(old_logp, rollout_logp, mask, cfg: SeqTISConfig) -> Correction:
+    w = seq_tis_weights(old_logp, rollout_logp, mask, cfg.cap)
     return Correction(w, mask, {"weight_mean": masked_mean(w, mask.to(w.dtype))})
 
 
@@ -145,11 +193,11 @@ def _reject(old_logp, rollout_logp, mask, low, high, geometric) -> Correction:
     return Correction(None, new_mask, {"rejected_seq_fraction": dropped.sum() / had.sum().clamp(min=1)})
 
 
-@CORRECTIONS.register("seq-mask")
-def seq_mask(old_logp, rollout_logp, mask, low: float = 0.5, high: float = 2.0) -> Correction:
-    return _reject(old_logp, rollout_logp, mask, low, high, geometric=False)
+@CORRECTIONS.register("seq-mask", config=SeqMaskConfig)
+def seq_mask(old_logp, rollout_logp, mask, cfg: SeqMaskConfig) -> Correction:
+    return _reject(old_logp, rollout_logp, mask, cfg.low, cfg.high, geometric=False)
 
 
-@CORRECTIONS.register("geo-mask")
-def geo_mask(old_logp, rollout_logp, mask, low: float = 0.999, high: float = 1.001) -> Correction:
-    return _reject(old_logp, rollout_logp, mask, low, high, geometric=True)
+@CORRECTIONS.register("geo-mask", config=GeoMaskConfig)
+def geo_mask(old_logp, rollout_logp, mask, cfg: GeoMaskConfig) -> Correction:
+    return _reject(old_logp, rollout_logp, mask, cfg.low, cfg.high, geometric=True)

@@ -12,6 +12,8 @@ Token means run over all response tokens of the batch; sequence means over seque
 least one token. Log-ratios are clamped to +-20 before exp (verl's safety bound).
 Added here: the fractions of tokens with k outside [0.5, 2] and outside the IcePop band, and
 the effective sample size of the token ratios, ESS = (mean k)^2 / mean k^2 (1 = no mismatch).
+Every metric is a ratio of sums (or a max/min), so a batch split over ranks gives the metrics of
+the whole batch: `mismatch_sums` on each rank, sums added and maxima maxed, `mismatch_from_sums`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,84 @@ MISMATCH_KEYS = (
 
 
 @torch.no_grad()
+def mismatch_sums(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    icepop_low: float = 0.5,
+    icepop_high: float = 5.0,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The additive statistics behind the mismatch metrics (sums over tokens or sequences, and
+    maxima), so batches split over ranks combine exactly: add the sums, take the max of the
+    maxima, then `mismatch_from_sums`."""
+    if old_logp.shape != rollout_logp.shape or old_logp.shape != mask.shape:
+        raise ValueError(
+            f"shape mismatch: old_logp {tuple(old_logp.shape)}, rollout_logp "
+            f"{tuple(rollout_logp.shape)}, mask {tuple(mask.shape)}"
+        )
+    m = mask.to(torch.float32)
+    old, roll = old_logp.float(), rollout_logp.float()
+    seq = (m.sum(-1) > 0).to(torch.float32)  # sequences that have tokens
+    mean_old = masked_mean(old, m, dim=-1)
+    mean_roll = masked_mean(roll, m, dim=-1)
+    log_k = (old - roll).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    k = log_k.exp()
+    d = mean_roll - mean_old
+    log_rho = masked_sum(old - roll, m, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    outside = (log_k < math.log(0.5)) | (log_k > math.log(2.0))
+    outside_icepop = (log_k < math.log(icepop_low)) | (log_k > math.log(icepop_high))
+    sums = {
+        "tokens": m.sum(),
+        "seqs": seq.sum(),
+        "training_ppl": masked_sum((-mean_old).exp(), seq),
+        "training_log_ppl": masked_sum(-mean_old, seq),
+        "rollout_ppl": masked_sum((-mean_roll).exp(), seq),
+        "rollout_log_ppl": masked_sum(-mean_roll, seq),
+        "kl": masked_sum(roll - old, m),
+        "k3_kl": masked_sum(k - log_k - 1.0, m),
+        "log_ppl_diff": masked_sum(d, seq),
+        "log_ppl_abs_diff": masked_sum(d.abs(), seq),
+        "ppl_ratio": masked_sum(d.exp(), seq),
+        "k": masked_sum(k, m),
+        "k2": masked_sum(k * k, m),
+        "rho2": masked_sum((2.0 * log_rho).exp(), seq),
+        "outside_0.5_2": masked_sum(outside.float(), m),
+        "outside_icepop": masked_sum(outside_icepop.float(), m),
+    }
+    big = torch.finfo(torch.float32).max
+    maxima = {  # the min as the max of the negation
+        "log_ppl_diff_max": torch.where(seq.bool(), d, torch.full_like(d, -big)).max(),
+        "-log_ppl_diff_min": torch.where(seq.bool(), -d, torch.full_like(d, -big)).max(),
+    }
+    return sums, maxima
+
+
+def mismatch_from_sums(sums: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The metrics (keys: MISMATCH_KEYS) of the batch whose statistics these are."""
+    if float(sums["tokens"]) == 0:
+        raise ValueError("mismatch_metrics: the mask has no response tokens")
+    tokens, seqs = sums["tokens"], sums["seqs"].clamp(min=1)
+    k_mean, k2_mean = sums["k"] / tokens, sums["k2"] / tokens
+    per_seq = ("training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff")
+    out = {key: sums[key] / seqs for key in per_seq}
+    out.update(
+        {
+            "kl": sums["kl"] / tokens,
+            "k3_kl": sums["k3_kl"] / tokens,
+            "log_ppl_abs_diff": sums["log_ppl_abs_diff"] / seqs,
+            "log_ppl_diff_max": maxima["log_ppl_diff_max"],
+            "log_ppl_diff_min": -maxima["-log_ppl_diff_min"],
+            "ppl_ratio": sums["ppl_ratio"] / seqs,
+            "chi2_token": k2_mean - 1.0,
+            "chi2_seq": sums["rho2"] / seqs - 1.0,
+            "k_outside_0.5_2_fraction": sums["outside_0.5_2"] / tokens,
+            "k_outside_icepop_fraction": sums["outside_icepop"] / tokens,
+            "ess": k_mean * k_mean / k2_mean,
+        }
+    )
+    return {key: out[key] for key in MISMATCH_KEYS}
+
+
 def mismatch_metrics(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
@@ -52,46 +132,4 @@ def mismatch_metrics(
     icepop_high: float = 5.0,
 ) -> dict[str, torch.Tensor]:
     """Mismatch metrics of one batch as detached 0-d tensors (keys: MISMATCH_KEYS)."""
-    if old_logp.shape != rollout_logp.shape or old_logp.shape != mask.shape:
-        raise ValueError(
-            f"shape mismatch: old_logp {tuple(old_logp.shape)}, rollout_logp "
-            f"{tuple(rollout_logp.shape)}, mask {tuple(mask.shape)}"
-        )
-    m = mask.to(torch.float32)
-    if m.sum() == 0:
-        raise ValueError("mismatch_metrics: the mask has no response tokens")
-    old, roll = old_logp.float(), rollout_logp.float()
-    seq = (m.sum(-1) > 0).to(torch.float32)  # sequences that have tokens
-
-    def seq_mean(x: torch.Tensor) -> torch.Tensor:
-        return masked_mean(x, seq)
-
-    mean_old = masked_mean(old, m, dim=-1)
-    mean_roll = masked_mean(roll, m, dim=-1)
-    log_k = (old - roll).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    k = log_k.exp()
-    d = mean_roll - mean_old
-    big = torch.finfo(torch.float32).max
-    log_rho = masked_sum(old - roll, m, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    k_mean = masked_mean(k, m)
-    k2_mean = masked_mean(k * k, m)
-    return {
-        "training_ppl": seq_mean((-mean_old).exp()),
-        "training_log_ppl": seq_mean(-mean_old),
-        "rollout_ppl": seq_mean((-mean_roll).exp()),
-        "rollout_log_ppl": seq_mean(-mean_roll),
-        "kl": masked_mean(roll - old, m),
-        "k3_kl": masked_mean(k - log_k - 1.0, m),
-        "log_ppl_diff": seq_mean(d),
-        "log_ppl_abs_diff": seq_mean(d.abs()),
-        "log_ppl_diff_max": torch.where(seq.bool(), d, torch.full_like(d, -big)).max(),
-        "log_ppl_diff_min": torch.where(seq.bool(), d, torch.full_like(d, big)).min(),
-        "ppl_ratio": seq_mean(d.exp()),
-        "chi2_token": k2_mean - 1.0,
-        "chi2_seq": seq_mean((2.0 * log_rho).exp()) - 1.0,
-        "k_outside_0.5_2_fraction": masked_mean(((log_k < math.log(0.5)) | (log_k > math.log(2.0))).float(), m),
-        "k_outside_icepop_fraction": masked_mean(
-            ((log_k < math.log(icepop_low)) | (log_k > math.log(icepop_high))).float(), m
-        ),
-        "ess": k_mean * k_mean / k2_mean,
-    }
+    return mismatch_from_sums(*mismatch_sums(old_logp, rollout_logp, mask, icepop_low, icepop_high))

@@ -8,6 +8,8 @@ loss and are treated as constants. Every loss returns `(loss, metrics)` with det
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moe_rl.objectives.aggregation import aggregate, masked_mean
@@ -52,7 +54,6 @@ def gspo_sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: to
     return masked_mean(logp - old_logp, mask, dim=-1)
 
 
-@POLICY_LOSSES.register("gspo")
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -86,7 +87,6 @@ def gspo_loss(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("ppo")
 def ppo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -122,3 +122,73 @@ def ppo_loss(
     metrics = _ratio_metrics(pg1, pg2, logp, old_logp, m)
     metrics["dual_clipfrac"] = dual_frac
     return loss, metrics
+
+
+# ---- registered losses: (LossInputs, their config) -> (loss, metrics) -------------------------
+
+
+@dataclass
+class LossInputs:
+    """What a policy loss sees of one micro-batch ([b, T] tensors aligned to token positions).
+
+    `num_tokens` / `num_seqs` count the whole mini-batch over every data-parallel rank, so a
+    loss aggregated with them is the same whatever the micro-batch and DP split."""
+
+    logp: torch.Tensor  # log pi_theta (with gradient)
+    old_logp: torch.Tensor  # log pi_old: the actor before this step's updates
+    rollout_logp: torch.Tensor  # log mu: the rollout engine that sampled the tokens
+    advantages: torch.Tensor  # [b] or [b, T]
+    mask: torch.Tensor  # response tokens kept by the correction
+    weights: torch.Tensor | None  # the correction's per-token weights (constants)
+    num_tokens: float
+    num_seqs: float
+
+
+@dataclass
+class GSPOConfig:
+    """Sequence-level GSPO (algorithm/loss=gspo)."""
+
+    clip_low: float = 3e-4
+    """Ratio clip below 1 (the GSPO paper's 3e-4)."""
+    clip_high: float = 4e-4
+    """Ratio clip above 1 (the GSPO paper's 4e-4)."""
+    agg: str = "seq-mean-token-mean"
+    """Loss aggregation (objectives/aggregation.py): token-mean | seq-mean-token-mean | seq-mean-token-sum |
+    seq-mean-token-sum-norm."""
+
+
+@dataclass
+class PPOConfig:
+    """Token-level clipped PPO (algorithm/loss=ppo)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+    """Bound the loss at -A * dual_clip for A < 0 (> 1; null = off); verl's clip_ratio_c."""
+    agg: str = "token-mean"
+    """Loss aggregation, as for GSPO."""
+
+
+@POLICY_LOSSES.register("gspo", config=GSPOConfig)
+def gspo(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    counts = {"num_tokens": x.num_tokens, "num_seqs": x.num_seqs}
+    return gspo_loss(
+        x.logp, x.old_logp, x.advantages, x.mask, cfg.clip_low, cfg.clip_high, x.weights, cfg.agg, **counts
+    )
+
+
+@POLICY_LOSSES.register("ppo", config=PPOConfig)
+def ppo(x: LossInputs, cfg: PPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    counts = {"num_tokens": x.num_tokens, "num_seqs": x.num_seqs}
+    return ppo_loss(
+        x.logp,
+        x.old_logp,
+        x.advantages,
+        x.mask,
+        cfg.clip_low,
+        cfg.clip_high,
+        cfg.dual_clip,
+        x.weights,
+        cfg.agg,
+        **counts,
+    )

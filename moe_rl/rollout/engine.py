@@ -6,9 +6,7 @@ Topologies (`RolloutConfig.topology`):
 - `tp_group` (GPU): one engine with tensor_parallel_size = world size spanning the ranks via
   vLLM's external launcher (not yet run on a GPU).
 
-Weight sync sends HF-named tensors in size-bounded buckets (safetensors blobs through the
-engine's RPC on CPU). On GPU, CUDA IPC handles or an NCCL broadcast replace the blob; that
-transport is behind `weight_transport` and not yet run on a GPU. For GPU colocation, vLLM's
+Weight sync (moe_rl/weight_sync.py) calls the worker extension through `rpc`. For GPU colocation, vLLM's
 `sleep(level=1)` frees the KV cache (and offloads weights) while the actor trains and
 `wake_up()` restores them before the next rollout.
 """
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +34,13 @@ class RolloutEngineError(RuntimeError):
 class SamplingConfig:
     """Sampling for one rollout batch."""
 
-    n: int = 4
+    n: int = 8
     """Samples per prompt (the GRPO group size; >= 2 for group advantages)."""
     temperature: float = 1.0
     """> 0 for training: greedy decoding gives identical groups and no usable behaviour log-probs."""
     top_p: float = 1.0
-    max_tokens: int = 64
+    """Nucleus sampling mass (1 = off)."""
+    max_tokens: int = 24
     """Tokens generated per sample (>= 1)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (the response ends before them)."""
@@ -55,8 +53,11 @@ class RolloutConfig:
     """vLLM engine settings."""
 
     model: str = ""
-    """HF model folder (weights are re-synced from the actor after each update)."""
+    """HF model folder (weights are re-synced from the actor after each update). The trainer sets it
+    from model.path (setting it there is an error)."""
     dtype: str = "bfloat16"
+    """Engine dtype (bfloat16 on GPUs; the training-inference mismatch is what replay and corrections
+    handle)."""
     topology: str = "per_rank"
     """per_rank | tp_group (see module doc)."""
     tensor_parallel_size: int = 1
@@ -68,13 +69,15 @@ class RolloutConfig:
     kv_cache_gib: int = 1
     """CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.5
+    """Share of GPU memory for the engine's weights and KV cache (GPU)."""
     logprobs_mode: str = "raw_logprobs"
     """raw_logprobs (model distribution at temperature 1) | processed_logprobs (after temperature/top-p)."""
     weight_sync_bucket_mb: int = 64
     """Upper bound of one weight-sync bucket."""
     weight_transport: str = "rpc"
     """rpc (CPU: safetensors blob through collective_rpc) | cuda_ipc (GPU, not yet run)."""
-    seed: int = 0
+    seed: int | None = None
+    """Engine seed; None = 0. The trainer sets it from trainer.seed (setting it there is an error)."""
 
 
 def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
@@ -102,7 +105,7 @@ class RolloutEngine:
         kwargs: dict[str, Any] = dict(
             model=cfg.model,
             dtype=cfg.dtype,
-            seed=cfg.seed,
+            seed=cfg.seed or 0,
             max_model_len=cfg.max_model_len,
             worker_extension_cls="moe_rl.rollout.worker_ext.MoeRLWorkerExtension",
             logprobs_mode=cfg.logprobs_mode,
@@ -238,6 +241,11 @@ class RolloutEngine:
     def _rpc(self, method: str, timeout: float | None = None, args: tuple = ()):
         return self._guard(method, self.llm.collective_rpc, method, timeout=timeout, args=args)
 
+    def rpc(self, method: str, *args):
+        """Call a `moe_rl_*` method of the worker extension on every engine worker (guarded: a dead
+        engine raises RolloutEngineError); returns the workers' answers."""
+        return self._rpc(method, args=args)
+
     # ---- sampling -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Sample `sampling.n` responses per prompt (token-id prompts)."""
@@ -333,44 +341,3 @@ class RolloutEngine:
         if isinstance(self.capture, HookRouteCapture):
             self._rpc("moe_rl_take_routes", args=({},))
         return result
-
-    # ---- weight sync ----------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Load HF-named tensors into the engine in buckets of <= weight_sync_bucket_mb."""
-        import time
-
-        if self.cfg.weight_transport != "rpc":
-            raise NotImplementedError(
-                f"rollout.weight_transport={self.cfg.weight_transport!r} is not implemented "
-                "on this build (GPU path not yet run); use rpc"
-            )
-        from safetensors.torch import save
-
-        t0 = time.perf_counter()
-        n_bytes = n_tensors = n_buckets = 0
-        self._rpc("moe_rl_begin_weight_update")
-        for bucket in _buckets(named_tensors, self.cfg.weight_sync_bucket_mb * 2**20):
-            payload = save({k: v.detach().to("cpu").contiguous() for k, v in bucket})
-            loaded = self._rpc("moe_rl_load_weights", args=(payload,))
-            if any(n != len(bucket) for n in loaded):
-                raise RolloutEngineError(f"weight sync: engine loaded {loaded} of {len(bucket)} tensors")
-            n_bytes += sum(v.numel() * v.element_size() for _, v in bucket)
-            n_tensors += len(bucket)
-            n_buckets += 1
-        self._rpc("moe_rl_finish_weight_update")
-        seconds = time.perf_counter() - t0
-        return {"bytes": n_bytes, "tensors": n_tensors, "buckets": n_buckets, "seconds": seconds}
-
-
-def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket

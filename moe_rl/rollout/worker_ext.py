@@ -1,12 +1,11 @@
 """Methods that run inside vLLM's worker process (`worker_extension_cls`), called through
-`LLM.collective_rpc("moe_rl_...")`. This file and `route_capture.py` are the only places that
-reach into vLLM internals; each reach names what it needs:
+`LLM.collective_rpc("moe_rl_...")`: route capture here, weight updates in
+`moe_rl.weight_sync.WeightReceiver` (mixed in). What they use of vLLM:
 
-- `model_runner._prepare_inputs(scheduler_output, num_scheduled_tokens)` (V1 GPU/CPU model
-  runner): the step's request order (`input_batch.req_ids`), token counts and start
-  positions (`input_batch.num_computed_tokens_cpu`);
 - `MoERunner.layer_id` and `BaseRouter.set_capture_fn` (fused_moe): the routed expert ids;
-- `model.load_weights(iterable of (HF name, tensor))`: weight updates.
+- the model runner's request order per step, through `moe_rl.compat.vllm.on_prepare_inputs`
+  (private internals live in compat/);
+- `model.load_weights` and `model_loader.reload` (weight_sync.py).
 """
 
 from __future__ import annotations
@@ -15,8 +14,10 @@ import os
 
 import numpy as np
 
+from moe_rl.weight_sync import WeightReceiver
 
-class MoeRLWorkerExtension:
+
+class MoeRLWorkerExtension(WeightReceiver):
     """Mixed into vLLM's worker class; `self.model_runner` is the worker's model runner."""
 
     def moe_rl_ping(self) -> int:
@@ -38,26 +39,12 @@ class MoeRLWorkerExtension:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
+        from moe_rl.compat.vllm import on_prepare_inputs
         from moe_rl.rollout.route_capture import RouteAssembler
 
         runner = self.model_runner
-        assembler = RouteAssembler(moe_layers, topk, np.dtype(dtype))
-        self._moe_rl_assembler = assembler
-        if not getattr(runner, "_moe_rl_wrapped", False):
-            orig = runner._prepare_inputs
-
-            def prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
-                batch = runner.input_batch
-                n = batch.num_reqs
-                self._moe_rl_assembler.begin_step(
-                    list(batch.req_ids[:n]),
-                    [int(x) for x in num_scheduled_tokens[:n]],
-                    [int(x) for x in batch.num_computed_tokens_cpu[:n]],
-                )
-                return orig(scheduler_output, num_scheduled_tokens, *args, **kwargs)
-
-            runner._prepare_inputs = prepare_inputs
-            runner._moe_rl_wrapped = True
+        self._moe_rl_assembler = RouteAssembler(moe_layers, topk, np.dtype(dtype))
+        on_prepare_inputs(runner, lambda *step: self._moe_rl_assembler.begin_step(*step))
         bound = []
         for module in runner.model.modules():
             if isinstance(module, MoERunner):
@@ -89,39 +76,3 @@ class MoeRLWorkerExtension:
         finally:
             a.clear()
         return out
-
-    # Weight updates use vLLM's layerwise reload (model_loader/reload): kernels that repack
-    # weights after loading (e.g. the CPU MoE path) drop the parameters' `weight_loader`, so a
-    # second plain `load_weights` fails; the reload restores the checkpoint-format parameters,
-    # loads, and re-runs each layer's post-load processing once all its tensors arrived.
-    def moe_rl_begin_weight_update(self) -> bool:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model_runner.get_model())
-        return True
-
-    def moe_rl_load_weights(self, payload: bytes) -> int:
-        """Load one bucket of HF-named tensors (a safetensors blob) into the model."""
-        from safetensors.torch import load
-
-        tensors = load(payload)
-        self.model_runner.get_model().load_weights(weights=tensors.items())
-        return len(tensors)
-
-    def moe_rl_finish_weight_update(self) -> bool:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        runner = self.model_runner
-        model = runner.get_model()
-        finalize_layerwise_reload(model, runner.vllm_config.model_config)
-        # vLLM 0.32 bug: on a weight update UnquantizedFusedMoEMethod._setup_kernel skips
-        # `fused_experts.process_weights_after_loading`, which is where the CPU experts
-        # (experts/cpu_moe.py) pad and prepack w13/w2 into their grouped-GEMM layout; the
-        # reloaded weights stay in checkpoint layout and the kernel reads garbage. Re-run it.
-        # Remove when `is_weight_update` re-runs the experts' post-load step upstream.
-        for module in model.modules():
-            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-            experts = getattr(kernel, "fused_experts", None)
-            if experts is not None and type(experts).__module__.endswith("experts.cpu_moe"):
-                experts.process_weights_after_loading(module)
-        return True

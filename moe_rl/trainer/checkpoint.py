@@ -166,26 +166,12 @@ def _rng_object():
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
-def _drop_dead_results_queue() -> None:
-    """megatron's torch_dist writer reports through one process-global multiprocessing Manager
-    queue (filesystem_async._results_queue), created on the first save. If that manager process
-    has died since (killed with other children of this process), every later save fails with
-    BrokenPipeError; forget it so the writer starts a new one."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    queue = filesystem_async._results_queue
-    if queue is None:
-        return
-    try:
-        queue.qsize()
-    except (OSError, EOFError):
-        filesystem_async._results_queue = None
-
-
 def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, keep: int = 0) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder. keep > 0: afterwards delete
     all but the newest `keep` complete checkpoints."""
     from megatron.core import dist_checkpointing
+
+    from moe_rl.compat.megatron_checkpoint import drop_dead_results_queue
 
     rank, _ = _rank_world()
     path = step_dir(root, step)
@@ -200,7 +186,7 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
         (partial / "optimizer").mkdir()
     if dist.is_initialized():
         dist.barrier()
-    _drop_dead_results_queue()
+    drop_dead_results_queue()
     dist_checkpointing.save({**model_sharded_state_dict(chunks), "rng_state": _rng_object()}, str(partial / "model"))
     dist_checkpointing.save(
         {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks))}, str(partial / "optimizer")

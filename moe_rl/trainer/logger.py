@@ -1,11 +1,26 @@
-"""Run logging: one console line per step (rich), metrics.jsonl in the run directory, wandb."""
+"""Run logging: one console line per step, metrics.jsonl in the run directory, wandb.
+
+On a terminal a progress bar with ETA stays below the step lines; to a file (Slurm logs,
+`> out.log`) each step is one plain line that never wraps."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
+
+
+def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    times = " ".join(f"{k[5:]}={v:.1f}s" for k, v in metrics.items() if k.startswith("time/"))
+    return (
+        f"step {step}/{total} reward {metrics.get('reward/mean', float('nan')):.3f} "
+        f"len {metrics.get('response/length_mean', 0):.1f} "
+        f"kl(mu||pi_old) {metrics.get('mismatch/kl', float('nan')):.2e} "
+        f"clipfrac {metrics.get('actor/clipfrac', float('nan')):.3f} "
+        f"gnorm {metrics.get('actor/grad_norm', float('nan')):.3f} | {times}"
+    )
 
 
 class RunLogger:
@@ -13,19 +28,35 @@ class RunLogger:
         """wandb_id: continue that wandb run (a resumed checkpoint's)."""
         self.enabled = enabled
         self.run = None
+        self.progress = None
         if not enabled:
             return
-        from rich.console import Console
-
-        self.console = Console()
+        self.total = cfg.trainer.steps
         self.path = Path(run_dir) / "metrics.jsonl"
-        if cfg.logging.wandb_mode != "disabled":
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+            )
+            self.task = self.progress.add_task("steps", total=self.total)
+            self.progress.start()
+        w = cfg.logging.wandb
+        if w.mode != "disabled":
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self.run = wandb.init(
-                project=cfg.logging.wandb_project,
-                mode=cfg.logging.wandb_mode,
+                project=w.project,
+                entity=w.entity,
+                name=w.name,
+                group=w.group,
+                tags=list(w.tags) or None,
+                mode=w.mode,
                 dir=str(run_dir),
                 id=wandb_id,
                 resume="allow" if wandb_id else None,
@@ -36,6 +67,12 @@ class RunLogger:
     def run_id(self) -> str | None:
         return None if self.run is None else self.run.id
 
+    def _print(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(line, highlight=False)
+        else:
+            print(line, flush=True)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
@@ -43,19 +80,16 @@ class RunLogger:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
-        times = " ".join(f"{k[5:]}={v:.1f}s" for k, v in metrics.items() if k.startswith("time/"))
-        self.console.print(
-            f"[bold]step {step}[/] reward {metrics.get('reward/mean', float('nan')):.3f} "
-            f"len {metrics.get('response/length_mean', 0):.1f} "
-            f"kl(mu||pi_old) {metrics.get('mismatch/kl', float('nan')):.2e} "
-            f"clipfrac {metrics.get('actor/clipfrac', float('nan')):.3f} "
-            f"gnorm {metrics.get('actor/grad_norm', float('nan')):.3f} | {times}"
-        )
+        self._print(step_line(step, self.total, metrics))
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
 
     def warn(self, step: int, message: str) -> None:
         if self.enabled:
-            self.console.print(f"[yellow]step {step} warning:[/] {message}")
+            self._print(f"step {step} warning: {message}")
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
         if self.run is not None:
             self.run.finish()

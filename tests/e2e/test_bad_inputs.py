@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TRAIN1 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "launch/train_moe.py"]
 SMALL = [
     "trainer.steps=1",
-    "logging.wandb_mode=disabled",
+    "logging.wandb.mode=disabled",
     "sampling.n=2",
     "sampling.max_tokens=8",
     "actor.mini_batches=1",

@@ -73,7 +73,7 @@ def test_default_run_learns_the_toy_task(tmp_path):
 
 def test_overrides_r2_ep2_tis(tmp_path):
     """EP=2 chains a dense and an expert megatron optimizer: stop after 2 steps, resume the third."""
-    overrides = ["parallel.ep=2", "actor.router_replay=r2", "algorithm.correction=tis", "logging.wandb_mode=disabled"]
+    overrides = ["parallel.ep=2", "actor.router_replay=r2", "algorithm/correction=tis", "logging.wandb.mode=disabled"]
     _train(tmp_path, ["trainer.steps=2", *overrides])
     history = _train(tmp_path, ["trainer.steps=3", *overrides])
     assert [h["step"] for h in history] == [1, 2, 3]
@@ -91,7 +91,7 @@ def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path):
     boundary and exits; `trainer.resume=auto` continues with the same metrics as a run that
     was never stopped, in the same wandb run."""
     steps = ["trainer.steps=3", "trainer.checkpoint_every=0"]
-    reference = _train(tmp_path / "reference", [*steps, "logging.wandb_mode=disabled"])
+    reference = _train(tmp_path / "reference", [*steps, "logging.wandb.mode=disabled"])
 
     run_dir = tmp_path / "preempted"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
@@ -135,11 +135,11 @@ def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_resume_without_optimizer_state_is_refused(tmp_path):
-    _train(tmp_path, ["trainer.steps=1", "logging.wandb_mode=disabled"])
+    _train(tmp_path, ["trainer.steps=1", "logging.wandb.mode=disabled"])
     import shutil
 
     shutil.rmtree(tmp_path / "checkpoints" / "step_000001" / "optimizer")
-    cmd = [*TRAIN, f"hydra.run.dir={tmp_path}", "trainer.steps=2", "logging.wandb_mode=disabled"]
+    cmd = [*TRAIN, f"hydra.run.dir={tmp_path}", "trainer.steps=2", "logging.wandb.mode=disabled"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
@@ -149,7 +149,7 @@ def test_resume_without_optimizer_state_is_refused(tmp_path):
 def test_dumps_then_train_from_dump(tmp_path):
     """dump_every=1 writes one file per rank and step; trainer.mode=from_dump trains on them
     without an engine, and its first mini-batch still has pi_theta == pi_old."""
-    base = ["logging.wandb_mode=disabled", "logging.router_agreement_every=0"]
+    base = ["logging.wandb.mode=disabled", "logging.router_agreement_every=0"]
     _train(tmp_path / "rollouts", ["trainer.steps=2", "trainer.dump_every=1", *base])
     from moe_rl.rollout import dump
 

@@ -18,7 +18,7 @@ import psutil
 from tests.conftest import REPO
 
 TRAIN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "launch/train_moe.py"]
-QUIET = ["logging.wandb_mode=disabled", "logging.router_agreement_every=0"]
+QUIET = ["logging.wandb.mode=disabled", "logging.router_agreement_every=0"]
 
 
 def leftovers_snapshot() -> set[str]:

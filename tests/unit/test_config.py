@@ -11,7 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from moe_rl.config import TrainConfig, register_configs, validate
+from moe_rl.config import AlgorithmConfig, ConfigKeyError, TrainConfig, check_overrides, register_configs, validate
+from moe_rl.objectives.corrections import GeoMaskConfig, TISConfig
+from moe_rl.objectives.policy_loss import GSPOConfig, PPOConfig
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -22,20 +24,84 @@ def _compose(overrides=()):
         return compose(config_name="train_moe", overrides=list(overrides))
 
 
-def test_yaml_sets_every_schema_key_and_defaults_validate():
-    cfg = _compose()
-    obj: TrainConfig = OmegaConf.to_object(cfg)
+def test_composed_defaults_are_the_dataclass_defaults():
+    """conf/ adds nothing: the default composed config equals TrainConfig() (one source of defaults)."""
+    obj: TrainConfig = OmegaConf.to_object(_compose())
+    assert obj == TrainConfig()
     validate(obj, world_size=2)
-    yaml = OmegaConf.load(Path(CONF) / "train_moe.yaml")
-    for f in dataclasses.fields(TrainConfig):
-        group_fields = {g.name for g in dataclasses.fields(getattr(obj, f.name))}
-        assert set(yaml[f.name].keys()) == group_fields, f"conf/train_moe.yaml {f.name}: keys differ from schema"
 
 
-def test_overrides_from_the_issue_work():
-    obj = OmegaConf.to_object(_compose(["parallel.ep=2", "actor.router_replay=r2", "algorithm.correction=tis"]))
-    assert (obj.parallel.ep, obj.actor.router_replay, obj.algorithm.correction) == (2, "r2", "tis")
-    validate(obj, world_size=2)
+def _flat(node, prefix=""):
+    for k, v in node.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _default_of(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_conf_does_not_restate_schema_defaults():
+    """Every YAML value in conf/ must differ from the schema default it would set (a restated
+    default drifts; today's dataclass docstrings are the documentation)."""
+    register_configs()
+    top = OmegaConf.to_container(OmegaConf.load(Path(CONF) / "train_moe.yaml"))
+    assert set(top) <= {"defaults", "hydra"}, f"conf/train_moe.yaml sets schema keys: {set(top) - {'defaults', 'hydra'}}"
+    presets = sorted((Path(CONF) / "algorithm").glob("*.yaml"))
+    assert {p.stem for p in presets} >= {"gspo_icepop", "ppo_tis", "grpo"}
+    for preset in presets:
+        composed = OmegaConf.to_object(_compose([f"algorithm={preset.stem}"])).algorithm
+        chosen = {"loss": type(composed.loss)(), "correction": type(composed.correction)()}
+        raw = OmegaConf.to_container(OmegaConf.load(preset))
+        raw.pop("defaults", None)
+        for key, value in _flat(raw):
+            head, _, rest = key.partition(".")
+            default = _default_of(chosen[head], rest) if head in chosen else _default_of(AlgorithmConfig(), key)
+            assert value != default, f"{preset.name}: {key}={value!r} restates the schema default"
+
+
+def test_algorithm_presets_and_groups():
+    obj = OmegaConf.to_object(_compose(["algorithm=ppo_tis", "algorithm.loss.clip_high=0.28"]))
+    assert obj.algorithm.loss == PPOConfig(clip_high=0.28) and obj.algorithm.correction == TISConfig()
+    obj = OmegaConf.to_object(_compose(["algorithm/correction=geo-mask"]))
+    assert obj.algorithm.loss == GSPOConfig() and obj.algorithm.correction == GeoMaskConfig(low=0.999, high=1.001)
+    assert OmegaConf.to_object(_compose(["algorithm=grpo"])).algorithm.loss.agg == "seq-mean-token-mean"
+    with pytest.raises(Exception, match="clip_lo"):  # a key of another loss's config
+        _compose(["algorithm.loss.clip_lo=2"])
+    with pytest.raises(Exception, match="cap"):
+        _compose(["algorithm=ppo_tis", "algorithm.loss.cap=2"])
+
+
+@pytest.mark.parametrize(
+    "override,suggestion",
+    [
+        ("trainer.stepz=3", "trainer.steps"),
+        ("logging.wandb_mode=online", "logging.wandb.mode"),
+        ("algorithm.loss.clip_hi=0.3", "algorithm.loss.clip_high"),
+        ("actor.router_replayy=r2", "actor.router_replay"),
+    ],
+)
+def test_unknown_key_names_the_closest(override, suggestion):
+    with pytest.raises(ConfigKeyError, match=f"did you mean {suggestion}\\?"):
+        check_overrides([override])
+    check_overrides(["algorithm=ppo_tis", "algorithm/loss=ppo", "+extra=1", "hydra.run.dir=x", suggestion + "=1"])
+
+
+def test_unknown_key_from_torchrun_is_one_message(tmp_path):
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2", "launch/train_moe.py", "trainer.stepz=3"],
+        capture_output=True,
+        text=True,
+        cwd=Path(CONF).parent,
+        timeout=120,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert text.count("did you mean trainer.steps?") == 1, text[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -53,7 +119,9 @@ def test_schema_errors_name_the_key(override, match):
 @pytest.mark.parametrize(
     "overrides,world,match",
     [
-        (["algorithm.correction=mis"], 2, "config algorithm.correction: 'mis' is not one of"),
+        (["rollout.model=/x"], 2, "config rollout.model: is set from model.path"),
+        (["rollout.seed=0"], 2, "config rollout.seed: is set from trainer.seed"),
+        (["algorithm.loss.agg=mean"], 2, "config algorithm.loss.agg"),
         (["actor.router_replay=r4"], 2, "config actor.router_replay"),
         (["rollout.capture=none"], 2, "r3 replays the rollout engine's routes"),
         (["parallel.ep=3"], 2, "config parallel: .*ep\\*etp = 3\\*1 must divide"),
@@ -72,7 +140,7 @@ def test_schema_errors_name_the_key(override, match):
         ),
         (["data.reward=moe_rl.data.rewards:TOY_HORIZON"], 1, "config data.reward: .*not a function"),
         (["data.overlong_prompts=truncate"], 1, "config data.overlong_prompts"),
-        (["logging.wandb_mode=on"], 1, "config logging.wandb_mode"),
+        (["logging.wandb.mode=on"], 1, "config logging.wandb.mode"),
         (["sampling.n=1"], 1, "config sampling.n: 1: algorithm.advantage=grpo compares samples within a group"),
         (["sampling.n=1", "algorithm.advantage=rloo"], 1, "config sampling.n: 1: algorithm.advantage=rloo"),
         (["sampling.n=0", "algorithm.advantage=reinforce"], 1, "config sampling.n: must be >= 1"),

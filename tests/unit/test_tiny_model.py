@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from moe_rl.tools.tiny_model import TinySpec, main
+from moe_rl.models.tiny import TinySpec
+from moe_rl.tools.tiny_model import main
 
 
 def test_builds_loadable_folder_with_tokenizer(tmp_path):

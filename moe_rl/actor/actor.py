@@ -1,0 +1,128 @@
+"""The Megatron actor as one part of the RL loop: its model chunks, HF converter, optimizer and
+replay hooks, built from the config; old log-probs, the policy update, checkpoint state and
+the HF-named weights the rollout engine receives."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.rollout.batch import PaddedBatch
+
+
+def global_count(x: torch.Tensor) -> float:
+    """Sum over the data-parallel (and context-parallel) ranks: the loss normaliser of a mini-batch."""
+    from megatron.core import parallel_state as ps
+
+    t = x.detach().double().clone().reshape(1)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+class Actor:
+    def __init__(self, cfg, model_path: str, record_routes: bool):
+        """`cfg`: moe_rl.config.TrainConfig (model, parallel, actor); `record_routes`: bind replay
+        hooks even with actor.router_replay=off (the dumps' live routes need them). Call after
+        `init_distributed`."""
+        from moe_rl.actor.model import ModelOptions, load_model
+        from moe_rl.actor.optimizer import build_optimizer
+        from moe_rl.actor.replay import RouteReplay
+
+        a = cfg.actor
+        self.cfg, self.model_path = a, model_path
+        loaded = load_model(
+            model_path, cfg.parallel, ModelOptions(dtype=cfg.model.dtype, recompute=cfg.model.recompute)
+        )
+        self.chunks, self.conv, self.hf_config, self.layout = (
+            loaded.chunks,
+            loaded.conv,
+            loaded.hf_config,
+            loaded.layout,
+        )
+        wants_replay = a.router_replay != "off" or record_routes
+        self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
+        self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
+
+    # ---- passes ----------------------------------------------------------------------------
+    def old_logprobs(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
+        """log pi_old and entropy per token (and, under R2, the routes this pass took)."""
+        from moe_rl.actor.forward import compute_logprobs
+
+        kw = {}
+        if self.cfg.router_replay == "r3":
+            kw = {"routes": padded.routes, "replay": self.replay}
+        elif self.cfg.router_replay == "r2":
+            kw = {"record": True, "replay": self.replay}
+        return compute_logprobs(self.chunks, padded.input_ids, padded.attention_mask, self.cfg.micro_batch_size, **kw)
+
+    def train(
+        self,
+        padded: PaddedBatch,
+        old: dict[str, torch.Tensor],
+        advantages: torch.Tensor,
+        objective,
+        on_skip: Callable[[bool, int], bool],
+    ) -> dict[str, float]:
+        """`actor.mini_batches` optimizer steps on the batch with the objective's correction and
+        loss; routes replayed per actor.router_replay. `on_skip(skipped, mini_batch)` -> whether
+        the mini-batch counts as skipped (it may raise to stop the run)."""
+        from moe_rl.actor.train_step import train_minibatch
+
+        a = self.cfg
+        corr = objective.correct(old["logprobs"], padded.rollout_logprobs, padded.loss_mask)
+        routes = {"r3": padded.routes, "r2": old.get("routes"), "off": None}[a.router_replay]
+        b = padded.input_ids.shape[0]
+        if b % a.mini_batches:
+            raise ValueError(f"actor.mini_batches={a.mini_batches} does not divide this rank's {b} samples")
+        per = b // a.mini_batches
+        out: dict[str, float] = {f"{objective.correction_name}/{k}": float(v) for k, v in corr.metrics.items()}
+        out["actor/skipped_steps"] = 0.0
+        weights = corr.weights if corr.weights is not None else torch.ones_like(corr.mask)
+        norms = []
+        for i in range(a.mini_batches):
+            rows = slice(i * per, (i + 1) * per)
+            mask = corr.mask[rows]
+            batch = {
+                "input_ids": padded.input_ids[rows],
+                "attention_mask": padded.attention_mask[rows],
+                "old_logprobs": old["logprobs"][rows],
+                "rollout_logprobs": padded.rollout_logprobs[rows],
+                "loss_mask": mask,
+                "advantages": advantages[rows],
+                "weights": weights[rows],
+            }
+            if routes is not None:
+                batch["routes"] = routes[rows]
+            counts = {"num_tokens": global_count(mask.sum()), "num_seqs": global_count((mask.sum(-1) > 0).sum())}
+            loss = functools.partial(objective.loss, **counts)
+            replay = self.replay if routes is not None else None
+            m = train_minibatch(self.chunks, self.optimizer, batch, loss, a.micro_batch_size, replay=replay)
+            if i == 0:  # pi_theta == pi_old before the first optimizer step
+                out["actor/first_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)
+            if on_skip(bool(m.pop("skipped")), i):
+                out["actor/skipped_steps"] += 1
+            norms.append(m.pop("actor/grad_norm"))
+            for k, v in m.items():
+                key = k if "/" in k else f"actor/{k}"
+                out[key] = out.get(key, 0.0) + v / a.mini_batches
+        applied = [x for x in norms if math.isfinite(x)]
+        out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
+        return out
+
+    # ---- state -----------------------------------------------------------------------------
+    def weights_finite(self) -> bool:
+        from moe_rl.actor.train_step import all_finite
+
+        return all_finite([p for c in self.chunks for p in c.parameters()])
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors for the rollout engine (collective: every rank iterates to the end)."""
+        from moe_rl.actor.weights import export_hf_state_dict
+
+        yield from export_hf_state_dict(self.chunks, self.conv).items()

@@ -1,0 +1,46 @@
+"""Reaches into vLLM (0.32) internals that have no public API yet: the one place besides the
+route-capture hook (`BaseRouter.set_capture_fn`, rollout/route_capture.py and worker_ext.py)
+that depends on vLLM's private structure. Each function says what it needs and when to delete it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def on_prepare_inputs(runner, begin_step: Callable[[list[str], list[int], list[int]], None]) -> None:
+    """Call `begin_step(request ids, tokens scheduled, tokens already computed)` before each
+    forward of the V1 model runner (GPU/CPU), in the order its batch rows take: the route
+    capture needs the step's request order, which no public hook gives. Wraps the private
+    `model_runner._prepare_inputs(scheduler_output, num_scheduled_tokens)` and reads
+    `input_batch.req_ids` / `num_computed_tokens_cpu`. Idempotent per runner."""
+    if getattr(runner, "_moe_rl_wrapped", False):
+        runner._moe_rl_begin_step = begin_step
+        return
+    orig = runner._prepare_inputs
+    runner._moe_rl_begin_step = begin_step
+
+    def prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        batch = runner.input_batch
+        n = batch.num_reqs
+        runner._moe_rl_begin_step(
+            list(batch.req_ids[:n]),
+            [int(x) for x in num_scheduled_tokens[:n]],
+            [int(x) for x in batch.num_computed_tokens_cpu[:n]],
+        )
+        return orig(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+    runner._prepare_inputs = prepare_inputs
+    runner._moe_rl_wrapped = True
+
+
+def repack_cpu_experts(model) -> None:
+    """vLLM 0.32 bug: on a weight update UnquantizedFusedMoEMethod._setup_kernel skips
+    `fused_experts.process_weights_after_loading`, which is where the CPU experts
+    (experts/cpu_moe.py) pad and prepack w13/w2 into their grouped-GEMM layout; the reloaded
+    weights stay in checkpoint layout and the kernel reads garbage. Re-run it after a reload.
+    Delete when `is_weight_update` re-runs the experts' post-load step upstream."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith("experts.cpu_moe"):
+            experts.process_weights_after_loading(module)

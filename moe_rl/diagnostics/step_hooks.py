@@ -1,0 +1,86 @@
+"""Diagnostics taken inside a training step, before the update changes the actor: rollout dumps
+(for moe-rl-diagnose and trainer.mode=from_dump) and the router agreement metric."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class StepDiagnostics:
+    def __init__(self, cfg, actor, dump_dir: Path):
+        """`cfg`: moe_rl.config.TrainConfig; `actor`: moe_rl.actor.actor.Actor."""
+        t = cfg.trainer
+        self.cfg, self.actor, self.dump_dir = cfg, actor, dump_dir
+        self.dump_every = 1 if t.mode == "rollout_only" else t.dump_every
+        self.agreement_every = cfg.logging.router_agreement_every if actor.replay is not None else 0
+
+    @property
+    def dumping(self) -> bool:
+        return self.dump_every > 0
+
+    def begin_step(self) -> None:
+        if self.actor.replay is not None:
+            self.actor.replay.dispatch_check(reset=True)
+
+    def __call__(self, step: int, rollout, old: dict[str, torch.Tensor], rewards: torch.Tensor) -> dict[str, float]:
+        """Dump and/or measure this step (0-based index) when due; returns the metrics taken."""
+        padded = rollout.padded
+        dump_now = self.dumping and step % self.dump_every == 0
+        agree_now = bool(self.agreement_every) and padded.routes is not None and step % self.agreement_every == 0
+        if not (dump_now or agree_now):
+            return {}
+        views = self.routing_views(padded, old)
+        metrics = {}
+        if agree_now:
+            metrics["router/agreement"] = self.router_agreement(padded, views["routes_live"])
+        if dump_now:
+            self.write_dump(step, padded, rewards, views)
+        return metrics
+
+    def routing_views(self, padded, old) -> dict[str, torch.Tensor | None]:
+        from moe_rl.actor.forward import routing_views
+
+        a = self.actor
+        mode = a.cfg.router_replay
+        return routing_views(
+            a.chunks,
+            padded.input_ids,
+            padded.attention_mask,
+            a.cfg.micro_batch_size,
+            a.replay,
+            padded.routes,
+            replayed=old["logprobs"] if mode == "r3" else None,
+            live=old if mode == "r2" else None,
+        )
+
+    def router_agreement(self, padded, live_routes: torch.Tensor) -> float:
+        """Fraction of (token, MoE layer) pairs where the actor's own routing picks the same expert
+        set as the rollout engine (this rank's layers; real tokens except the last)."""
+        from moe_rl.routing.compare import route_sets_differ, routed_positions
+
+        replay = self.actor.replay
+        cols = sorted({replay.col[h.layer] for h in replay.hooks})
+        valid = routed_positions(padded.attention_mask)
+        differ, _ = route_sets_differ(live_routes[:, :, cols][valid], padded.routes[:, :, cols][valid])
+        return float((~differ).float().mean())
+
+    def write_dump(self, step: int, padded, rewards, views) -> None:
+        from moe_rl.rollout import dump
+
+        a, cfg = self.actor, self.cfg
+        dump.write_rank(
+            self.dump_dir,
+            step,
+            padded,
+            views,
+            a.replay.dispatch_check(),
+            model_path=a.model_path,
+            model=dump.model_fingerprint(a.hf_config, a.layout),
+            actor_dtype=cfg.model.dtype,
+            rollout_dtype=cfg.rollout.dtype,
+            router_replay=a.cfg.router_replay,
+            n=cfg.sampling.n,
+            rewards=rewards,
+        )

@@ -1,0 +1,192 @@
+"""Build a tiny random Hugging Face MoE model folder, fully offline.
+
+The folder holds `config.json`, safetensors weights written by `save_pretrained` and a
+byte-level BPE tokenizer trained on a small in-memory corpus, so that transformers, vLLM and
+the Megatron actor can all load it without a hub.
+
+Sizes default to what vLLM's CPU backend accepts (hidden size a multiple of 32, head dim 32).
+
+Used by the trainer (the default model), the tests and the benchmarks; the command line is
+`python -m moe_rl.tools.tiny_model`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# Small corpus for the tokenizer: digits, arithmetic and plain English, so the toy tasks and
+# the numeric-answer reward parse cleanly.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Question: what is 12 + 30? Answer: 42",
+    "Compute 7 * 6 and reply with the number only. 42",
+    "Mixture of experts models route each token to a few experts.",
+    "Reinforcement learning from verifiable rewards improves reasoning.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 100 1000",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+    "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z",
+    "Count from one to ten: one two three four five six seven eight nine ten.",
+    "The answer is #### 17",
+]
+
+
+@dataclass
+class TinySpec:
+    """What to build; every field maps to one CLI option."""
+
+    arch: str = "qwen3_moe"
+    num_experts: int = 8
+    topk: int = 2
+    layers: int = 4
+    dense_layers: list[int] = field(default_factory=list)
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    moe_intermediate: int = 64
+    intermediate: int = 128
+    vocab_size: int = 512
+    dtype: str = "float32"
+    seed: int = 0
+    norm_topk_prob: bool | None = None  # None: the architecture's usual choice
+
+    def validate(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"--arch: unknown architecture {self.arch!r}; choose one of {ARCHS}")
+        if self.hidden % 32:
+            raise ValueError(f"--hidden={self.hidden}: vLLM's CPU backend needs a multiple of 32")
+        if self.head_dim not in VLLM_CPU_HEAD_DIMS:
+            raise ValueError(f"head dim {self.head_dim} is not one vLLM-CPU supports: {VLLM_CPU_HEAD_DIMS}")
+        if self.arch in ("mixtral", "olmoe") and self.heads * self.head_dim != self.hidden:
+            raise ValueError(
+                f"--arch {self.arch} needs hidden == heads * head_dim ({self.heads}*{self.head_dim});"
+                f" got --hidden={self.hidden}"
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"--topk={self.topk} must be in [1, --num-experts={self.num_experts}]")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.layers]
+        if bad:
+            raise ValueError(f"--dense-layers {bad} out of range for --layers={self.layers}")
+        if self.dense_layers and self.arch != "qwen3_moe":
+            raise ValueError("--dense-layers is only supported by --arch qwen3_moe (mlp_only_layers)")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype={self.dtype!r}: choose float32 or bfloat16")
+
+
+def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
+    """The transformers config object for `spec`."""
+    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        num_experts_per_tok=spec.topk,
+        max_position_embeddings=2048,
+        # vLLM's OLMoE hard-codes eps=1e-5 (as the released OLMoE checkpoints use)
+        rms_norm_eps=1e-5 if spec.arch == "olmoe" else 1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # large so that routing and logits are far from uniform
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **special,
+    )
+    if spec.arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            head_dim=spec.head_dim,
+            num_experts=spec.num_experts,
+            moe_intermediate_size=spec.moe_intermediate,
+            intermediate_size=spec.intermediate,
+            norm_topk_prob=True if spec.norm_topk_prob is None else spec.norm_topk_prob,
+            mlp_only_layers=sorted(spec.dense_layers),
+            decoder_sparse_step=1,
+            **common,
+        )
+    elif spec.arch == "mixtral":
+        if spec.norm_topk_prob is False:
+            raise ValueError("mixtral always renormalises its top-k probabilities")
+        cfg = MixtralConfig(
+            head_dim=spec.head_dim,
+            num_local_experts=spec.num_experts,
+            intermediate_size=spec.moe_intermediate,
+            sliding_window=None,
+            **common,
+        )
+    else:
+        cfg = OlmoeConfig(
+            num_experts=spec.num_experts,
+            intermediate_size=spec.moe_intermediate,
+            norm_topk_prob=False if spec.norm_topk_prob is None else spec.norm_topk_prob,
+            clip_qkv=None,
+            **common,
+        )
+    cfg.torch_dtype = spec.dtype
+    return cfg
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on the in-memory corpus (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|pad|>"
+    )
+
+
+def build_tiny_model(spec: TinySpec, out: str | Path) -> Path:
+    """Write a random HF model folder for `spec` to `out` and return its path."""
+    from transformers import AutoModelForCausalLM
+
+    spec.validate()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size)
+    special = dict(
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    # Pad the embedding table to the requested size (vLLM and Megatron pad vocabularies too).
+    vocab_size = max(spec.vocab_size, len(tokenizer))
+    cfg = hf_config(spec, vocab_size, special)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        # transformers zero-initialises the embedding row of padding_idx (<|pad|>). A random model
+        # samples that token, and RMSNorm's slope at a zero input is 1/sqrt(eps): the one row's
+        # gradient dwarfs every other and step 1's grad norm is ~1e4. Real checkpoints have
+        # trained pad rows; draw every all-zero embedding/output row from the init distribution.
+        for table in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            zero = (table == 0).all(dim=1)
+            table[zero] = torch.randn(int(zero.sum()), table.shape[1]) * cfg.initializer_range
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name or "_norm" in name:
+                # Norm gains near 1 but not exactly, so a wrong norm mapping is visible.
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model = model.to(getattr(torch, spec.dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "moe_rl_tiny_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
+    return out

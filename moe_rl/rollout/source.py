@@ -1,0 +1,130 @@
+"""Where a step's samples come from: the vLLM engine (`EngineSource`) or the dumps of an earlier
+run (`DumpSource`, trainer.mode=from_dump). Chosen once when the trainer is built; an
+asynchronous source and a replay buffer will be two more implementations of `next`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.actor.parallel import world_max
+from moe_rl.rollout.batch import PaddedBatch
+
+
+class StepAbandoned(Exception):
+    """A stop signal cut the step short before it changed the actor (the engine died with it)."""
+
+
+@dataclass
+class Rollout:
+    """One step's samples on this rank: padded tokens with mu's log-probs and routes, plus what
+    the reward needs. `rewards` is filled by the source when it already has them (dumps)."""
+
+    padded: PaddedBatch
+    policy_version: torch.Tensor  # [B] the actor step whose weights sampled each sample
+    response_lengths: torch.Tensor  # [B]
+    prompts: list | None = None  # data.prompts.Prompt of each prompt index (engine source)
+    prompt_index: list[int] | None = None  # prompt of each sample
+    response_ids: list[list[int]] | None = None
+    rewards: torch.Tensor | None = None
+
+
+class RolloutSource(Protocol):
+    def next(self, step: int) -> Rollout: ...
+
+    def close(self) -> None: ...
+
+
+class EngineSource:
+    """Prompts from the data source, sampled by this rank's vLLM engine with routes captured."""
+
+    def __init__(self, engine, data, tokenizer, sampling, prompts_per_step: int, pad_multiple: int, may_stop):
+        """`may_stop`: context manager under which an engine failure during a stop signal ends
+        the step instead of the run (Trainer._engine_may_stop)."""
+        self.engine, self.data, self.tokenizer = engine, data, tokenizer
+        self.sampling, self.prompts_per_step, self.pad_multiple = sampling, prompts_per_step, pad_multiple
+        self.may_stop = may_stop
+
+    def next(self, step: int) -> Rollout:
+        prompts = self.data.next(self.prompts_per_step)
+        ids = [self.tokenizer(p.text)["input_ids"] for p in prompts]
+        sampling = self.sampling
+        if sampling.seed is not None:  # distinct per step and rank, reproducible after a resume
+            stream = step * dist.get_world_size() + dist.get_rank()
+            sampling = type(sampling)(**{**sampling.__dict__, "seed": sampling.seed + stream * len(ids)})
+        batch = None
+        with self.may_stop():
+            batch = self.engine.generate(ids, sampling)
+        # One all-reduce: whether any rank lost its engine (ranks leave the step together) and
+        # the padded length (EP ranks must agree on it).
+        pairs = [] if batch is None else zip(batch.prompt_ids, batch.response_ids, strict=True)
+        abandoned, longest = world_max(batch is None, max((len(p) + len(r) for p, r in pairs), default=0))
+        if abandoned:
+            raise StepAbandoned(f"step {step + 1}: the rollout engine stopped with the signal")
+        padded = batch.to_padded(
+            pad_id=self.tokenizer.pad_token_id or 0, pad_to_multiple=self.pad_multiple, min_length=longest
+        )
+        return Rollout(
+            padded,
+            policy_version=torch.full((len(batch),), step, dtype=torch.long),
+            response_lengths=torch.tensor([len(r) for r in batch.response_ids], dtype=torch.long),
+            prompts=prompts,
+            prompt_index=[int(i) for i in batch.prompt_index],
+            response_ids=batch.response_ids,
+        )
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class DumpSource:
+    """The dumped steps of an earlier run, cycled through (trainer.mode=from_dump; no engine)."""
+
+    def __init__(self, dump_dir: Path, fingerprint: dict, group_size: int, mini_batches: int, router_replay: str):
+        from moe_rl.rollout import dump
+
+        self.steps = dump.step_folders(dump_dir)
+        self.fingerprint, self.group_size = fingerprint, group_size
+        self.mini_batches, self.router_replay = mini_batches, router_replay
+
+    def next(self, step: int) -> Rollout:
+        from moe_rl.rollout import dump
+
+        folder = self.steps[step % len(self.steps)]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        tensors, meta = dump.read(folder / f"rank_{rank:05d}.safetensors")
+        if meta["model"] != self.fingerprint:
+            raise dump.DumpError(f"{folder}: dump is from model {meta['model']}, the actor is {self.fingerprint}")
+        if meta["world_size"] != world:
+            raise dump.DumpError(f"{folder}: written by {meta['world_size']} ranks, this run has {world}")
+        if meta.get("n") != self.group_size:
+            raise dump.DumpError(
+                f"{folder}: sampled {meta.get('n')} responses per prompt, sampling.n={self.group_size}: the GRPO "
+                "groups would mix prompts; set sampling.n to the dump's"
+            )
+        if "rewards" not in tensors:
+            raise dump.DumpError(f"{folder}: has no rewards (written by moe-rl-diagnose, not a training run?)")
+        routes = tensors.get("routes")
+        if self.router_replay == "r3" and routes is None:
+            raise dump.DumpError(f"{folder}: actor.router_replay=r3 needs engine routes; the dump has none")
+        b = tensors["input_ids"].shape[0]
+        if b % self.mini_batches:
+            raise dump.DumpError(
+                f"{folder}: {b} samples on rank {rank} are not divisible into actor.mini_batches={self.mini_batches}"
+            )
+        padded = PaddedBatch(
+            tensors["input_ids"], tensors["attention_mask"], tensors["loss_mask"], tensors["rollout_logprobs"], routes
+        )
+        return Rollout(
+            padded,
+            policy_version=torch.full((b,), int(meta["step"]), dtype=torch.long),
+            response_lengths=padded.loss_mask.sum(-1).long(),
+            rewards=tensors["rewards"],
+        )
+
+    def close(self) -> None:
+        pass

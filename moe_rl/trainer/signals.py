@@ -1,0 +1,66 @@
+"""Stop requests: Slurm preemption, torchrun shutdown and the launcher's death become a
+checkpoint at the next step boundary."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class StopFlag:
+    """SIGTERM/SIGUSR1 (Slurm preemption, torchrun shutdown) ask for a checkpoint at the next step
+    boundary; a second signal exits at once. Ranks agree on stopping with one all-reduce.
+
+    A repeat within `REPEAT_S` seconds is the same request, not a second one: under Slurm a rank
+    gets the signal twice within milliseconds (`scancel --signal` reaches every process of the
+    step, and torchrun forwards the one it got)."""
+
+    REPEAT_S = 2.0
+
+    def __init__(self):
+        import signal
+
+        self.requested = False
+        self.first_at = 0.0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        import signal
+
+        name = signal.Signals(signum).name
+        if self.requested and time.monotonic() - self.first_at > self.REPEAT_S:
+            print(f"[moe-rl] pid {os.getpid()}: second {name}: exiting now", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
+        if not self.requested:
+            print(
+                f"[moe-rl] pid {os.getpid()}: {name}: checkpoint at the next step boundary", file=sys.stderr, flush=True
+            )
+            self.requested, self.first_at = True, time.monotonic()
+
+    def agreed(self) -> bool:
+        t = torch.tensor([int(self.requested)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun: receive SIGUSR1 when the launcher dies (even by SIGKILL), so the rank
+    checkpoints at the next step boundary and exits instead of training on unsupervised.
+    Linux prctl(PR_SET_PDEATHSIG); elsewhere a no-op. (SIGUSR1, not SIGTERM: with SIGTERM a rank
+    was seen to receive it twice, which StopFlag takes as "exit now".)"""
+    import ctypes
+    import signal
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGUSR1, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGUSR1)
