@@ -54,8 +54,8 @@ def main() -> None:
     from moe_rl.actor.parallel import ParallelConfig, init_distributed
     from moe_rl.actor.replay import RouteReplay
     from moe_rl.actor.weights import load_hf_weights
-    from moe_rl.routing.model_layout import moe_layout
     from moe_rl.models.tiny import TinySpec, build_tiny_model
+    from moe_rl.routing.model_layout import moe_layout
 
     tmp = Path(tempfile.mkdtemp(prefix="moe-rl-bench-"))
     spec = TinySpec(arch="qwen3_moe", num_experts=32, topk=4, layers=4, hidden=256, head_dim=64, moe_intermediate=256)

@@ -61,9 +61,10 @@ def main() -> None:
     from transformers import AutoConfig
 
     from moe_rl.actor.weights import HFCheckpoint
+    from moe_rl.models.tiny import TinySpec, build_tiny_model
     from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
     from moe_rl.routing.model_layout import moe_layout
-    from moe_rl.models.tiny import TinySpec, build_tiny_model
+    from moe_rl.weight_sync import push_weights
 
     tmp = Path(tempfile.mkdtemp(prefix="moe-rl-bench-"))
     spec = TinySpec(
@@ -104,7 +105,7 @@ def main() -> None:
                 ckpt = HFCheckpoint(path)
                 named = [(k, ckpt.get(k)) for k in ckpt.weight_map]
                 nbytes = sum(t.numel() * t.element_size() for _, t in named)
-                sync = min((eng.update_weights(named) for _ in range(a.repeats)), key=lambda s: s["seconds"])
+                sync = min((push_weights(eng, named) for _ in range(a.repeats)), key=lambda s: s["seconds"])
                 t0 = time.perf_counter()
                 for _ in range(a.repeats):
                     copies = [t.clone() for _, t in named]

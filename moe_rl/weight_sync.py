@@ -18,23 +18,23 @@ import torch
 class WeightSync:
     """actor -> engine, after every update (no-op without an engine: from_dump, rollout_only)."""
 
-    def __init__(self, actor, engine, bucket_mb: int = 64, transport: str = "rpc"):
-        self.actor, self.engine, self.bucket_mb, self.transport = actor, engine, bucket_mb, transport
+    def __init__(self, actor, engine):
+        self.actor, self.engine = actor, engine
 
     def __call__(self) -> dict[str, float]:
         if self.engine is None:
             return {}
-        return push_weights(self.engine, self.actor.iter_weights(), self.bucket_mb, self.transport)
+        return push_weights(self.engine, self.actor.iter_weights())
 
 
-def push_weights(
-    engine, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: int = 64, transport: str = "rpc"
-) -> dict[str, float]:
-    """Load HF-named tensors into a RolloutEngine in buckets of <= bucket_mb; returns sizes and seconds."""
+def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Load HF-named tensors into a RolloutEngine in buckets of <= rollout.weight_sync_bucket_mb over
+    rollout.weight_transport; returns bytes, tensors, buckets and seconds."""
     from safetensors.torch import save
 
     from moe_rl.rollout.engine import RolloutEngineError
 
+    bucket_mb, transport = engine.cfg.weight_sync_bucket_mb, engine.cfg.weight_transport
     if transport != "rpc":
         raise NotImplementedError(
             f"rollout.weight_transport={transport!r} is not implemented on this build (GPU path not yet run); use rpc"
@@ -81,6 +81,9 @@ class WeightReceiver:
     def moe_rl_begin_weight_update(self) -> bool:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        from moe_rl.compat.vllm import quiet_rotary_reload_warning
+
+        quiet_rotary_reload_warning()  # a rotary layer's cache is never loaded (see the filter)
         initialize_layerwise_reload(self.model_runner.get_model())
         return True
 

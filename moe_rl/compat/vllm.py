@@ -44,3 +44,28 @@ def repack_cpu_experts(model) -> None:
         experts = getattr(kernel, "fused_experts", None)
         if experts is not None and type(experts).__module__.endswith("experts.cpu_moe"):
             experts.process_weights_after_loading(module)
+
+
+class _RotaryReloadFilter:
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning of a layerwise reload.
+
+    Why it is safe: rotary layers own one tensor, the non-persistent `cos_sin_cache` buffer,
+    computed from the config and never part of a checkpoint. `finalize_layerwise_reload`
+    counts buffers as loadable, so a rotary layer always looks "not loaded" and vLLM puts its
+    existing tensors back (`_place_kernel_tensors`): the cache is unchanged. Any other layer's
+    warning (a real missing weight) still shows."""
+
+    def filter(self, record) -> bool:
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and str(record.args[0] if record.args else "").endswith("RotaryEmbedding")
+        )
+
+
+def quiet_rotary_reload_warning() -> None:
+    """Install `_RotaryReloadFilter` on vLLM's layerwise-reload logger (idempotent)."""
+    import logging
+
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryReloadFilter) for f in log.filters):
+        log.addFilter(_RotaryReloadFilter())

@@ -34,6 +34,8 @@ class Rollout:
 
 
 class RolloutSource(Protocol):
+    phase: str  # its time metric: time/<phase>
+
     def next(self, step: int) -> Rollout: ...
 
     def close(self) -> None: ...
@@ -41,6 +43,8 @@ class RolloutSource(Protocol):
 
 class EngineSource:
     """Prompts from the data source, sampled by this rank's vLLM engine with routes captured."""
+
+    phase = "rollout"
 
     def __init__(self, engine, data, tokenizer, sampling, prompts_per_step: int, pad_multiple: int, may_stop):
         """`may_stop`: context manager under which an engine failure during a stop signal ends
@@ -83,6 +87,8 @@ class EngineSource:
 
 class DumpSource:
     """The dumped steps of an earlier run, cycled through (trainer.mode=from_dump; no engine)."""
+
+    phase = "load_dump"
 
     def __init__(self, dump_dir: Path, fingerprint: dict, group_size: int, mini_batches: int, router_replay: str):
         from moe_rl.rollout import dump

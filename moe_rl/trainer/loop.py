@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moe_rl.config import TrainConfig, validate
 from moe_rl.rollout.source import StepAbandoned
 from moe_rl.trainer.health import HealthMonitor, SkipCounter
-from moe_rl.trainer.metrics import Timer, batch_metrics, mean_over_world
+from moe_rl.trainer.metrics import Timer, global_metrics
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 
 
@@ -56,8 +56,7 @@ class Trainer:
         resumed = self._resume()
         self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
         self.source, engine = self._build_source()
-        r = cfg.rollout
-        self.weight_sync = WeightSync(self.actor, engine, r.weight_sync_bucket_mb, r.weight_transport)
+        self.weight_sync = WeightSync(self.actor, engine)
         self.updates = t.mode != "rollout_only"
         if resumed:
             if engine is not None:  # the engine starts from the HF weights; give it the resumed actor's
@@ -161,7 +160,7 @@ class Trainer:
     def step(self) -> dict[str, float]:
         timer = Timer()
         self.diagnostics.begin_step()
-        with timer("rollout"):
+        with timer(self.source.phase):  # rollout | load_dump
             rollout = self.source.next(self.step_index)  # StepAbandoned when a signal took the engine
         with timer("reward"):
             rewards = self.reward(rollout)
@@ -173,10 +172,12 @@ class Trainer:
         if self.updates:
             with timer("update"):
                 metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip)
+        if self.updates and self.weight_sync.engine is not None:
             with timer("weight_sync"), self._engine_may_stop():
                 self.weight_sync()
-        metrics |= batch_metrics(rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band)
-        metrics = mean_over_world(metrics | timer.times)
+        metrics = global_metrics(
+            rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, timer.times
+        )
         self.step_index += 1
         self.data_position = self.data.position
         self.logger.log(self.step_index, metrics)

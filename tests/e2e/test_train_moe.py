@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, run_job
 
@@ -146,12 +147,47 @@ def test_resume_without_optimizer_state_is_refused(tmp_path):
     assert "step_000001 cannot be resumed" in out and "/optimizer/" in out and "is missing" in out, out[-3000:]
 
 
+def _metrics_from_dumps(folder: Path) -> dict[str, float]:
+    """reward/* and token-level mismatch metrics of one step from all ranks' dumps (published
+    formulas: k = pi_old / mu per response token; ESS = (mean k)^2 / mean k^2)."""
+    from moe_rl.rollout import dump
+
+    rewards, sums = [], {"n": 0.0, "kl": 0.0, "k3": 0.0, "k": 0.0, "k2": 0.0}
+    for f in sorted(folder.glob("rank_*.safetensors")):
+        t, _ = dump.read(f)
+        m = t["loss_mask"].double()
+        old, mu = t["logprobs_replay"].double(), t["rollout_logprobs"].double()  # R3: pi_old is the replayed pass
+        k = (old - mu).exp()
+        sums["n"] += float(m.sum())
+        sums["kl"] += float(((mu - old) * m).sum())
+        sums["k3"] += float(((k - (old - mu) - 1) * m).sum())
+        sums["k"] += float((k * m).sum())
+        sums["k2"] += float((k * k * m).sum())
+        rewards.append(t["rewards"].double())
+    r, n = torch.cat(rewards), sums["n"]
+    return {
+        "reward/max": float(r.max()),
+        "reward/mean": float(r.mean()),
+        "mismatch/kl": sums["kl"] / n,
+        "mismatch/k3_kl": sums["k3"] / n,
+        "mismatch/chi2_token": sums["k2"] / n - 1,
+        "mismatch/ess": (sums["k"] / n) ** 2 / (sums["k2"] / n),
+    }
+
+
 def test_dumps_then_train_from_dump(tmp_path):
     """dump_every=1 writes one file per rank and step; trainer.mode=from_dump trains on them
     without an engine, and its first mini-batch still has pi_theta == pi_old."""
     base = ["logging.wandb.mode=disabled", "logging.router_agreement_every=0"]
-    _train(tmp_path / "rollouts", ["trainer.steps=2", "trainer.dump_every=1", *base])
+    logged = _train(tmp_path / "rollouts", ["trainer.steps=2", "trainer.dump_every=1", *base])
     from moe_rl.rollout import dump
+
+    # Metrics are over the global batch: recomputed here from every rank's dump of the step.
+    for step, metrics in enumerate(logged):
+        for key, value in _metrics_from_dumps(tmp_path / "rollouts" / "dumps" / f"step_{step:06d}").items():
+            # within 1e-5; kl is a sum of exact float32 differences, so it is held to 1e-10
+            tol = 1e-10 if key == "mismatch/kl" else 1e-5
+            assert value == pytest.approx(metrics[key], rel=1e-5, abs=tol), (step, key, value, metrics[key])
 
     files = sorted((tmp_path / "rollouts" / "dumps").glob("step_*/rank_*.safetensors"))
     assert [f.relative_to(tmp_path / "rollouts" / "dumps").as_posix() for f in files] == [

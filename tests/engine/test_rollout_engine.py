@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_rl.rollout.engine import RolloutEngineError, SamplingConfig
+from moe_rl.weight_sync import push_weights
 from tests.reference import hf_forward, load_hf
 
 pytestmark = pytest.mark.engine
@@ -126,7 +127,7 @@ def test_weight_sync_from_megatron(engines, tiny_models, world1):
         return max((torch.from_numpy(v) - meg[i, : len(v)]).abs().max().item() for i, v in enumerate(vl))
 
     before = diff()
-    stats = eng.update_weights(iter_hf_tensors(chunks, conv))
+    stats = push_weights(eng, iter_hf_tensors(chunks, conv))
     after = diff()
     print(f"\nweight sync: {stats}; max |vLLM - Megatron| logprob before {before:.3f}, after {after:.2e}")
     assert before > 1e-2 and after < 1e-4
@@ -135,7 +136,7 @@ def test_weight_sync_from_megatron(engines, tiny_models, world1):
     from moe_rl.actor.weights import HFCheckpoint
 
     ckpt = HFCheckpoint(path)
-    eng.update_weights((k, ckpt.get(k)) for k in ckpt.weight_map)
+    push_weights(eng, ((k, ckpt.get(k)) for k in ckpt.weight_map))
 
 
 def test_small_buckets_and_dead_engine_gives_clear_error(tiny_models):
@@ -148,7 +149,7 @@ def test_small_buckets_and_dead_engine_gives_clear_error(tiny_models):
     from moe_rl.actor.weights import HFCheckpoint
 
     ckpt = HFCheckpoint(tiny_models["olmoe"])
-    stats = eng.update_weights((k, ckpt.get(k)) for k in ckpt.weight_map)
+    stats = push_weights(eng, ((k, ckpt.get(k)) for k in ckpt.weight_map))
     assert stats["buckets"] >= 2  # ~1.5 MB of weights in 1 MiB buckets
     eng.health_check()
     children = list(eng._procs)  # only the engine's: other children of this process are not ours to kill

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +49,9 @@ def test_conf_does_not_restate_schema_defaults():
     default drifts; today's dataclass docstrings are the documentation)."""
     register_configs()
     top = OmegaConf.to_container(OmegaConf.load(Path(CONF) / "train_moe.yaml"))
-    assert set(top) <= {"defaults", "hydra"}, f"conf/train_moe.yaml sets schema keys: {set(top) - {'defaults', 'hydra'}}"
+    assert set(top) <= {"defaults", "hydra"}, (
+        f"conf/train_moe.yaml sets schema keys: {set(top) - {'defaults', 'hydra'}}"
+    )
     presets = sorted((Path(CONF) / "algorithm").glob("*.yaml"))
     assert {p.stem for p in presets} >= {"gspo_icepop", "ppo_tis", "grpo"}
     for preset in presets:

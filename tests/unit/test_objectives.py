@@ -4,12 +4,15 @@ float64 written from the published formulas), on fresh random inputs: values and
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
 from moe_rl import objectives as O
+from moe_rl.objectives.corrections import GeoMaskConfig, IcePopConfig, SeqMaskConfig
+from moe_rl.objectives.policy_loss import GSPOConfig, PPOConfig
 
 
 def _rand_batch(b=6, t=9, scale=1e-3, seed=None):
@@ -209,22 +212,53 @@ def test_corrections_handle_huge_log_ratios_and_bad_bands():
 def test_correction_registry_selects_by_name():
     _, old, roll, mask, _ = _rand_batch(4, 6)
     assert {"none", "icepop", "tis", "seq-tis", "seq-mask", "geo-mask"} <= set(O.CORRECTIONS.names())
-    c = O.CORRECTIONS.get("icepop")(old, roll, mask, low=0.5, high=5.0)
+    c = O.CORRECTIONS.get("icepop")(old, roll, mask, IcePopConfig(low=0.5, high=5.0))
     assert torch.equal(c.weights, O.icepop_weights(old, roll, mask)) and torch.equal(c.mask, mask)
     zero = ((c.weights == 0).double() * mask).sum() / mask.sum()
     assert torch.allclose(c.metrics["masked_fraction"], zero)
-    r = O.CORRECTIONS.get("seq-mask")(old, roll, mask, low=0.5, high=2.0)
+    r = O.CORRECTIONS.get("seq-mask")(old, roll, mask, SeqMaskConfig())
     assert r.weights is None and torch.equal(r.mask, O.seq_reject_mask(old, roll, mask, 0.5, 2.0))
     with pytest.raises(ValueError, match="unknown mismatch correction 'mis'.*icepop"):
         O.CORRECTIONS.get("mis")
 
-    @O.POLICY_LOSSES.register("test-only-reinforce")
-    def reinforce(logp, old_logp, advantages, mask, **_):
-        return -(advantages[:, None] * logp * mask).sum() / mask.sum(), {}
+    assert O.CORRECTIONS.config_class("geo-mask")() == GeoMaskConfig(low=0.999, high=1.001)
 
-    assert O.POLICY_LOSSES.get("test-only-reinforce") is reinforce
+
+def test_a_new_loss_is_one_function_and_its_config():
+    """A registry of the test's own (the global one is left as it was)."""
+
+    @dataclass
+    class ReinforceConfig:
+        scale: float = 1.0
+
+    losses = O.Registry("policy loss")
+
+    @losses.register("reinforce", config=ReinforceConfig)
+    def reinforce(x: O.LossInputs, cfg: ReinforceConfig):
+        return -cfg.scale * (x.advantages[:, None] * x.logp * x.mask).sum() / x.num_tokens, {}
+
+    assert losses.get("reinforce") is reinforce and losses.name_of(ReinforceConfig(2.0)) == "reinforce"
     with pytest.raises(ValueError, match="already registered"):
-        O.POLICY_LOSSES.register("gspo")(reinforce)
+        losses.register("reinforce")(reinforce)
+    with pytest.raises(ValueError, match="not the config of any registered"):
+        losses.name_of(GSPOConfig())
+    losses.unregister("reinforce")
+    assert "reinforce" not in losses
+    assert "reinforce" not in O.POLICY_LOSSES
+
+
+@pytest.mark.parametrize("preset", ["gspo", "ppo"])
+def test_registered_losses_equal_the_tensor_functions(preset):
+    """The registered form (typed inputs + config) is the tensor function with the config's values."""
+    logp, old, roll, mask, adv = _rand_batch(4, 6)
+    cfg = {"gspo": GSPOConfig(), "ppo": PPOConfig()}[preset]
+    x = O.LossInputs(logp, old, roll, adv, mask, None, float(mask.sum()), float((mask.sum(-1) > 0).sum()))
+    got, _ = O.POLICY_LOSSES.get(preset)(x, cfg)
+    if preset == "gspo":
+        want, _ = O.gspo_loss(logp, old, adv, mask, 3e-4, 4e-4, agg="seq-mean-token-mean")
+    else:
+        want, _ = O.ppo_loss(logp, old, adv, mask, 0.2, 0.2, dual_clip=3.0, agg="token-mean")
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 # ---- KL -------------------------------------------------------------------------------------

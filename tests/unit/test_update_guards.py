@@ -13,7 +13,8 @@ from moe_rl.actor.optimizer import build_optimizer
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.train_step import train_minibatch
 from moe_rl.actor.weights import load_hf_weights
-from moe_rl.trainer.loop import HealthMonitor, NonFiniteUpdateError, SkipCounter, zero_variance_fraction
+from moe_rl.trainer.health import HealthMonitor, NonFiniteUpdateError, SkipCounter
+from moe_rl.trainer.metrics import zero_variance_fraction
 from tests.reference import random_batch
 
 
