@@ -27,17 +27,15 @@ def worker(a) -> None:
     from megatron.core import parallel_state as ps
 
     from moe_rl.actor.forward import compute_logprobs
-    from moe_rl.actor.model import build_model, load_hf_config
+    from moe_rl.actor.model import load_model
     from moe_rl.actor.parallel import ParallelConfig, init_distributed
-    from moe_rl.actor.weights import load_hf_weights
 
     parallel = ParallelConfig(**json.loads(a.parallel))
     init_distributed(parallel)
     results = {}
     for path in a.models:
-        cfg = load_hf_config(path)
-        chunks, conv = build_model(cfg, parallel)
-        load_hf_weights(chunks, conv, path)
+        m = load_model(path, parallel)
+        cfg, chunks, conv = m.hf_config, m.chunks, m.conv
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=g)
         mask = torch.ones_like(ids)

@@ -50,21 +50,18 @@ def main() -> None:
     import torch
 
     from moe_rl.actor.forward import compute_logprobs, run_schedule, split_microbatches, vocab_parallel_logprobs
-    from moe_rl.actor.model import build_model, load_hf_config
+    from moe_rl.actor.model import load_model
     from moe_rl.actor.parallel import ParallelConfig, init_distributed
     from moe_rl.actor.replay import RouteReplay
-    from moe_rl.actor.weights import load_hf_weights
     from moe_rl.models.tiny import TinySpec, build_tiny_model
-    from moe_rl.routing.model_layout import moe_layout
 
     tmp = Path(tempfile.mkdtemp(prefix="moe-rl-bench-"))
     spec = TinySpec(arch="qwen3_moe", num_experts=32, topk=4, layers=4, hidden=256, head_dim=64, moe_intermediate=256)
     path = build_tiny_model(spec, tmp / "model")
     init_distributed(ParallelConfig())
-    cfg = load_hf_config(path)
-    chunks, conv = build_model(cfg, ParallelConfig())
-    load_hf_weights(chunks, conv, path)
-    replay = RouteReplay(chunks, moe_layout(cfg).moe_layers)
+    m = load_model(path, ParallelConfig())
+    cfg, chunks = m.hf_config, m.chunks
+    replay = RouteReplay(chunks, m.layout.moe_layers)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=g)
     mask = torch.ones_like(ids)

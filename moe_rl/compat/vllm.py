@@ -1,6 +1,7 @@
-"""Reaches into vLLM (0.32) internals that have no public API yet: the one place besides the
-route-capture hook (`BaseRouter.set_capture_fn`, rollout/route_capture.py and worker_ext.py)
-that depends on vLLM's private structure. Each function says what it needs and when to delete it."""
+"""Reaches into vLLM (0.32) internals that have no public API yet, and works around its CPU
+backend's bugs: the one place besides the route-capture hook (`BaseRouter.set_capture_fn`,
+rollout/route_capture.py and worker_ext.py) that depends on vLLM's private structure. Each
+function says what it needs and when to delete it."""
 
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def on_prepare_inputs(runner, begin_step: Callable[[list[str], list[int], list[i
 
     runner._prepare_inputs = prepare_inputs
     runner._moe_rl_wrapped = True
+
+
+def request_amx_permission() -> bool:
+    """vLLM's CPU attention picks its AMX kernels for bf16 when the CPU has AMX tiles
+    (`cpu_attn._get_attn_isa`) but never asks the kernel for permission to use them
+    (arch_prctl ARCH_REQ_XCOMP_PERM); the first bf16 forward then dies with SIGILL. The private
+    `torch.cpu._init_amx()` makes that request for the calling process, so call it in each
+    engine worker process before its first forward. False if the request failed. Delete when
+    vLLM's CPU worker makes the request itself."""
+    import torch
+
+    if not torch.cuda.is_available() and torch.cpu._is_amx_tile_supported():
+        return bool(torch.cpu._init_amx())
+    return True
 
 
 def repack_cpu_experts(model) -> None:

@@ -24,6 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
+from moe_rl.diagnostics.output import fmt, write_report
 from moe_rl.rollout.dump import DumpError
 
 
@@ -124,80 +125,6 @@ def offline(args) -> dict:
     return write_report(args, data, metas, files, _tokenizer(args.model or metas[0].get("model_path")))
 
 
-def write_report(args, data, metas, files, tokenizer=None) -> dict:
-    from moe_rl.diagnostics.plots import write_plots
-    from moe_rl.diagnostics.report import build_report
-
-    report = build_report(data, metas, files, (args.icepop_low, args.icepop_high), args.tis_cap, args.worst, tokenizer)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    if not args.no_plots:
-        write_plots(report, data, out)
-    print_report(report)
-    print(f"[moe-rl-diagnose] wrote {out / 'report.json'}")
-    return report
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def print_report(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=140)
-    src = report["source"]
-    console.print(
-        f"[bold]{src['model']['model_type']}[/] {src['model_path']}  steps {src['steps']}  "
-        f"{src['samples']} samples, {src['response_tokens']} response tokens, "
-        f"rollout {src['rollout_dtype']} / actor {src['actor_dtype']}"
-    )
-    router = report["router"]
-    if router is not None:
-        t = Table(title="router: engine vs actor (no replay)")
-        t.add_column("MoE layer", justify="right")
-        t.add_column("disagreement", justify="right")
-        t.add_column("mean |set diff|", justify="right")
-        for layer, v in router["disagreement_per_layer"].items():
-            t.add_row(layer, f"{100 * v:.2f}%", f"{router['set_difference_mean_per_layer'][layer]:.3f}")
-        t.add_row("all", f"{100 * router['disagreement']:.2f}%", "", style="bold")
-        console.print(t)
-        wr = router["with_replay_disagreement"]
-        console.print(
-            f"tokens with a disagreement in any layer: {100 * router['token_any_disagreement']:.2f}%   "
-            f"with replay: {'not measured' if wr is None else f'{100 * wr:.2f}%'}"
-        )
-    t = Table(title="pi_old vs mu (response tokens)")
-    t.add_column("metric")
-    t.add_column("without replay", justify="right")
-    t.add_column("with replay", justify="right")
-    m = report["mismatch"]
-    for k, v in m["without_replay"].items():
-        t.add_row(k, _fmt(v), _fmt(None if m["with_replay"] is None else m["with_replay"][k]))
-    console.print(t)
-    if report["worst_tokens"]:
-        t = Table(title="worst tokens (|log pi_old - log mu|, no replay)")
-        for col in ("sample", "pos", "token", "log mu", "replay", "no replay", "layers differing"):
-            t.add_column(col, justify="left" if col in ("token", "layers differing") else "right")
-        for w in report["worst_tokens"]:
-            t.add_row(
-                str(w["sample"]),
-                str(w["position"]),
-                repr(w["text"]) if w["text"] is not None else str(w["token_id"]),
-                f"{w['logprob_mu']:.3f}",
-                _fmt(w["logprob_replay"]),
-                f"{w['logprob_live']:.3f}",
-                ",".join(map(str, w["layers_differing"])),
-            )
-        console.print(t)
-
-
 def _scalars(tree, prefix="") -> dict[str, float]:
     out = {}
     if isinstance(tree, dict):
@@ -231,7 +158,7 @@ def compare(a: str, b: str, out: str | None = None) -> dict:
     for col in ("metric", "A", "B", "B - A"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for k, row in rows.items():
-        t.add_row(k, _fmt(row["a"]), _fmt(row["b"]), _fmt(row["delta"]))
+        t.add_row(k, fmt(row["a"]), fmt(row["b"]), fmt(row["delta"]))
     Console(width=140).print(t)
     result = {"a": a, "b": b, "metrics": rows}
     if out:

@@ -39,16 +39,14 @@ def live(args) -> dict | None:
     from transformers import AutoTokenizer
 
     from moe_rl.actor.forward import routing_views
-    from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from moe_rl.actor.model import ModelOptions, load_hf_config, load_model
+    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed, world_max
     from moe_rl.actor.replay import RouteReplay
-    from moe_rl.actor.weights import load_hf_weights
-    from moe_rl.diagnostics.cli import write_report
+    from moe_rl.diagnostics.output import write_report
     from moe_rl.diagnostics.report import load_dumps
     from moe_rl.rollout import dump
     from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
     from moe_rl.routing.model_layout import moe_layout
-    from moe_rl.trainer.loop import _world_max
 
     if not Path(args.model, "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: no config.json there")
@@ -72,10 +70,9 @@ def live(args) -> dict | None:
         )
         batch = engine.generate([tok(p)["input_ids"] for p in mine], sampling)
     longest = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True))
-    padded = batch.to_padded(pad_id=tok.pad_token_id or 0, min_length=_world_max(longest)[0])
+    padded = batch.to_padded(pad_id=tok.pad_token_id or 0, min_length=world_max(longest)[0])
 
-    chunks, conv = build_model(hf_cfg, parallel, ModelOptions(dtype=args.dtype))
-    load_hf_weights(chunks, conv, args.model)
+    chunks = load_model(args.model, parallel, ModelOptions(dtype=args.dtype)).chunks
     replay = RouteReplay(chunks, layout.moe_layers, verify="count")
     views = routing_views(chunks, padded.input_ids, padded.attention_mask, None, replay, padded.routes)
     dump.write_rank(

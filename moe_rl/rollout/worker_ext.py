@@ -3,9 +3,13 @@
 `moe_rl.weight_sync.WeightReceiver` (mixed in). What they use of vLLM:
 
 - `MoERunner.layer_id` and `BaseRouter.set_capture_fn` (fused_moe): the routed expert ids;
-- the model runner's request order per step, through `moe_rl.compat.vllm.on_prepare_inputs`
-  (private internals live in compat/);
 - `model.load_weights` and `model_loader.reload` (weight_sync.py).
+
+Everything else they need is private to vLLM and goes through `moe_rl.compat.vllm`, the one
+place for that: the model runner's request order per step (`on_prepare_inputs`), the CPU
+backend's AMX permission (`request_amx_permission`), and for weight updates the CPU experts'
+repack (`repack_cpu_experts`) and the reload-warning filter. Outside compat/, vLLM is imported
+only here, in weight_sync.py (the receiver mixed in here) and in rollout/engine.py (`LLM`).
 """
 
 from __future__ import annotations
@@ -24,15 +28,10 @@ class MoeRLWorkerExtension(WeightReceiver):
         return os.getpid()
 
     def moe_rl_init_worker(self) -> bool:
-        """Per-process CPU setup. vLLM's CPU attention picks its AMX kernels for bf16 when the
-        CPU has AMX tiles (`cpu_attn._get_attn_isa`) but never asks the kernel for permission to
-        use them (arch_prctl ARCH_REQ_XCOMP_PERM); the first bf16 forward then dies with SIGILL.
-        `torch.cpu._init_amx()` makes that request for this process."""
-        import torch
+        """Per-process CPU setup (runs in each worker process, hence a method here)."""
+        from moe_rl.compat.vllm import request_amx_permission
 
-        if not torch.cuda.is_available() and torch.cpu._is_amx_tile_supported():
-            return bool(torch.cpu._init_amx())
-        return True
+        return request_amx_permission()
 
     def moe_rl_install_capture(self, moe_layers: list[int], topk: int, dtype: str) -> list[int]:
         import torch

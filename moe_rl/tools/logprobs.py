@@ -39,15 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from moe_rl.actor.forward import compute_logprobs
-    from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
+    from moe_rl.actor.model import ModelOptions, load_model
     from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
-    from moe_rl.actor.weights import load_hf_weights
 
     parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep)
     init_distributed(parallel)
-    cfg = load_hf_config(a.model)
-    chunks, conv = build_model(cfg, parallel, ModelOptions(dtype=a.dtype))
-    load_hf_weights(chunks, conv, a.model)
+    loaded = load_model(a.model, parallel, ModelOptions(dtype=a.dtype))
+    chunks, conv = loaded.chunks, loaded.conv
     tok = AutoTokenizer.from_pretrained(a.model)
     prompts = a.prompt or DEFAULT_PROMPTS
     enc = [tok(t)["input_ids"] for t in prompts]

@@ -1,0 +1,81 @@
+"""Writing a diagnostic report: report.json, plots and the console tables (used by the
+offline and live commands)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_report(args, data, metas, files, tokenizer=None) -> dict:
+    from moe_rl.diagnostics.plots import write_plots
+    from moe_rl.diagnostics.report import build_report
+
+    report = build_report(data, metas, files, (args.icepop_low, args.icepop_high), args.tis_cap, args.worst, tokenizer)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    if not args.no_plots:
+        write_plots(report, data, out)
+    print_report(report)
+    print(f"[moe-rl-diagnose] wrote {out / 'report.json'}")
+    return report
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=140)
+    src = report["source"]
+    console.print(
+        f"[bold]{src['model']['model_type']}[/] {src['model_path']}  steps {src['steps']}  "
+        f"{src['samples']} samples, {src['response_tokens']} response tokens, "
+        f"rollout {src['rollout_dtype']} / actor {src['actor_dtype']}"
+    )
+    router = report["router"]
+    if router is not None:
+        t = Table(title="router: engine vs actor (no replay)")
+        t.add_column("MoE layer", justify="right")
+        t.add_column("disagreement", justify="right")
+        t.add_column("mean |set diff|", justify="right")
+        for layer, v in router["disagreement_per_layer"].items():
+            t.add_row(layer, f"{100 * v:.2f}%", f"{router['set_difference_mean_per_layer'][layer]:.3f}")
+        t.add_row("all", f"{100 * router['disagreement']:.2f}%", "", style="bold")
+        console.print(t)
+        wr = router["with_replay_disagreement"]
+        console.print(
+            f"tokens with a disagreement in any layer: {100 * router['token_any_disagreement']:.2f}%   "
+            f"with replay: {'not measured' if wr is None else f'{100 * wr:.2f}%'}"
+        )
+    t = Table(title="pi_old vs mu (response tokens)")
+    t.add_column("metric")
+    t.add_column("without replay", justify="right")
+    t.add_column("with replay", justify="right")
+    m = report["mismatch"]
+    for k, v in m["without_replay"].items():
+        t.add_row(k, fmt(v), fmt(None if m["with_replay"] is None else m["with_replay"][k]))
+    console.print(t)
+    if report["worst_tokens"]:
+        t = Table(title="worst tokens (|log pi_old - log mu|, no replay)")
+        for col in ("sample", "pos", "token", "log mu", "replay", "no replay", "layers differing"):
+            t.add_column(col, justify="left" if col in ("token", "layers differing") else "right")
+        for w in report["worst_tokens"]:
+            t.add_row(
+                str(w["sample"]),
+                str(w["position"]),
+                repr(w["text"]) if w["text"] is not None else str(w["token_id"]),
+                f"{w['logprob_mu']:.3f}",
+                fmt(w["logprob_replay"]),
+                f"{w['logprob_live']:.3f}",
+                ",".join(map(str, w["layers_differing"])),
+            )
+        console.print(t)
