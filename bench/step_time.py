@@ -77,7 +77,6 @@ def main() -> None:
                 "config": {"steps": a.steps, "nproc": a.nproc, "extra": a.extra, "measured_steps": a.steps - 1},
                 "seconds_per_step": results,
                 "r3_over_off_step_ratio": r3["step"] / off["step"],
-                "route_handling_fraction_of_step": r3.get("route_handling", 0.0) / r3["step"],
                 "r3_overhead_fraction_of_step": (r3["step"] - off["step"]) / r3["step"],
                 "phase_ratios_r3_over_off": {k: r3[k] / off[k] for k in r3 if k in off and off[k] > 0},
             },

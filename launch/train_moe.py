@@ -2,7 +2,7 @@
 
 Examples:
   torchrun --nproc-per-node=2 launch/train_moe.py                          # tiny MoE, toy task, R3+GSPO+IcePop
-  torchrun --nproc-per-node=2 launch/train_moe.py parallel.ep=2 actor.router_replay=r2 algorithm.correction=tis
+  torchrun --nproc-per-node=2 launch/train_moe.py parallel.ep=2 actor.router_replay=r2 algorithm/correction=tis
   torchrun --nproc-per-node=2 launch/train_moe.py algorithm=ppo_tis algorithm.loss.clip_high=0.28
   python launch/train_moe.py trainer.steps=3 logging.wandb.mode=disabled    # world of 1
   python launch/train_moe.py --help                                         # every key with its default

@@ -4,7 +4,6 @@ signal must checkpoint, requeue the job and resume it to completion."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -28,10 +27,14 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def _submit(slurm, tmp_path: Path, run_dir: Path, overrides: list[str]) -> int:
-    os.environ.update(NPROC="2", RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", VLLM_CONFIGURE_LOGGING="0")
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    slurm.env.update({k: os.environ[k] for k in ("NPROC", "RUN_DIR", "OMP_NUM_THREADS", "VLLM_CONFIGURE_LOGGING")})
+def _submit(slurm, monkeypatch, tmp_path: Path, run_dir: Path, overrides: list[str]) -> int:
+    """The job gets the environment sbatch runs with (slurm.env): set there for this test only,
+    so neither os.environ nor the module's cluster keeps it."""
+    job_env = dict(NPROC="2", RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", VLLM_CONFIGURE_LOGGING="0")
+    if "PYTHONWARNINGS" not in slurm.env:
+        job_env["PYTHONWARNINGS"] = "ignore"
+    for key, value in job_env.items():
+        monkeypatch.setitem(slurm.env, key, value)
     log = tmp_path / "job-%j.out"
     return slurm.sbatch([f"--output={log}", "launch/slurm/single_node.sbatch", *overrides], cwd=REPO)
 
@@ -46,13 +49,17 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def test_stop_signal_checkpoints_requeues_and_resumes(slurm, tmp_path):
+def test_stop_signal_checkpoints_requeues_and_resumes(slurm, monkeypatch, tmp_path):
     """`scancel --batch --signal=TERM` is what `--signal=B:TERM@120` delivers before a time
     limit: the batch shell forwards it, the trainer checkpoints, the job requeues itself and
     the second start resumes from the checkpoint to the last step."""
     run_dir = tmp_path / "run"
     job = _submit(
-        slurm, tmp_path, run_dir, ["trainer.steps=3", "trainer.checkpoint_every=0", "logging.wandb_mode=disabled"]
+        slurm,
+        monkeypatch,
+        tmp_path,
+        run_dir,
+        ["trainer.steps=3", "trainer.checkpoint_every=0", "logging.wandb.mode=disabled"],
     )
     deadline = time.time() + 600
     while not _metrics(run_dir) and time.time() < deadline:

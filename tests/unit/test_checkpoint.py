@@ -146,22 +146,27 @@ def test_keep_deletes_older_checkpoints(trained, tmp_path):
     assert checkpoint.latest(path.parent).name == "step_000004"
 
 
-def test_save_survives_a_killed_writer_manager(trained):
+def test_save_survives_a_killed_writer_manager(trained, monkeypatch):
     """megatron's checkpoint writer keeps one Manager process per process; losing it (e.g. killed
     with an engine's process group) must not break later saves."""
+    import multiprocessing
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     chunks, opt, path = trained
-    import multiprocessing
-
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
+    # A writer Manager of this test's own: the save below starts it. Only the children that save
+    # started are killed; the process's earlier Manager comes back with monkeypatch's undo.
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    before = set(multiprocessing.active_children())
+    checkpoint.save(path.parent, 3, chunks, opt, state)
     assert filesystem_async._results_queue is not None
-    managers = multiprocessing.active_children()  # the writer's Manager (this process starts no others)
-    assert managers
-    for proc in managers:
+    ours = set(multiprocessing.active_children()) - before
+    assert ours
+    for proc in ours:
         proc.kill()
         proc.join()
-    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
-    assert checkpoint.save(path.parent, 3, chunks, opt, state).name == "step_000003"
+    assert checkpoint.save(path.parent, 4, chunks, opt, state).name == "step_000004"
 
 
 def _two_checkpoints(trained):

@@ -39,11 +39,13 @@ def test_grpo_drgrpo_rloo_reinforce_match_reference():
     r = torch.randn(12, dtype=torch.float64)
     g = r.numpy().reshape(3, 4)
     ref = ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
-    np.testing.assert_allclose(O.grpo_advantages(r, 4).numpy(), ref, rtol=1e-6)
-    np.testing.assert_allclose(O.drgrpo_advantages(r, 4).numpy(), (g - g.mean(1, keepdims=True)).reshape(-1), rtol=1e-6)
+    np.testing.assert_allclose(O.grpo_advantages(r, 4).numpy(), ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        O.drgrpo_advantages(r, 4).numpy(), (g - g.mean(1, keepdims=True)).reshape(-1), rtol=1e-6, atol=1e-6
+    )
     rloo = [g[i, j] - (g[i].sum() - g[i, j]) / 3 for i in range(3) for j in range(4)]
-    np.testing.assert_allclose(O.rloo_advantages(r, 4).numpy(), rloo, rtol=1e-5)
-    np.testing.assert_allclose(O.reinforce_advantages(r).numpy(), r.numpy() - r.numpy().mean(), rtol=1e-5)
+    np.testing.assert_allclose(O.rloo_advantages(r, 4).numpy(), rloo, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(O.reinforce_advantages(r).numpy(), r.numpy() - r.numpy().mean(), rtol=1e-5, atol=1e-6)
 
 
 def test_advantage_edge_cases_are_finite():

@@ -128,10 +128,36 @@ def test_zigzag_thd_and_dp_layouts():
         dp_shard(7, 2, 0)
 
 
-def test_only_this_ranks_slice_reaches_the_device(actor):
-    """Targets hold s_local * b rows per layer: no full-batch broadcast to every rank."""
+def _expected_positions(s: int, tp: int, tp_rank: int, cp: int, cp_rank: int) -> list[int]:
+    """Written out from megatron's conventions: context parallel gives rank c the zig-zag chunks
+    c and 2cp-1-c of 2cp; sequence parallel then splits that rank's tokens into tp contiguous parts."""
+    chunk = s // (2 * cp)
+    mine = [
+        *range(cp_rank * chunk, (cp_rank + 1) * chunk),
+        *range((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk),
+    ]
+    part = len(mine) // tp
+    return mine[tp_rank * part : (tp_rank + 1) * part]
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
+def test_only_this_ranks_slice_reaches_the_device(actor, monkeypatch, tp, cp):
+    """Each rank's targets hold exactly its own positions (s_local * b rows per layer, no
+    full-batch broadcast), and the ranks of a (tp, cp) group cover every position once."""
     _, _, replay, lay = actor
-    routes = random_routes(4, 16, len(lay.moe_layers), lay.topk, lay.num_experts, seed=7)
-    targets = replay._targets(routes, 16)
-    assert {tuple(t.shape) for t in targets.values()} == {(16 * 4, lay.topk)}  # world 1: everything
-    assert sorted(targets) == lay.moe_layers
+    b, s = 4, 16
+    routes = random_routes(b, s, len(lay.moe_layers), lay.topk, lay.num_experts, seed=7)
+    seen = []
+    for c in range(cp):
+        for t in range(tp):
+            layout = dict(tp=tp, tp_rank=t, cp=cp, cp_rank=c, sequence_parallel=tp > 1)
+            monkeypatch.setattr(RouteReplay, "_layout", staticmethod(lambda layout=layout: layout))
+            targets = replay._targets(routes, s)
+            pos = _expected_positions(s, tp, t, cp, c)
+            seen += pos
+            assert sorted(targets) == lay.moe_layers
+            for layer, got in targets.items():
+                col = lay.moe_layers.index(layer)
+                want = routes[:, pos, col].transpose(0, 1).reshape(-1, lay.topk).long()  # token s_i * b + b_i
+                assert torch.equal(got, want), (tp, cp, t, c, layer)
+    assert sorted(seen) == list(range(s))
