@@ -1,0 +1,101 @@
+"""Gradient invariance of one actor update (fp32, tiny Qwen3-MoE with a dense layer).
+
+The same global batch of 8 sequences, updated once by `Actor.train` (the trainer's update: 2
+mini-batches, global token/sequence counts, gradient sync, clipping, Adam), gives the same
+gradients and updated parameters whether each mini-batch of 4 is split into 1, 2 or 4
+micro-batches, over DP=1 or DP=2, and with EP=2 (see grad_invariance_worker.py).
+
+Adam's first steps normalise each element by its own magnitude (~lr * sign(g)), which would
+hide a wrongly scaled gradient and turn fp32 noise in near-zero elements into full-size
+updates. The worker therefore clips the gradient norm far below Adam's eps (grad_clip=1e-6,
+eps=1e-8): Adam runs in its linear regime (update ~ lr * g / eps), so the parameters reflect the
+gradient values. Clipping still undoes an error that scales the whole gradient (e.g. a count
+off by the same factor on every rank), so the synced gradients before each optimizer step and
+the grad norm are compared as well.
+
+With local instead of global token/sequence counts (checked by hand in the worker) every DP=2
+and EP=2 variant fails: gradients off by 1.7-2.1x their scale, parameters by ~2e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import torchrun
+
+pytestmark = pytest.mark.distributed
+
+# Relative error of a tensor: max|a - b| / max|b| (b the reference; the absolute error where b
+# is all zeros), the worst HF tensor reported.
+PARAM_TOL = 1e-6  # measured ~1e-7: one fp32 ulp of the largest weights
+# Gradients differ by fp32 rounding: a micro-batch of other size runs its GEMMs (the experts'
+# above all) in other shapes; measured <= 1.1e-5, largest on the routers. (DP=2 with one
+# micro-batch of 2 rows per rank is bitwise equal to DP=1 with two micro-batches of 2 rows.)
+# A count or normalisation error moves them by O(1).
+GRAD_TOL = 1e-4
+
+LOSSES = ("gspo", "ppo")  # GSPO (seq-mean-token-mean) + seq-mask; PPO (token-mean) + IcePop
+REFERENCE = "w1_dp_mbs4"  # DP=1, one micro-batch per mini-batch
+# test id -> saved run "w<world>_<layout>_mbs<micro-batch size per rank>"; a mini-batch is 4 rows
+# over the DP ranks (EP=2 on 2 ranks is DP=2 for the dense parameters)
+VARIANTS = {
+    "dp1_2mb": "w1_dp_mbs2",
+    "dp1_4mb": "w1_dp_mbs1",
+    "dp2_1mb": "w2_dp_mbs2",
+    "dp2_2mb": "w2_dp_mbs1",
+    "ep2_1mb": "w2_ep_mbs2",
+    "ep2_2mb": "w2_ep_mbs1",
+}
+WORKER = "tests.distributed.grad_invariance_worker"
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, tmp_path_factory) -> dict[str, dict]:
+    """Every variant's saved update (two torchrun launches: world 1, then world 2 for DP and EP)."""
+    out = tmp_path_factory.mktemp("grad_invariance")
+    model = str(tiny_models["qwen3_moe"])
+    torchrun(WORKER, 1, [model, "--out", str(out), "--micro-batch-sizes", "4", "2", "1"])
+    torchrun(WORKER, 2, [model, "--out", str(out), "--layouts", "dp", "ep", "--micro-batch-sizes", "2", "1"])
+    return {p.stem: torch.load(p) for p in sorted(out.glob("*.pt"))}
+
+
+def max_rel_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """(worst relative error over the tensors, its name); the tensor names must match."""
+    assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
+    worst = (0.0, "")
+    for name, b in ref.items():
+        err = (got[name] - b).abs().max().item()
+        scale = b.abs().max().item()
+        worst = max(worst, (err / scale if scale > 0 else err, name))
+    return worst
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_update_matches_single_micro_batch_reference(runs, variant, loss):
+    ref, got = runs[f"{REFERENCE}_{loss}"], runs[f"{VARIANTS[variant]}_{loss}"]
+    assert len(got["grads"]) == len(ref["grads"]) == 2  # one per mini-batch (optimizer step)
+    for step, (g, r) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
+        err, name = max_rel_error(g, r)
+        assert err <= GRAD_TOL, f"{variant}/{loss}: gradient of step {step + 1} off by {err:.2e} in {name}"
+    norm_err = abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
+    assert norm_err <= GRAD_TOL, f"{variant}/{loss}: grad norm {got['grad_norm']} vs {ref['grad_norm']}"
+    err, name = max_rel_error(got["params"], ref["params"])
+    assert err <= PARAM_TOL, f"{variant}/{loss}: updated parameters off by {err:.2e} in {name}"
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_update_is_far_above_tolerance(runs, loss):
+    """The update moves the weights by much more than PARAM_TOL, so the comparison above can
+    fail: every dense tensor, and all but a few experts (the routes of this small batch send an
+    expert few tokens, or only tokens of dropped sequences)."""
+    initial, ref = runs["initial"], runs[f"{REFERENCE}_{loss}"]
+    assert initial.keys() == ref["params"].keys()
+    change = {k: ((ref["params"][k] - w).abs().max() / w.abs().max()).item() for k, w in initial.items()}
+    dense = {k: c for k, c in change.items() if ".mlp.experts." not in k}
+    experts = {k: c for k, c in change.items() if ".mlp.experts." in k}
+    assert min(dense.values()) > 50 * PARAM_TOL, f"{loss}: {min(dense, key=dense.get)} barely moved"
+    assert sum(c > 50 * PARAM_TOL for c in experts.values()) >= 0.9 * len(experts), (
+        f"{loss}: {sorted(experts.items(), key=lambda kv: kv[1])[:5]}"
+    )
