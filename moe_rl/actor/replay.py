@@ -114,7 +114,12 @@ class RouterHook:
 
 
 def install_hook(layer: int, router: torch.nn.Module, verify: bool | str = False) -> RouterHook:
-    """This router's hook (installed once; megatron's own RouterReplay, if any, is replaced)."""
+    """This router's hook (installed once; megatron's own RouterReplay, if any, is replaced).
+
+    Not a patch, so it stays here rather than in moe_rl/compat/: `router.router_replay` is the
+    slot megatron's top-k (`moe_utils.topk_routing_with_score_function`) consults, and
+    RouterHook answers its `get_replay_topk(scores, topk, num_groups, group_topk, compute_topk)`.
+    """
     hook = router.router_replay if isinstance(router.router_replay, RouterHook) else RouterHook(layer, router)
     hook.verify = verify
     router.router_replay = hook

@@ -5,10 +5,10 @@ decoder order):
 
 - `HookRouteCapture` (CPU / model runner V1): a worker extension sets each MoE router's
   capture callback (`BaseRouter.set_capture_fn`, the hook vLLM's own capturer uses; ids are
-  logical, before EPLB mapping) and wraps the model runner's `_prepare_inputs` to learn each
-  step's request order, token counts and start positions. `RouteAssembler` places every
-  captured row at its request and position. Prefix caching must be off (cached prompt tokens
-  produce no rows).
+  logical, before EPLB mapping) and wraps the model runner's `_prepare_inputs`
+  (`moe_rl.compat.vllm.on_prepare_inputs`) to learn each step's request order, token counts
+  and start positions. `RouteAssembler` places every captured row at its request and
+  position. Prefix caching must be off (cached prompt tokens produce no rows).
 - `NativeRouteCapture` (GPU builds with `enable_return_routed_experts=True`, model runner
   V2): reads `CompletionOutput.routed_experts` and drops dense layers (`from_native`).
 """

@@ -9,7 +9,8 @@ Everything else they need is private to vLLM and goes through `moe_rl.compat.vll
 place for that: the model runner's request order per step (`on_prepare_inputs`), the CPU
 backend's AMX permission (`request_amx_permission`), and for weight updates the CPU experts'
 repack (`repack_cpu_experts`) and the reload-warning filter. Outside compat/, vLLM is imported
-only here, in weight_sync.py (the receiver mixed in here) and in rollout/engine.py (`LLM`).
+only here, in weight_sync.py (the receiver mixed in here) and in rollout/engine.py (`LLM` and
+its request and error types).
 """
 
 from __future__ import annotations

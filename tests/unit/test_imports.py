@@ -1,4 +1,5 @@
-"""Every module of the package imports in the environment made from setup.py alone.
+"""Every module of the package imports in the environment made from setup.py alone, and the
+package's module boundaries hold.
 
 CI builds that environment fresh (.ci/run), so a run-time import that setup.py does not declare
 fails here instead of on a user's machine.
@@ -6,8 +7,11 @@ fails here instead of on a user's machine.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +33,53 @@ def test_the_package_has_its_parts():
 @pytest.mark.parametrize("name", MODULES)
 def test_module_imports(name):
     importlib.import_module(name)
+
+
+def _package_imports() -> dict[str, list[tuple[str, str]]]:
+    """{module: [(imported moe_rl module, imported name or "")]}, function-level imports included."""
+    root = Path(moe_rl.__file__).parent
+    out: dict[str, list[tuple[str, str]]] = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(("moe_rl", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        found = out.setdefault(name, [])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moe_rl"):
+                found += [(node.module, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                found += [(a.name, "") for a in node.names if a.name.startswith("moe_rl")]
+    return out
+
+
+def test_module_imports_form_no_cycle():
+    imports = _package_imports()
+    graph = {}
+    for name, found in imports.items():
+        targets = {f"{mod}.{attr}" if f"{mod}.{attr}" in imports else mod for mod, attr in found}
+        graph[name] = {t for t in targets if t in imports and t != name and not name.startswith(t + ".")}
+    try:
+        tuple(TopologicalSorter(graph).static_order())
+    except CycleError as e:
+        pytest.fail(f"moe_rl modules import each other: {' -> '.join(e.args[1])}")
+
+
+def test_no_private_name_is_imported_from_another_module():
+    imports = _package_imports()
+    bad = [
+        f"{name}: from {mod} import {attr}"
+        for name, found in imports.items()
+        for mod, attr in found
+        if attr.startswith("_") and f"{mod}.{attr}" not in imports
+    ]
+    assert not bad, "make these public in a shared module, or do not share them: " + "; ".join(bad)
+
+
+def test_tools_are_leaves():
+    """moe_rl/tools holds command lines; the package never depends on them."""
+    bad = [
+        f"{name} imports {mod}"
+        for name, found in _package_imports().items()
+        if not name.startswith("moe_rl.tools")
+        for mod, attr in found
+        if mod.startswith("moe_rl.tools") or (mod == "moe_rl" and attr == "tools")
+    ]
+    assert not bad, "; ".join(bad)
