@@ -48,14 +48,6 @@ class AlgorithmConfig:
     advantage: str = "grpo"
     """Registered advantage estimator: grpo | drgrpo | rloo | reinforce."""
 
-    @property
-    def loss_name(self) -> str:
-        return POLICY_LOSSES.name_of(self.loss)
-
-    @property
-    def correction_name(self) -> str:
-        return CORRECTIONS.name_of(self.correction)
-
 
 @dataclass
 class ActorConfig:

@@ -81,10 +81,11 @@ class WeightReceiver:
     def moe_rl_begin_weight_update(self) -> bool:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from moe_rl.compat.vllm import quiet_rotary_reload_warning
+        from moe_rl.compat.vllm import quiet_cache_only_reload_warning
 
-        quiet_rotary_reload_warning()  # a rotary layer's cache is never loaded (see the filter)
-        initialize_layerwise_reload(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        quiet_cache_only_reload_warning(model)  # a rotary layer's cache is never loaded (see the filter)
+        initialize_layerwise_reload(model)
         return True
 
     def moe_rl_load_weights(self, payload: bytes) -> int:

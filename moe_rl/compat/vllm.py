@@ -61,26 +61,42 @@ def repack_cpu_experts(model) -> None:
             experts.process_weights_after_loading(module)
 
 
-class _RotaryReloadFilter:
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning of a layerwise reload.
+class _CacheOnlyReloadFilter:
+    """Drops vLLM's "<layer>: Failed to load weights" warning of a layerwise reload
+    (reload/layerwise.py, finalize_layerwise_processing) for layers that cannot load anything.
 
-    Why it is safe: rotary layers own one tensor, the non-persistent `cos_sin_cache` buffer,
-    computed from the config and never part of a checkpoint. `finalize_layerwise_reload`
-    counts buffers as loadable, so a rotary layer always looks "not loaded" and vLLM puts its
-    existing tensors back (`_place_kernel_tensors`): the cache is unchanged. Any other layer's
-    warning (a real missing weight) still shows."""
+    Why it is safe: such a layer (vLLM's RotaryEmbedding) owns only non-persistent buffers, e.g.
+    `cos_sin_cache`, computed from the config; no checkpoint or weight sync carries them. vLLM
+    0.32's `get_layer_size` still counts them as loadable, so the layer always looks "not loaded",
+    and vLLM puts its existing tensors back (`_place_kernel_tensors`): the cache is unchanged. A
+    layer with parameters keeps its warning (a real missing weight still shows). Delete when vLLM
+    leaves non-persistent buffers out of `get_layer_size`."""
+
+    def __init__(self, layers: frozenset[str]):
+        self.layers = layers
 
     def filter(self, record) -> bool:
-        return not (
-            record.msg == "%s: Failed to load weights"
-            and str(record.args[0] if record.args else "").endswith("RotaryEmbedding")
-        )
+        failed = record.msg == "%s: Failed to load weights" and bool(record.args)
+        return not (failed and str(record.args[0]) in self.layers)
 
 
-def quiet_rotary_reload_warning() -> None:
-    """Install `_RotaryReloadFilter` on vLLM's layerwise-reload logger (idempotent)."""
+def cache_only_layers(model) -> frozenset[str]:
+    """Class names of `model`'s modules whose only tensors are non-persistent buffers."""
+    return frozenset(
+        type(m).__name__
+        for m in model.modules()
+        if not any(p is not None for p in m._parameters.values())
+        and any(b is not None for b in m._buffers.values())
+        and set(m._buffers) <= m._non_persistent_buffers_set
+    )
+
+
+def quiet_cache_only_reload_warning(model) -> None:
+    """Install `_CacheOnlyReloadFilter` for `model`'s cache-only layers on vLLM's layerwise-reload
+    logger, in the calling (engine worker) process. A logger's filter sees only records created on
+    that logger, hence this exact logger, not "vllm". Idempotent."""
     import logging
 
     log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _RotaryReloadFilter) for f in log.filters):
-        log.addFilter(_RotaryReloadFilter())
+    if not any(isinstance(f, _CacheOnlyReloadFilter) for f in log.filters):
+        log.addFilter(_CacheOnlyReloadFilter(cache_only_layers(model)))

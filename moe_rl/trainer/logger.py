@@ -23,6 +23,18 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     )
 
 
+def run_config(cfg) -> dict:
+    """The config as wandb shows it, with the registered names of the loss and correction (their
+    dataclasses alone do not say which was chosen)."""
+    from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
+
+    out = dataclasses.asdict(cfg)
+    alg = cfg.algorithm
+    out["algorithm"]["loss"]["name"] = POLICY_LOSSES.name_of(alg.loss)
+    out["algorithm"]["correction"]["name"] = CORRECTIONS.name_of(alg.correction)
+    return out
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, cfg, enabled: bool = True, wandb_id: str | None = None):
         """wandb_id: continue that wandb run (a resumed checkpoint's)."""
@@ -60,7 +72,7 @@ class RunLogger:
                 dir=str(run_dir),
                 id=wandb_id,
                 resume="allow" if wandb_id else None,
-                config=dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg),
+                config=run_config(cfg),
             )
 
     @property

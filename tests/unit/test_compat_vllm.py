@@ -1,48 +1,74 @@
-"""The vLLM log filter drops only the rotary layers' reload warning, and its premise holds:
-a rotary layer's only tensor is a non-persistent cache no checkpoint or weight sync carries."""
+"""The vLLM reload-warning filter: vLLM's real layerwise reload emits the warning for a rotary
+layer (and nothing else), puts its cache back untouched, and the filter drops exactly that."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
+from torch import nn
 
-from moe_rl.compat.vllm import _RotaryReloadFilter, quiet_rotary_reload_warning
+from moe_rl.compat.vllm import _CacheOnlyReloadFilter, cache_only_layers, quiet_cache_only_reload_warning
 
 LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
-def _record(layer: str) -> logging.LogRecord:
-    return logging.LogRecord(LOGGER, logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)
-
-
-def test_filter_drops_rotary_only():
-    f = _RotaryReloadFilter()
-    assert not f.filter(_record("RotaryEmbedding"))
-    assert not f.filter(_record("Llama3RotaryEmbedding"))
-    assert f.filter(_record("QKVParallelLinear"))  # a real missing weight still shows
-    other = logging.LogRecord(
-        LOGGER, logging.WARNING, __file__, 1, "%s: Delayed processing", ("RotaryEmbedding",), None
-    )
-    assert f.filter(other)
-
-
-def test_install_is_idempotent():
-    log = logging.getLogger(LOGGER)
-    before = list(log.filters)
-    try:
-        quiet_rotary_reload_warning()
-        quiet_rotary_reload_warning()
-        assert sum(isinstance(f, _RotaryReloadFilter) for f in log.filters) == 1
-    finally:
-        log.filters[:] = before
-
-
-def test_rotary_layer_holds_only_a_non_persistent_cache():
+def _attention_like():
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o_proj = nn.Linear(4, 4, bias=False)
+            self.o_proj.weight.weight_loader = default_weight_loader
+            self.rotary_emb = get_rope(32, 64, True, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32)
 
     with set_current_vllm_config(VllmConfig()):
-        rope = RotaryEmbedding(32, 32, 64, 10000.0, True, torch.float32)
-    assert list(rope.parameters()) == [] and rope.state_dict() == {}
-    assert [name for name, _ in rope.named_buffers()] == ["cos_sin_cache"]
+        return Attn()
+
+
+def test_only_layers_without_parameters_are_cache_only():
+    model = _attention_like()
+    assert cache_only_layers(model) == {type(model.rotary_emb).__name__} == {"RotaryEmbedding"}
+    record = logging.LogRecord(LOGGER, logging.WARNING, __file__, 1, "%s: Failed to load weights", ("Linear",), None)
+    assert _CacheOnlyReloadFilter(frozenset({"RotaryEmbedding"})).filter(record)  # a real missing weight shows
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_layerwise_reload_warns_only_for_the_rotary_cache_and_keeps_it(quiet):
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+
+    model = _attention_like()
+    record_metadata_for_reloading(model)
+    cache = model.rotary_emb.cos_sin_cache
+    value = cache.clone()
+    log = logging.getLogger(LOGGER)
+    before = list(log.filters)
+    records: list[logging.LogRecord] = []
+    grab = logging.Handler(logging.WARNING)
+    grab.emit = records.append  # a handler on the logger itself sees what its filters let through
+    try:
+        if quiet:
+            quiet_cache_only_reload_warning(model)
+            quiet_cache_only_reload_warning(model)
+            assert sum(isinstance(f, _CacheOnlyReloadFilter) for f in log.filters) == 1
+        log.addHandler(grab)
+        initialize_layerwise_reload(model)
+        model.o_proj.weight.weight_loader(model.o_proj.weight, torch.ones(4, 4))
+        finalize_layerwise_reload(model, None)
+    finally:
+        log.filters[:] = before
+        log.removeHandler(grab)
+    if quiet:
+        assert records == []
+    else:
+        assert [(r.msg, r.args) for r in records] == [("%s: Failed to load weights", ("RotaryEmbedding",))]
+    assert model.rotary_emb.cos_sin_cache is cache and torch.equal(cache, value)  # restored untouched
+    assert torch.equal(model.o_proj.weight, torch.ones(4, 4))  # the real weight did load

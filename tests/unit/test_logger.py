@@ -31,6 +31,13 @@ def test_wandb_offline_files_land_in_the_run_directory(tmp_path, monkeypatch):
     w.mode, w.name, w.group, w.tags = "offline", "unit", "sweep-a", ["r3", "gspo"]
     log = RunLogger(tmp_path, cfg)
     assert (log.run.name, log.run.group, list(log.run.tags)) == ("unit", "sweep-a", ["r3", "gspo"])
+    assert log.run.config["algorithm"]["loss"] == {
+        "name": "gspo",
+        "clip_low": 3e-4,
+        "clip_high": 4e-4,
+        "agg": "seq-mean-token-mean",
+    }
+    assert log.run.config["algorithm"]["correction"] == {"name": "icepop", "low": 0.5, "high": 5.0}
     log.log(1, {"reward/mean": 0.5})
     run_id = log.run_id
     log.close()
