@@ -55,8 +55,8 @@ class RunLogger:
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
             )
-            self.task = self.progress.add_task("steps", total=self.total)
-            self.progress.start()
+            self.task = self.progress.add_task("steps", total=self.total)  # shown from the first step on:
+            # before it, vLLM's start-up output (written past rich) would tear the bar
         w = cfg.logging.wandb
         if w.mode != "disabled":
             import wandb
@@ -81,7 +81,8 @@ class RunLogger:
 
     def _print(self, line: str) -> None:
         if self.progress is not None:
-            self.progress.console.print(line, highlight=False)
+            self.progress.start()  # idempotent
+            self.progress.console.print(line, highlight=False, soft_wrap=True)
         else:
             print(line, flush=True)
 
