@@ -73,7 +73,8 @@ def test_default_run_learns_the_toy_task(tmp_path):
 
 
 def test_overrides_r2_ep2_tis(tmp_path):
-    """EP=2 chains a dense and an expert megatron optimizer: stop after 2 steps, resume the third."""
+    """EP=2 chains a dense and an expert megatron optimizer: stop after 2 steps, resume the third.
+    A checkpoint without its optimizer state is then refused, never resumed with a fresh optimizer."""
     overrides = ["parallel.ep=2", "actor.router_replay=r2", "algorithm/correction=tis", "logging.wandb.mode=disabled"]
     _train(tmp_path, ["trainer.steps=2", *overrides])
     history = _train(tmp_path, ["trainer.steps=3", *overrides])
@@ -81,6 +82,15 @@ def test_overrides_r2_ep2_tis(tmp_path):
     assert max(abs(h["actor/first_minibatch_ppo_kl"]) for h in history) < 1e-4
     assert "tis/capped_fraction" in history[0]
     assert 0.99 < history[-1]["router/agreement"] <= 1.0
+
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000003" / "optimizer")
+    cmd = [*TRAIN, f"hydra.run.dir={tmp_path}", "trainer.steps=4", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "step_000003 cannot be resumed" in out and "/optimizer/" in out and "is missing" in out, out[-3000:]
 
 
 def _comparable(metrics: dict) -> dict:
@@ -133,18 +143,6 @@ def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path):
             assert got[k] == pytest.approx(expected[k], rel=1e-6, abs=1e-9), (resumed["step"], k)
     run_ids = {p.name.rsplit("-", 1)[1] for p in run_dir.glob("wandb/offline-run-*")}
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 2 and len(run_ids) == 1, run_ids
-
-
-def test_resume_without_optimizer_state_is_refused(tmp_path):
-    _train(tmp_path, ["trainer.steps=1", "logging.wandb.mode=disabled"])
-    import shutil
-
-    shutil.rmtree(tmp_path / "checkpoints" / "step_000001" / "optimizer")
-    cmd = [*TRAIN, f"hydra.run.dir={tmp_path}", "trainer.steps=2", "logging.wandb.mode=disabled"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0
-    out = proc.stdout + proc.stderr
-    assert "step_000001 cannot be resumed" in out and "/optimizer/" in out and "is missing" in out, out[-3000:]
 
 
 def _metrics_from_dumps(folder: Path) -> dict[str, float]:
