@@ -16,14 +16,13 @@ import torch
 
 
 class WeightSync:
-    """actor -> engine, after every update (no-op without an engine: from_dump, rollout_only)."""
+    """actor -> engine, after every update and after a resume (the trainer has none without an
+    engine: from_dump)."""
 
     def __init__(self, actor, engine):
         self.actor, self.engine = actor, engine
 
     def __call__(self) -> dict[str, float]:
-        if self.engine is None:
-            return {}
         return push_weights(self.engine, self.actor.iter_weights())
 
 

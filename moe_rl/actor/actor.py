@@ -36,15 +36,9 @@ class Actor:
 
         a = cfg.actor
         self.cfg, self.model_path = a, model_path
-        loaded = load_model(
-            model_path, cfg.parallel, ModelOptions(dtype=cfg.model.dtype, recompute=cfg.model.recompute)
-        )
-        self.chunks, self.conv, self.hf_config, self.layout = (
-            loaded.chunks,
-            loaded.conv,
-            loaded.hf_config,
-            loaded.layout,
-        )
+        opts = ModelOptions(dtype=cfg.model.dtype, recompute=cfg.model.recompute)
+        m = load_model(model_path, cfg.parallel, opts)
+        self.chunks, self.conv, self.hf_config, self.layout = m.chunks, m.conv, m.hf_config, m.layout
         wants_replay = a.router_replay != "off" or record_routes
         self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
         self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)

@@ -56,10 +56,10 @@ class Trainer:
         resumed = self._resume()
         self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
         self.source, engine = self._build_source()
-        self.weight_sync = WeightSync(self.actor, engine)
+        self.weight_sync = None if engine is None else WeightSync(self.actor, engine)
         self.updates = t.mode != "rollout_only"
         if resumed:
-            if engine is not None:  # the engine starts from the HF weights; give it the resumed actor's
+            if self.weight_sync is not None:  # the engine starts from the HF weights; give it the resumed actor's
                 self.weight_sync()
             self.data.skip(resumed["data_position"])
         self.data_position = self.data.position  # prompts consumed by completed steps
@@ -172,7 +172,7 @@ class Trainer:
         if self.updates:
             with timer("update"):
                 metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip)
-        if self.updates and self.weight_sync.engine is not None:
+        if self.updates and self.weight_sync is not None:
             with timer("weight_sync"), self._engine_may_stop():
                 self.weight_sync()
         metrics = global_metrics(

@@ -26,12 +26,8 @@ class Timer:
 def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> float:
     """Fraction of GRPO groups (group_size consecutive samples) whose rewards are all equal: those
     groups have zero advantage and teach nothing."""
-    return float(_flat_groups(rewards, group_size).float().mean())
-
-
-def _flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     groups = rewards.reshape(-1, group_size)
-    return (groups == groups[:, :1]).all(dim=1)
+    return float((groups == groups[:, :1]).all(dim=1).float().mean())
 
 
 def _all_reduce(values: dict[str, float], op) -> dict[str, float]:
@@ -50,8 +46,9 @@ def global_metrics(
     sums and one of maxima. Reductions (docs/metrics.md):
       reward/*, response/length_mean, actor/entropy, mismatch/*: sums and counts of every rank's
         samples and tokens added, then divided (maxima / minima over ranks): the whole batch's value;
-      `rank_means` (actor/*, the correction's metrics, router/agreement): mean over ranks of each
-        rank's value (every rank holds the same number of samples);
+      `rank_means` (actor/*, the correction's metrics, router/agreement) and
+        reward/zero_variance_groups: mean over ranks of each rank's value (every rank holds the same
+        number of samples and groups);
       time/*: the slowest rank's.
     """
     from moe_rl.objectives.metrics import mismatch_from_sums, mismatch_sums
@@ -64,12 +61,10 @@ def global_metrics(
     sums |= {
         "samples": len(rewards),
         "reward/sum": float(rewards.sum()),
-        "groups": len(rewards) // group_size,
-        "flat_groups": float(_flat_groups(rewards, group_size).sum()),
         "response/length_sum": float(rollout.response_lengths.sum()),
         "entropy/sum": float((old["entropy"] * mask).sum()),
-        "ranks": 1.0,
     }
+    rank_means = rank_means | {"reward/zero_variance_groups": zero_variance_fraction(rewards, group_size)}
     sums |= {f"rank_sum/{k}": v for k, v in rank_means.items()}
     maxima |= {"reward/max": float(rewards.max())} | times
     sums, maxima = _all_reduce(sums, dist.ReduceOp.SUM), _all_reduce(maxima, dist.ReduceOp.MAX)
@@ -77,11 +72,11 @@ def global_metrics(
         {k[9:]: torch.tensor(v) for k, v in sums.items() if k.startswith("mismatch/")},
         {k[9:]: torch.tensor(v) for k, v in maxima.items() if k.startswith("mismatch/")},
     )
-    out = {k: v / sums["ranks"] for k, v in ((k[9:], v) for k, v in sums.items() if k.startswith("rank_sum/"))}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out = {k: sums[f"rank_sum/{k}"] / world for k in rank_means}
     out |= {
         "reward/mean": sums["reward/sum"] / sums["samples"],
         "reward/max": maxima["reward/max"],
-        "reward/zero_variance_groups": sums["flat_groups"] / sums["groups"],
         "response/length_mean": sums["response/length_sum"] / sums["samples"],
         "actor/entropy": sums["entropy/sum"] / max(sums["mismatch/tokens"], 1.0),
     }
