@@ -8,8 +8,10 @@ and writes its gradient. The `[N]` per-token loss is never stored.
 Math (same as `moe_rl.objectives.gspo_loss` + `icepop_weights` / `tis_weights`):
   log s_i = sum_t m (logp - old) / sum_t m,  s_i = exp(min(log s_i, 10))
   w_t     = icepop: k_t if low <= k_t <= high else 0 | tis: min(k_t, cap) | none: 1,  k_t = exp(old - rollout)
+            | weights: given per token (any correction computed beforehand, e.g. sequence-level TIS)
   pg_t    = max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)) * w_t * m_t
-  loss    = sum_i c_i sum_t pg_t   with c_i from the aggregation mode (see `_seq_coef`)
+  loss    = sum_i c_i sum_t pg_t   with c_i from the aggregation mode (`aggregation.sequence_coefficients`,
+            shared with moe_rl.objectives; global `num_tokens` / `num_seqs` make it a drop-in under DP)
   dloss/dlogp_t = c_i * w_t * m_t * (-A_i s_i) * [unclipped] * [log s_i <= 10]
 """
 
@@ -19,6 +21,8 @@ import math
 
 import torch
 
+from .aggregation import sequence_coefficients
+
 try:
     import triton
     import triton.language as tl
@@ -27,26 +31,9 @@ try:
 except ImportError:  # pragma: no cover - triton is a CPU/GPU extra
     HAVE_TRITON = False
 
-CORRECTION_IDS = {"none": 0, "icepop": 1, "tis": 2}
-METRIC_NAMES = ("clipfrac", "ppo_kl", "correction_zeroed_fraction", "weight_mean")
+CORRECTION_IDS = {"none": 0, "icepop": 1, "tis": 2, "weights": 3}
+METRIC_NAMES = ("clipfrac", "ppo_kl", "correction_zeroed_fraction", "weight_mean", "seq_ratio_mean")
 MAX_LOG_RATIO = 10.0
-
-
-def _seq_coef(ntok: torch.Tensor, agg: str, horizon: int | None) -> torch.Tensor:
-    """c_i such that loss = sum_i c_i * (sum of pg over sequence i)."""
-    has = (ntok > 0).to(torch.float32)
-    nseq = has.sum().clamp(min=1)
-    if agg == "token-mean":
-        return has / ntok.sum().clamp(min=1)
-    if agg == "seq-mean-token-mean":
-        return has / ntok.clamp(min=1) / nseq
-    if agg == "seq-mean-token-sum":
-        return has / nseq
-    if agg == "seq-mean-token-sum-norm":
-        if horizon is None:
-            raise ValueError("seq-mean-token-sum-norm on packed sequences needs `horizon` (max response length)")
-        return has / nseq / horizon
-    raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
 # ---- pure-torch reference (segment ops; runs on any device) ------------------------------
@@ -58,8 +45,11 @@ def _segments(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _token_weights(old, roll, correction: str, low: float, high: float, cap: float) -> torch.Tensor:
+    """Per-token weights; under correction="weights" `roll` holds them."""
     if correction == "none":
         return torch.ones_like(old)
+    if correction == "weights":
+        return roll.detach()
     log_k = (old - roll).detach()
     if correction == "icepop":
         keep = (log_k >= math.log(low)) & (log_k <= math.log(high))
@@ -84,6 +74,9 @@ def gspo_loss_reference(
     cap=2.0,
     agg="seq-mean-token-mean",
     horizon=None,
+    num_tokens=None,
+    num_seqs=None,
+    token_weights=None,
 ):
     """Packed-sequence GSPO in plain torch (autograd). Returns (loss, metrics)."""
     n, s = logp.shape[0], cu_seqlens.numel() - 1
@@ -96,21 +89,33 @@ def gspo_loss_reference(
     adv = advantages.to(logp.dtype)[seg]
     pg1 = -adv * sv
     pg2 = -adv * sv.clamp(1 - clip_low, 1 + clip_high)
-    if correction != "none" and rollout_logp is None:
-        raise ValueError(f"correction={correction!r} needs rollout_logp")
-    w = _token_weights(old_logp, rollout_logp, correction, low, high, cap)
+    w = _token_weights(old_logp, _correction_input(correction, rollout_logp, token_weights), correction, low, high, cap)
     pg = torch.maximum(pg1, pg2) * w * m
     seq_sum = torch.zeros_like(ntok).index_add(0, seg, pg)
-    loss = (_seq_coef(ntok.detach(), agg, horizon).to(logp.dtype) * seq_sum).sum()
+    coef = sequence_coefficients(ntok.detach(), agg, num_tokens, num_seqs, horizon)
+    loss = (coef.to(logp.dtype) * seq_sum).sum()
     tot = m.sum().clamp(min=1)
     with torch.no_grad():
+        has = (ntok > 0).to(m.dtype)
         metrics = {
             "clipfrac": ((pg2 > pg1).to(m.dtype) * m).sum() / tot,
             "ppo_kl": ((old_logp - logp) * m).sum() / tot,
             "correction_zeroed_fraction": ((w == 0).to(m.dtype) * m).sum() / tot,
             "weight_mean": (w * m).sum() / tot,
+            "seq_ratio_mean": (seq_lr.exp() * has).sum() / has.sum().clamp(min=1),
         }
     return loss, metrics
+
+
+def _correction_input(correction: str, rollout_logp, token_weights):
+    """The per-token tensor the correction reads: log mu (icepop, tis) or the weights themselves."""
+    if correction == "weights":
+        if token_weights is None:
+            raise ValueError('correction="weights" needs token_weights')
+        return token_weights
+    if correction != "none" and rollout_logp is None:
+        raise ValueError(f"correction={correction!r} needs rollout_logp")
+    return rollout_logp
 
 
 # ---- Triton ------------------------------------------------------------------------------
@@ -119,11 +124,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _token_weight(od, ROLL, offs, inb, log_low, log_high, log_cap, CORRECTION: tl.constexpr, BLOCK: tl.constexpr):
-        """IcePop (1) / TIS (2) / none (0) weight of each token in the block, from log k = old - rollout.
+        """IcePop (1) / TIS (2) / none (0) weight of each token in the block, from log k = old - rollout,
+        or the given weight (3, `ROLL` holds the weights).
 
         `od` holds the block's old log-probs, already loaded by the caller."""
         if CORRECTION == 0:
             w = tl.full([BLOCK], 1.0, tl.float32)
+        elif CORRECTION == 3:
+            w = tl.load(ROLL + offs, mask=inb, other=0.0).to(tl.float32)
         else:
             rl = tl.load(ROLL + offs, mask=inb, other=0.0).to(tl.float32)
             log_k = od - rl
@@ -238,20 +246,27 @@ if HAVE_TRITON:
 
     class _FusedGSPO(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, logp, old, roll, mask, adv, cu, params, correction, agg, horizon, block):
+        def forward(ctx, logp, old, roll, mask, adv, cu, params, correction, agg, horizon, counts, block):
             s = cu.numel() - 1
             seq_lr = torch.empty(s, dtype=torch.float32, device=logp.device)
             out = torch.empty(s, 6, dtype=torch.float32, device=logp.device)
             cid = CORRECTION_IDS[correction]
             roll_ = roll if roll is not None else old
             _gspo_fwd_kernel[(s,)](logp, old, roll_, mask, adv, cu, seq_lr, out, *params, CORRECTION=cid, BLOCK=block)
-            coef = _seq_coef(out[:, 1], agg, horizon)
+            coef = sequence_coefficients(out[:, 1], agg, *counts, horizon)
             loss = (coef * out[:, 0]).sum()
             ctx.save_for_backward(old, roll_, mask, adv, cu, seq_lr, coef)
-            ctx.params, ctx.cid, ctx.block = params, cid, block
+            ctx.params, ctx.cid, ctx.block, ctx.logp_dtype = params, cid, block, logp.dtype
             tot = out[:, 1].sum().clamp(min=1)
+            has = (out[:, 1] > 0).to(torch.float32)
             metrics = torch.stack(
-                [out[:, 2].sum() / tot, out[:, 3].sum() / tot, out[:, 4].sum() / tot, out[:, 5].sum() / tot]
+                [
+                    out[:, 2].sum() / tot,
+                    out[:, 3].sum() / tot,
+                    out[:, 4].sum() / tot,
+                    out[:, 5].sum() / tot,
+                    (seq_lr.exp() * has).sum() / has.sum().clamp(min=1),
+                ]
             )
             ctx.mark_non_differentiable(metrics)
             return loss.to(logp.dtype), metrics
@@ -273,7 +288,7 @@ if HAVE_TRITON:
                 CORRECTION=ctx.cid,
                 BLOCK=ctx.block,
             )
-            return grad.to(old.dtype), *([None] * 10)
+            return grad.to(ctx.logp_dtype), *([None] * 11)
 
 
 def _use_triton(t: torch.Tensor, force: bool | None) -> bool:
@@ -301,14 +316,18 @@ def fused_gspo_loss(
     cap: float = 2.0,
     agg: str = "seq-mean-token-mean",
     horizon: int | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    token_weights: torch.Tensor | None = None,
     use_triton: bool | None = None,
     block: int = 256,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO loss (+ IcePop/TIS weights) and its metrics over packed sequences.
+    """GSPO loss (+ IcePop/TIS or given token weights) and its metrics over packed sequences.
 
-    logp, old_logp, rollout_logp, loss_mask: [N]; advantages: [S]; cu_seqlens: [S + 1] int.
-    Triton on CUDA (or under TRITON_INTERPRET=1); the torch reference otherwise.
-    Gradient flows to `logp` only.
+    logp, old_logp, rollout_logp, token_weights, loss_mask: [N]; advantages: [S];
+    cu_seqlens: [S + 1] int. `num_tokens` / `num_seqs`: the global counts the aggregation divides
+    by (default: this call's). Triton on CUDA (or under TRITON_INTERPRET=1); the torch
+    reference otherwise. Gradient flows to `logp` only; metrics are means over this call's tokens.
     """
     n = logp.shape[0]
     if logp.dim() != 1 or old_logp.shape != logp.shape or loss_mask.shape != logp.shape:
@@ -316,8 +335,9 @@ def fused_gspo_loss(
             f"packed inputs must be 1-D of one length: logp {tuple(logp.shape)}, "
             f"old_logp {tuple(old_logp.shape)}, loss_mask {tuple(loss_mask.shape)}"
         )
-    if rollout_logp is not None and rollout_logp.shape != logp.shape:
-        raise ValueError(f"rollout_logp {tuple(rollout_logp.shape)} != logp {tuple(logp.shape)}")
+    for name, x in (("rollout_logp", rollout_logp), ("token_weights", token_weights)):
+        if x is not None and x.shape != logp.shape:
+            raise ValueError(f"{name} {tuple(x.shape)} != logp {tuple(logp.shape)}")
     if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n:
         raise ValueError(f"cu_seqlens must start at 0 and end at N={n}; got {cu_seqlens.tolist()[:8]}...")
     if advantages.shape != (cu_seqlens.numel() - 1,):
@@ -326,8 +346,7 @@ def fused_gspo_loss(
         )
     if correction not in CORRECTION_IDS:
         raise ValueError(f"unknown correction {correction!r}; fused kernel supports {sorted(CORRECTION_IDS)}")
-    if correction != "none" and rollout_logp is None:
-        raise ValueError(f"correction={correction!r} needs rollout_logp")
+    source = _correction_input(correction, rollout_logp, token_weights)
     if not _use_triton(logp, use_triton):
         return gspo_loss_reference(
             logp,
@@ -344,10 +363,13 @@ def fused_gspo_loss(
             cap,
             agg,
             horizon,
+            num_tokens,
+            num_seqs,
+            token_weights,
         )
-    _seq_coef(torch.ones(1), agg, horizon)  # validate agg before launching
+    sequence_coefficients(torch.ones(1), agg, num_tokens, num_seqs, horizon)  # validate agg before launching
     params = (clip_low, clip_high, math.log(low), math.log(high), math.log(cap))
-    roll = None if rollout_logp is None else rollout_logp.detach().contiguous()
+    roll = None if source is None else source.detach().to(torch.float32).contiguous()
     loss, m = _FusedGSPO.apply(
         logp.contiguous(),
         old_logp.detach().contiguous(),
@@ -359,6 +381,7 @@ def fused_gspo_loss(
         correction,
         agg,
         horizon,
+        (num_tokens, num_seqs),
         block,
     )
     return loss, dict(zip(METRIC_NAMES, m.unbind(0), strict=True))

@@ -54,16 +54,17 @@ def _grads_torch(h, w, y_local, lse, ent, g_lp, g_ent, chunk):
     n, v = h.shape[0], w.shape[0]
     dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    wf = w.float()  # once, not per chunk (a copy of W when it is bf16)
     for i in range(0, n, chunk):
         sl = slice(i, i + chunk)
         hc = h[sl].float()
-        z = hc @ w.float().t()
+        z = hc @ wf.t()
         p = (z - lse[sl, None]).exp()
         g = -p * (g_lp[sl, None] + g_ent[sl, None] * (z - lse[sl, None] + ent[sl, None]))
         yl = y_local[sl]
         rows = torch.nonzero((yl >= 0) & (yl < v)).squeeze(-1)
         g[rows, yl[rows]] += g_lp[sl][rows]
-        dh[sl] = g @ w.float()
+        dh[sl] = g @ wf
         dw += g.t() @ hc
         del z, p, g
     return dh, dw

@@ -47,6 +47,9 @@ class AlgorithmConfig:
     geo-mask."""
     advantage: str = "grpo"
     """Registered advantage estimator: grpo | drgrpo | rloo | reinforce."""
+    fused_loss: bool = True
+    """Compute the policy loss with its fused kernel (kernels/gspo_loss.py: Triton on CUDA, packed torch
+    on CPU) where the loss has one (gspo); others run as torch losses, with a one-time message."""
 
 
 @dataclass
@@ -62,6 +65,10 @@ class ActorConfig:
     """Optimizer steps per rollout batch (pi_theta drifts from pi_old after the first); >= 1."""
     micro_batch_size: int = 8
     """Samples per forward/backward pass; >= 1."""
+    fused_logprob: bool = True
+    """Log-probs (and entropy) straight from the last hidden states with the fused linear -> log-prob kernel
+    (kernels/linear_logprob.py), vocab-parallel under TP: the [tokens, vocab] logits are never held whole.
+    false: full logits + log-softmax."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ TINY = {
     "qwen3_moe": ["--arch", "qwen3_moe", "--dense-layers", "1"],
     "mixtral": ["--arch", "mixtral"],
     "olmoe": ["--arch", "olmoe"],
+    "qwen3_moe_tied": ["--arch", "qwen3_moe", "--dense-layers", "1", "--tie-embeddings"],
     "qwen3_moe_320e": [
         "--arch",
         "qwen3_moe",

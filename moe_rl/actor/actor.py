@@ -53,7 +53,14 @@ class Actor:
             kw = {"routes": padded.routes, "replay": self.replay}
         elif self.cfg.router_replay == "r2":
             kw = {"record": True, "replay": self.replay}
-        return compute_logprobs(self.chunks, padded.input_ids, padded.attention_mask, self.cfg.micro_batch_size, **kw)
+        return compute_logprobs(
+            self.chunks,
+            padded.input_ids,
+            padded.attention_mask,
+            self.cfg.micro_batch_size,
+            fused=self.cfg.fused_logprob,
+            **kw,
+        )
 
     def train(
         self,
@@ -96,7 +103,7 @@ class Actor:
             counts = {"num_tokens": global_count(mask.sum()), "num_seqs": global_count((mask.sum(-1) > 0).sum())}
             loss = functools.partial(objective.loss, **counts)
             replay = self.replay if routes is not None else None
-            m = train_minibatch(self.chunks, self.optimizer, batch, loss, a.micro_batch_size, replay=replay)
+            m = train_minibatch(self.chunks, self.optimizer, batch, loss, a.micro_batch_size, replay, a.fused_logprob)
             if i == 0:  # pi_theta == pi_old before the first optimizer step
                 out["actor/first_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)
             if on_skip(bool(m.pop("skipped")), i):

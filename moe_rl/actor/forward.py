@@ -147,6 +147,70 @@ def vocab_parallel_logprobs(
     return logprobs, entropy
 
 
+class LogprobHead:
+    """Scores targets from the model output: per-token log-probs (and entropy).
+
+    fused=False: the output is `[b, s, V/TP]` logits (`vocab_parallel_logprobs`).
+    fused=True (or a kernel backend, "triton" | "torch"; True picks Triton on CUDA and the
+    token-chunked torch backend otherwise): while the head is entered, the last stage's output layer returns its input
+    hidden states (gathered over sequence parallel) instead of logits and records the weight it
+    would have used (its own, or the tied embedding); `moe_rl.kernels.linear_logprob` then
+    computes log-probs block by block, so the `[tokens, vocab]` logits never exist whole.
+    Megatron's output layer still owns the weight; its gradient flows through the kernel.
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module], fused: bool | str):
+        if fused not in (True, False, "triton", "torch"):
+            raise ValueError(f"fused={fused!r}: choose True, False, 'triton' or 'torch'")
+        self.fused = fused
+        self._layers = [c.output_layer for c in chunks if getattr(c, "post_process", False)] if fused else []
+        self._weight: torch.Tensor | None = None
+
+    def __enter__(self) -> LogprobHead:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        def hidden_out(layer):
+            def forward(input_, weight=None, runtime_gather_output=None):
+                if layer.sequence_parallel:  # the kernel's backward sums dh over TP: only split it back
+                    input_ = gather_from_sequence_parallel_region(input_, False, group=layer.tp_group)
+                self._weight = layer.weight if weight is None else weight
+                return input_, None
+
+            return forward
+
+        for layer in self._layers:
+            layer.forward = hidden_out(layer)  # instance attribute: shadows the class's forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer in self._layers:
+            del layer.forward
+        self._weight = None
+
+    def __call__(
+        self, output: torch.Tensor, ids: torch.Tensor, with_entropy: bool = True, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """output: [b, s, V/TP] logits or [b, s, H] hidden states; ids: [b, s]. Scores ids[:, 1:]
+        from positions :-1 -> ([b, s-1] log-probs, entropy or None)."""
+        ids = ids.to(output.device)
+        if not self.fused:
+            return vocab_parallel_logprobs(output[:, :-1], ids[:, 1:], with_entropy, temperature)
+        from megatron.core import parallel_state as ps
+
+        from moe_rl.kernels.linear_logprob import fused_linear_logprob
+
+        h = output[:, :-1]
+        if temperature != 1.0:  # no bias: W (h / T) = (W h) / T
+            h = h / temperature
+        b, s, d = h.shape
+        group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        backend = self.fused if isinstance(self.fused, str) else ("triton" if h.is_cuda else "torch")
+        lp, ent = fused_linear_logprob(
+            h.reshape(b * s, d), self._weight, ids[:, 1:].reshape(-1), group=group, backend=backend
+        )
+        return lp.view(b, s), ent.view(b, s) if with_entropy else None
+
+
 def _broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
@@ -168,12 +232,14 @@ def compute_logprobs(
     routes: torch.Tensor | None = None,
     replay=None,
     record: bool = False,
+    fused: bool | str = True,
 ) -> dict[str, torch.Tensor]:
     """Per-token log pi(y_t | y_<t) and entropy for a right-padded batch.
 
     Returns {"logprobs": [B, T], "entropy": [B, T]}: entry t scores token t given tokens < t
     (column 0 and padding are 0). Available on every rank of the pipeline.
-    Full-vocabulary logits live only inside one micro-batch's loss function.
+    fused=True: full-vocabulary logits never exist whole (`LogprobHead`); fused=False: they
+    live inside one micro-batch's loss function.
 
     Routing (`replay`: a `moe_rl.actor.replay.RouteReplay` bound to these chunks):
       routes=[B, T, L_moe, K] -> replay them (R3, or the update passes of R2);
@@ -204,15 +270,16 @@ def compute_logprobs(
     else:
         routing = nullcontext({})
 
-    def step(logits, mb: MicroBatch):
-        ids = mb.input_ids.to(logits.device)
-        lp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], with_entropy, temperature)
+    head = LogprobHead(chunks, fused)
+
+    def step(output, mb: MicroBatch):
+        lp, ent = head(output, mb.input_ids, with_entropy, temperature)
         out = {"logprobs": lp}
         if ent is not None:
             out["entropy"] = ent
         return lp.new_zeros(()), out
 
-    with routing as recorded:
+    with head, routing as recorded:
         results = run_schedule(chunks, mbs, step, forward_only=True)
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     out = {}
@@ -243,6 +310,7 @@ def routing_views(
     routes: torch.Tensor | None,
     replayed: torch.Tensor | None = None,
     live: dict[str, torch.Tensor] | None = None,
+    fused: bool | str = True,
 ) -> dict[str, torch.Tensor | None]:
     """pi_old two ways, for the mismatch diagnostics: with the engine's `routes` replayed and
     with the actor's own routing (plus the routes it chose). A caller whose old-log-prob pass
@@ -250,7 +318,7 @@ def routing_views(
     `compute_logprobs` output) and only the other runs."""
     args = (chunks, input_ids, attention_mask, micro_batch_size)
     if live is None:
-        live = compute_logprobs(*args, with_entropy=False, replay=replay, record=True)
+        live = compute_logprobs(*args, with_entropy=False, replay=replay, record=True, fused=fused)
     if replayed is None and routes is not None:
-        replayed = compute_logprobs(*args, with_entropy=False, routes=routes, replay=replay)["logprobs"]
+        replayed = compute_logprobs(*args, with_entropy=False, routes=routes, replay=replay, fused=fused)["logprobs"]
     return {"logprobs_replay": replayed, "logprobs_live": live["logprobs"], "routes_live": live["routes"]}

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.forward import run_schedule, split_microbatches, vocab_parallel_logprobs
+from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
 
 
 def _is_expert(name: str) -> bool:
@@ -65,6 +65,7 @@ def train_minibatch(
     loss_fn: LossFn,
     micro_batch_size: int,
     replay=None,
+    fused_logprob: bool | str = True,
 ) -> dict[str, float]:
     """Forward+backward over one mini-batch and one optimizer step (`optimizer`: a megatron
     optimizer from `moe_rl.actor.optimizer.build_optimizer`).
@@ -72,6 +73,7 @@ def train_minibatch(
     batch: input_ids/attention_mask [b, T] plus per-token tensors the loss needs (and
     "routes" when `replay` is given). loss_fn(logp [mb, T] aligned to tokens, micro-batch
     tensors) -> (loss share of this micro-batch in the global mini-batch loss, metrics).
+    fused_logprob: log-probs through the fused linear -> log-prob kernel (`LogprobHead`).
     """
     from contextlib import nullcontext
 
@@ -91,9 +93,10 @@ def train_minibatch(
     t = batch["input_ids"].shape[1]
     n_mb = len(mbs)
     losses = []
+    head = LogprobHead(chunks, fused_logprob)
 
-    def step(logits, mb):
-        lp, _ = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:].to(logits.device), with_entropy=False)
+    def step(output, mb):
+        lp, _ = head(output, mb.input_ids, with_entropy=False)
         logp = torch.nn.functional.pad(lp, (1, 0))[:, :t]  # entry t scores token t
         extra_t = {k: v[:, :t] if v.dim() >= 2 and v.shape[1] >= t else v for k, v in mb.extra.items()}
         loss, metrics = loss_fn(logp, extra_t)
@@ -102,7 +105,7 @@ def train_minibatch(
         return loss * n_mb, {k: v.detach() for k, v in metrics.items()}
 
     routing = replay.replay(mbs) if replay is not None else nullcontext()
-    with routing:
+    with head, routing:
         results = run_schedule(chunks, mbs, step, forward_only=False)
     sync_gradients(chunks)
     finite = all_finite([*losses, *(p.grad for c in chunks for p in c.parameters() if p.grad is not None)])

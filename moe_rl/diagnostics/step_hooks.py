@@ -53,6 +53,7 @@ class StepDiagnostics:
             padded.routes,
             replayed=old["logprobs"] if mode == "r3" else None,
             live=old if mode == "r2" else None,
+            fused=a.cfg.fused_logprob,
         )
 
     def router_agreement(self, padded, live_routes: torch.Tensor) -> float:

@@ -56,6 +56,7 @@ class TinySpec:
     dtype: str = "float32"
     seed: int = 0
     norm_topk_prob: bool | None = None  # None: the architecture's usual choice
+    tie_embeddings: bool = False  # LM head shares the input embedding (tie_word_embeddings)
 
     def validate(self) -> None:
         if self.arch not in ARCHS:
@@ -96,7 +97,7 @@ def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
         max_position_embeddings=2048,
         # vLLM's OLMoE hard-codes eps=1e-5 (as the released OLMoE checkpoints use)
         rms_norm_eps=1e-5 if spec.arch == "olmoe" else 1e-6,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_embeddings,
         initializer_range=0.2,  # large so that routing and logits are far from uniform
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         **special,

@@ -1,6 +1,7 @@
 """Loss aggregation over a padded `[B, T]` token matrix, and masked reductions.
 
-Modes (verl names):
+The modes and their per-sequence coefficients are defined once, in
+`moe_rl.kernels.aggregation` (shared with the fused loss kernel):
   token-mean               sum(l * m) / num_tokens
   seq-mean-token-mean      mean over sequences of (per-sequence token mean)     [GSPO default]
   seq-mean-token-sum       mean over sequences of (per-sequence token sum)
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from moe_rl.kernels.aggregation import AGG_MODES, sequence_coefficients
+
+__all__ = ["AGG_MODES", "aggregate", "masked_mean", "masked_sum"]
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -37,17 +40,5 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce a `[B, T]` per-token loss to a scalar (see module doc for the modes)."""
     mask = mask.to(loss_mat.dtype)
-    if mode == "token-mean":
-        denom = mask.sum() if num_tokens is None else num_tokens
-        return masked_sum(loss_mat, mask) / torch.as_tensor(denom, dtype=loss_mat.dtype).clamp(min=1)
-    if mode not in AGG_MODES:
-        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGG_MODES}")
-    per_seq_tokens = mask.sum(-1)
-    seqs = (per_seq_tokens > 0).sum() if num_seqs is None else num_seqs
-    seqs = torch.as_tensor(seqs, dtype=loss_mat.dtype).clamp(min=1)
-    seq_sum = masked_sum(loss_mat, mask, dim=-1)
-    if mode == "seq-mean-token-mean":
-        return (seq_sum / per_seq_tokens.clamp(min=1)).sum() / seqs
-    if mode == "seq-mean-token-sum":
-        return seq_sum.sum() / seqs
-    return seq_sum.sum() / seqs / (horizon or loss_mat.shape[-1])
+    coef = sequence_coefficients(mask.sum(-1), mode, num_tokens, num_seqs, horizon or loss_mat.shape[-1])
+    return (coef * masked_sum(loss_mat, mask, dim=-1)).sum()

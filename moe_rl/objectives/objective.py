@@ -17,6 +17,18 @@ class Objective:
         self.correction_name = CORRECTIONS.name_of(algorithm.correction)
         self.loss_cfg, self.correction_cfg = algorithm.loss, algorithm.correction
         self._loss = POLICY_LOSSES.get(self.loss_name)
+        # algorithm.fused_loss: the registered loss's fused kernel where it has one
+        fused = POLICY_LOSSES.meta(self.loss_name).get("fused")
+        self.fused = algorithm.fused_loss and fused is not None
+        self.fused_note = None  # why a requested fused loss is not used (printed once by the trainer)
+        if algorithm.fused_loss and fused is None:
+            has = sorted(n for n in POLICY_LOSSES.names() if POLICY_LOSSES.meta(n).get("fused"))
+            self.fused_note = (
+                f"algorithm.fused_loss: loss {self.loss_name!r} has no fused kernel (fused: {has}); "
+                "it runs as the torch loss"
+            )
+        if self.fused:
+            self._loss = fused
         self._correction = CORRECTIONS.get(self.correction_name)
         self._advantages = ADVANTAGES.get(algorithm.advantage)
         self.group_size = group_size

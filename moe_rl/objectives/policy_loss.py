@@ -169,7 +169,37 @@ class PPOConfig:
     """Loss aggregation, as for GSPO."""
 
 
-@POLICY_LOSSES.register("gspo", config=GSPOConfig)
+def gspo_fused(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`gspo` through the fused kernel (moe_rl.kernels.gspo_loss; Triton on CUDA, its packed torch
+    form on CPU): each padded row is one packed sequence, the correction's weights ride along."""
+    from moe_rl.kernels.gspo_loss import fused_gspo_loss
+
+    b, t = x.logp.shape
+    if x.advantages.shape != (b,):
+        raise ValueError(
+            f"the fused GSPO loss takes one advantage per sequence ([{b}]), got {tuple(x.advantages.shape)}"
+        )
+    flat = {"token_weights": None if x.weights is None else x.weights.reshape(-1)}
+    loss, m = fused_gspo_loss(
+        x.logp.reshape(-1),
+        x.old_logp.reshape(-1),
+        x.advantages,
+        x.mask.reshape(-1),
+        torch.arange(0, (b + 1) * t, t, device=x.logp.device),
+        correction="none" if x.weights is None else "weights",
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        agg=cfg.agg,
+        horizon=t,
+        num_tokens=x.num_tokens,
+        num_seqs=x.num_seqs,
+        use_triton=x.logp.is_cuda,
+        **flat,
+    )
+    return loss, {k: m[k] for k in ("clipfrac", "ppo_kl", "seq_ratio_mean")}
+
+
+@POLICY_LOSSES.register("gspo", config=GSPOConfig, fused=gspo_fused)
 def gspo(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     counts = {"num_tokens": x.num_tokens, "num_seqs": x.num_seqs}
     return gspo_loss(

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="tokenizer/embedding size")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype, help="saved weight dtype")
     p.add_argument("--seed", type=int, default=d.seed, help="weight init seed")
+    p.add_argument(
+        "--tie-embeddings", action="store_true", help="share the input embedding with the LM head (tie_word_embeddings)"
+    )
     a = p.parse_args(argv)
     spec = TinySpec(
         arch=a.arch,
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab_size=a.vocab_size,
         dtype=a.dtype,
         seed=a.seed,
+        tie_embeddings=a.tie_embeddings,
     )
     try:
         out = build_tiny_model(spec, a.out)

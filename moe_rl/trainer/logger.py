@@ -19,7 +19,8 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
         f"len {metrics.get('response/length_mean', 0):.1f} "
         f"kl(mu||pi_old) {metrics.get('mismatch/kl', float('nan')):.2e} "
         f"clipfrac {metrics.get('actor/clipfrac', float('nan')):.3f} "
-        f"gnorm {metrics.get('actor/grad_norm', float('nan')):.3f} | {times}"
+        f"gnorm {metrics.get('actor/grad_norm', float('nan')):.3f} "
+        f"rss {metrics.get('memory/peak_rss_gib', float('nan')):.2f}G | {times}"
     )
 
 

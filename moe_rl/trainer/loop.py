@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moe_rl.config import TrainConfig, validate
 from moe_rl.rollout.source import StepAbandoned
 from moe_rl.trainer.health import HealthMonitor, SkipCounter
-from moe_rl.trainer.metrics import Timer, global_metrics
+from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 
 
@@ -47,6 +47,13 @@ class Trainer:
         # Data and reward before the model and engines: a bad file fails in seconds.
         self._build_data()
         self.objective = Objective(cfg.algorithm, cfg.sampling.n)
+        self.memory = PeakMemory()
+        self.memory.reset()  # probes whether the peak can be reset per step
+        notes = [self.objective.fused_note] if self.objective.fused_note else []
+        if not self.memory.resettable:
+            notes.append("memory/peak_rss_gib is the process's lifetime peak (/proc/self/clear_refs is not writable)")
+        for note in notes if self.rank == 0 else []:
+            print(f"[moe-rl] {note}", flush=True)
         self.actor = Actor(cfg, self.model_path, record_routes=t.dump_every > 0 or t.mode == "rollout_only")
         self.diagnostics = StepDiagnostics(cfg, self.actor, Path(t.dump_dir or run_dir / "dumps"))
         self.step_index = 0
@@ -159,6 +166,7 @@ class Trainer:
     # ---- one RL step: one line per phase ------------------------------------------------
     def step(self) -> dict[str, float]:
         timer = Timer()
+        self.memory.reset()
         self.diagnostics.begin_step()
         with timer(self.source.phase):  # rollout | load_dump
             rollout = self.source.next(self.step_index)  # StepAbandoned when a signal took the engine
@@ -175,9 +183,8 @@ class Trainer:
         if self.updates and self.weight_sync is not None:
             with timer("weight_sync"), self._engine_may_stop():
                 self.weight_sync()
-        metrics = global_metrics(
-            rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, timer.times
-        )
+        peaks = timer.times | self.memory.read()
+        metrics = global_metrics(rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, peaks)
         self.step_index += 1
         self.data_position = self.data.position
         self.logger.log(self.step_index, metrics)

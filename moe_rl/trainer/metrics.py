@@ -1,8 +1,9 @@
-"""A step's metrics: phase times, rewards, lengths, entropy and the training-inference mismatch,
-and their reduction over ranks."""
+"""A step's metrics: phase times, peak memory, rewards, lengths, entropy and the
+training-inference mismatch, and their reduction over ranks."""
 
 from __future__ import annotations
 
+import re
 import time
 from contextlib import contextmanager
 
@@ -23,6 +24,35 @@ class Timer:
         self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - t0
 
 
+class PeakMemory:
+    """This process's peak memory during a step (the trainer's; engines run in processes of their own).
+
+    RSS: the kernel's high-water mark (VmHWM), reset at the start of the step by writing 5 to
+    /proc/self/clear_refs. Where the reset is refused the mark is the process's lifetime peak;
+    `resettable` says which (the trainer warns once). CUDA: torch's peak allocated bytes.
+    """
+
+    def __init__(self):
+        self.resettable = True
+
+    def reset(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.resettable = False
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def read(self) -> dict[str, float]:
+        with open("/proc/self/status") as f:
+            hwm_kib = int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1))
+        out = {"memory/peak_rss_gib": hwm_kib / 2**20}
+        if torch.cuda.is_available():
+            out["memory/peak_cuda_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
+
 def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> float:
     """Fraction of GRPO groups (group_size consecutive samples) whose rewards are all equal: those
     groups have zero advantage and teach nothing."""
@@ -40,7 +70,7 @@ def _all_reduce(values: dict[str, float], op) -> dict[str, float]:
 
 
 def global_metrics(
-    rollout, rewards, old, group_size: int, icepop_band, rank_means: dict[str, float], times: dict[str, float]
+    rollout, rewards, old, group_size: int, icepop_band, rank_means: dict[str, float], peaks: dict[str, float]
 ) -> dict[str, float]:
     """The step's metrics over the global batch (every rank's samples), with one all-reduce of
     sums and one of maxima. Reductions (docs/metrics.md):
@@ -49,7 +79,7 @@ def global_metrics(
       `rank_means` (actor/*, the correction's metrics, router/agreement) and
         reward/zero_variance_groups: mean over ranks of each rank's value (every rank holds the same
         number of samples and groups);
-      time/*: the slowest rank's.
+      `peaks` (time/*, memory/*): the largest rank's (the slowest, the most memory).
     """
     from moe_rl.objectives.metrics import mismatch_from_sums, mismatch_sums
 
@@ -66,7 +96,7 @@ def global_metrics(
     }
     rank_means = rank_means | {"reward/zero_variance_groups": zero_variance_fraction(rewards, group_size)}
     sums |= {f"rank_sum/{k}": v for k, v in rank_means.items()}
-    maxima |= {"reward/max": float(rewards.max())} | times
+    maxima |= {"reward/max": float(rewards.max())} | peaks
     sums, maxima = _all_reduce(sums, dist.ReduceOp.SUM), _all_reduce(maxima, dist.ReduceOp.MAX)
     mm = mismatch_from_sums(
         {k[9:]: torch.tensor(v) for k, v in sums.items() if k.startswith("mismatch/")},
@@ -81,5 +111,5 @@ def global_metrics(
         "actor/entropy": sums["entropy/sum"] / max(sums["mismatch/tokens"], 1.0),
     }
     out |= {f"mismatch/{k}": float(v) for k, v in mm.items()}
-    out |= {k: v for k, v in maxima.items() if k.startswith("time/")}
+    out |= {k: maxima[k] for k in peaks}
     return out

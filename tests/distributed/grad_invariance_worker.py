@@ -1,20 +1,23 @@
-"""torchrun worker: one actor update on a fixed global batch, split over micro-batches, DP and EP.
+"""torchrun worker: one actor update on a fixed global batch, split over micro-batches, DP, EP and
+TP, with the fused kernels (actor.fused_logprob, algorithm.fused_loss) on or off.
 
   torchrun --nproc-per-node=N -m tests.distributed.grad_invariance_worker MODEL --out DIR \
-      --layouts dp ep --micro-batch-sizes 2 1 --losses gspo ppo
+      --layouts dp ep --micro-batch-sizes 2 1 --losses gspo ppo [--fused on off]
 
 Every rank builds the same global batch of 8 sequences (seeded; uneven prompt and response
 lengths, rollout log-probs that make the correction drop tokens and sequences, random R3
 routes). Each variant (layout x micro-batch size x loss) builds a fresh `Actor` from the HF
 weights and runs `Actor.train` once: the trainer's update, with its global token/sequence
 counts, 2 mini-batches (2 optimizer steps), gradient sync, clipping and Adam. Losses: GSPO
-(seq-mean-token-mean) with seq-mask (a new mask: rank 0 keeps fewer sequences than rank 1), PPO
-(token-mean) with IcePop (token weights).
+(seq-mean-token-mean) with seq-mask (a new mask: rank 0 keeps fewer sequences than rank 1),
+GSPO with IcePop (the default objective), PPO (token-mean) with IcePop (token weights).
 
-Rank 0 writes DIR/<variant>.pt with HF-named full tensors (experts gathered over EP): the
-synced gradient before each optimizer step ("grads", one dict per step), the parameters after
-the update ("params") and the mean grad norm ("grad_norm"); DIR/initial.pt holds the weights
-before it.
+Rank 0 writes DIR/<variant>.pt with HF-named full tensors (experts gathered over EP, TP shards
+joined): the synced gradient before each optimizer step ("grads", one dict per step), the
+parameters after the update ("params"), the mean grad norm ("grad_norm"), every metric of the
+update ("metrics") and the old-log-prob pass ("old": log-probs and entropy, at temperature 1
+and 0.7); DIR/initial.pt holds the weights before it. A variant with the fused kernels off is
+saved with the suffix "_unfused".
 
 A data-parallel rank takes, from each global mini-batch of 4 rows, its contiguous share, so
 that the union over ranks of local mini-batch i is global mini-batch i (rows 4i..4i+3).
@@ -103,11 +106,12 @@ def hf_tensors(actor, of_grad: bool = False) -> dict[str, torch.Tensor]:
             p.data = d
 
 
-def run_variant(model: str, layout: str, mbs: int, loss: str, batch: dict, out: Path) -> str:
+def run_variant(model: str, layout: str, mbs: int, loss: str, batch: dict, out: Path, fused: bool = True) -> str:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from moe_rl.actor.actor import Actor
+    from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.parallel import ParallelConfig, init_distributed
     from moe_rl.config import ActorConfig, AlgorithmConfig, TrainConfig
     from moe_rl.objectives import Objective
@@ -116,17 +120,24 @@ def run_variant(model: str, layout: str, mbs: int, loss: str, batch: dict, out: 
     from moe_rl.rollout.batch import PaddedBatch
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    parallel = ParallelConfig(ep=world if layout == "ep" else 1)
+    parallel = ParallelConfig(ep=world if layout == "ep" else 1, tp=world if layout == "tp" else 1)
     init_distributed(parallel, seed=1234)
     algorithms = {
         "gspo": AlgorithmConfig(loss=GSPOConfig(), correction=SeqMaskConfig()),
+        "gspo-icepop": AlgorithmConfig(loss=GSPOConfig(), correction=IcePopConfig()),
         "ppo": AlgorithmConfig(loss=PPOConfig(agg="token-mean"), correction=IcePopConfig()),
     }
+    algorithms[loss].fused_loss = fused
     cfg = TrainConfig(
         parallel=parallel,
         algorithm=algorithms[loss],
         actor=ActorConfig(
-            router_replay="r3", lr=3e-3, grad_clip=GRAD_CLIP, mini_batches=MINI_BATCHES, micro_batch_size=mbs
+            router_replay="r3",
+            lr=3e-3,
+            grad_clip=GRAD_CLIP,
+            mini_batches=MINI_BATCHES,
+            micro_batch_size=mbs,
+            fused_logprob=fused,
         ),
     )
     actor = Actor(cfg, model, record_routes=False)
@@ -141,6 +152,16 @@ def run_variant(model: str, layout: str, mbs: int, loss: str, batch: dict, out: 
         batch["routes"][rows],
     )
     old = actor.old_logprobs(padded)
+    hot = compute_logprobs(
+        actor.chunks,
+        padded.input_ids,
+        padded.attention_mask,
+        mbs,
+        temperature=0.7,
+        fused=fused,
+        routes=padded.routes,
+        replay=actor.replay,
+    )
     padded.rollout_logprobs = (old["logprobs"] + batch["noise"][rows]) * padded.loss_mask
 
     # The synced gradient of each mini-batch, taken just before its optimizer step (which clips in place).
@@ -156,9 +177,12 @@ def run_variant(model: str, layout: str, mbs: int, loss: str, batch: dict, out: 
     assert metrics["actor/skipped_steps"] == 0, metrics
     assert len(grads) == MINI_BATCHES, len(grads)
     params = hf_tensors(actor)
-    name = f"w{world}_{layout}_mbs{mbs}_{loss}"
+    name = f"w{world}_{layout}_mbs{mbs}_{loss}" + ("" if fused else "_unfused")
     if dist.get_rank() == 0:
-        torch.save({"grads": grads, "params": params, "grad_norm": metrics["actor/grad_norm"]}, out / f"{name}.pt")
+        olds = {"logprobs": old["logprobs"], "entropy": old["entropy"], "logprobs_t0.7": hot["logprobs"]}
+        olds["entropy_t0.7"] = hot["entropy"]
+        saved = {"grads": grads, "params": params, "grad_norm": metrics["actor/grad_norm"], "metrics": metrics}
+        torch.save({**saved, "old": olds}, out / f"{name}.pt")
         if not (out / "initial.pt").exists():
             from moe_rl.actor.weights import HFCheckpoint
 
@@ -175,9 +199,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("--out", required=True)
-    p.add_argument("--layouts", nargs="+", choices=("dp", "ep"), default=["dp"])
+    p.add_argument("--layouts", nargs="+", choices=("dp", "ep", "tp"), default=["dp"])
     p.add_argument("--micro-batch-sizes", nargs="+", type=int, required=True)
-    p.add_argument("--losses", nargs="+", choices=("gspo", "ppo"), default=["gspo", "ppo"])
+    p.add_argument("--losses", nargs="+", choices=("gspo", "gspo-icepop", "ppo"), default=["gspo", "ppo"])
+    p.add_argument("--fused", nargs="+", choices=("on", "off"), default=["on"])
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     out = Path(a.out)
@@ -189,8 +214,9 @@ def main() -> None:
     for lay in a.layouts:
         for mbs in a.micro_batch_sizes:
             for loss in a.losses:
-                name = run_variant(a.model, lay, mbs, loss, batch, out)
-                print(f"[grad_invariance] {name} done", flush=True)
+                for fused in a.fused:
+                    name = run_variant(a.model, lay, mbs, loss, batch, out, fused == "on")
+                    print(f"[grad_invariance] {name} done", flush=True)
     destroy_distributed()
 
 

@@ -36,6 +36,7 @@ KEYS = [
     "time/old_logprobs",
     "time/update",
     "time/weight_sync",
+    "memory/peak_rss_gib",
     "router/agreement",
 ]
 
@@ -94,7 +95,7 @@ def test_overrides_r2_ep2_tis(tmp_path):
 
 
 def _comparable(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "memory/"))}
 
 
 def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path):

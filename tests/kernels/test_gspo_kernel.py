@@ -1,12 +1,14 @@
-"""Fused GSPO kernel (Triton interpreter) vs its torch reference vs moe_rl.objectives (padded)."""
+"""Fused GSPO kernel (Triton interpreter) vs its torch reference vs moe_rl.objectives (padded).
+
+Imports the kernels from the source tree (`kernels.*`): the file runs where only torch and
+Triton are installed; the cross-check with moe_rl.objectives is skipped there."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from moe_rl.kernels.gspo_loss import fused_gspo_loss, gspo_loss_reference
 
-from moe_rl import objectives as O
+from kernels.gspo_loss import fused_gspo_loss, gspo_loss_reference
 
 pytestmark = pytest.mark.kernels
 
@@ -51,34 +53,44 @@ def test_triton_equals_reference_values_grads_metrics(lens, correction, agg):
             assert abs(m1[k].item() - m2[k].item()) <= 1e-5 * max(1.0, abs(m2[k].item())), (k, seed)
 
 
-@pytest.mark.parametrize("correction", ["none", "icepop", "tis"])
-def test_reference_equals_padded_objectives(correction):
+@pytest.mark.parametrize("counts", ["local", "global"])
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize("correction", ["none", "icepop", "tis", "weights"])
+def test_kernel_equals_padded_objectives(correction, agg, counts):
+    """The packed kernel is a drop-in for moe_rl.objectives.gspo_loss on padded rows: same loss,
+    gradient and metrics, with in-kernel IcePop/TIS or given token weights (sequence-level TIS
+    here), and with the global token/sequence counts a DP/micro-batch split passes."""
+    objectives = pytest.importorskip("moe_rl.objectives")
     lens = [6, 0, 13, 2]
-    logp, old, roll, mask, adv, cu = _packed(lens, 1e-3, seed=3)
+    logp, old, roll, mask, adv, cu = _packed(lens, 1e-3, seed=int(torch.randint(0, 2**31, ()).item()))
     t = max(lens)
 
     def pad(x):
-        return torch.stack(
-            [
-                torch.nn.functional.pad(x[cu[i] : cu[i + 1]], (0, t - lens[i]))  # noqa: E731
-                for i in range(len(lens))
-            ]
-        )
+        return torch.stack([torch.nn.functional.pad(x[cu[i] : cu[i + 1]], (0, t - lens[i])) for i in range(len(lens))])
+
+    def unpad(x):
+        return torch.cat([x[i, : lens[i]] for i in range(len(lens))])
 
     w = {
         "none": None,
-        "icepop": O.icepop_weights(pad(old), pad(roll), pad(mask)),
-        "tis": O.tis_weights(pad(old), pad(roll), pad(mask)),
+        "icepop": objectives.icepop_weights(pad(old), pad(roll), pad(mask)),
+        "tis": objectives.tis_weights(pad(old), pad(roll), pad(mask)),
+        "weights": objectives.seq_tis_weights(pad(old), pad(roll), pad(mask), cap=1.5),
     }[correction]
+    kw = {"num_tokens": float(mask.sum()) * 2.5, "num_seqs": 7.0} if counts == "global" else {}
     x = pad(logp).clone().requires_grad_(True)
-    ref, ref_m = O.gspo_loss(x, pad(old), adv, pad(mask), weights=w)
+    ref, ref_m = objectives.gspo_loss(x, pad(old), adv, pad(mask), weights=w, agg=agg, **kw)
     y = logp.clone().requires_grad_(True)
-    got, got_m = fused_gspo_loss(y, old, adv, mask, cu, roll, correction=correction, use_triton=True, block=4)
+    tw = unpad(w) if correction == "weights" else None
+    got, got_m = fused_gspo_loss(
+        y, old, adv, mask, cu, roll, correction=correction, agg=agg, token_weights=tw, use_triton=True, block=4, **kw
+    )
     ref.backward()
     got.backward()
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-7)
     assert torch.allclose(pad(y.grad), x.grad, rtol=1e-5, atol=1e-9)
-    assert torch.allclose(got_m["clipfrac"], ref_m["clipfrac"]) and torch.allclose(got_m["ppo_kl"], ref_m["ppo_kl"])
+    for k in ("clipfrac", "ppo_kl", "seq_ratio_mean"):
+        assert torch.allclose(got_m[k], ref_m[k], rtol=1e-5, atol=1e-7), k
 
 
 def test_bad_inputs_are_refused():
@@ -89,5 +101,9 @@ def test_bad_inputs_are_refused():
         fused_gspo_loss(logp, old, adv[:1], mask, cu, roll)
     with pytest.raises(ValueError, match="needs rollout_logp"):
         fused_gspo_loss(logp, old, adv, mask, cu, None, correction="icepop")
+    with pytest.raises(ValueError, match='correction="weights" needs token_weights'):
+        fused_gspo_loss(logp, old, adv, mask, cu, roll, correction="weights")
+    with pytest.raises(ValueError, match=r"token_weights \(3,\) != logp \(7,\)"):
+        fused_gspo_loss(logp, old, adv, mask, cu, roll, correction="weights", token_weights=mask[:3])
     with pytest.raises(ValueError, match="unknown correction 'seq-tis'"):
         fused_gspo_loss(logp, old, adv, mask, cu, roll, correction="seq-tis")

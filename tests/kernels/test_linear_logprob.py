@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_rl.kernels.linear_logprob import fused_linear_logprob, linear_logprob_reference
 
+from kernels.linear_logprob import fused_linear_logprob, linear_logprob_reference
 from tests.conftest import read_json_results, torchrun
 
 pytestmark = pytest.mark.kernels

@@ -12,7 +12,7 @@ import torch.distributed as dist  # noqa: E402
 
 
 def main(out: Path) -> None:
-    from moe_rl.kernels.linear_logprob import fused_linear_logprob, linear_logprob_reference
+    from kernels.linear_logprob import fused_linear_logprob, linear_logprob_reference
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

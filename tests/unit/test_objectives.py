@@ -263,6 +263,44 @@ def test_registered_losses_equal_the_tensor_functions(preset):
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_objective_uses_the_fused_gspo_loss_with_global_counts(agg):
+    """algorithm.fused_loss=true (default) sends GSPO through the fused kernel's path: same loss,
+    gradient and metrics as the torch loss, on padded rows (one without response tokens), with
+    IcePop weights and mini-batch counts other than this micro-batch's."""
+    from moe_rl.config import AlgorithmConfig
+
+    logp, old, roll, mask, adv = _rand_batch(5, 9)
+    mask[2] = 0
+    mb = {"old_logprobs": old, "rollout_logprobs": roll, "advantages": adv, "loss_mask": mask}
+    mb["weights"] = O.icepop_weights(old, roll, mask)
+    counts = {"num_tokens": float(mask.sum()) * 3, "num_seqs": 11.0}
+    out = {}
+    for fused in (True, False):
+        obj = O.Objective(AlgorithmConfig(loss=GSPOConfig(agg=agg), fused_loss=fused), group_size=5)
+        assert obj.fused is fused and obj.fused_note is None
+        x = logp.clone().requires_grad_(True)
+        loss, metrics = obj.loss(x, mb, **counts)
+        loss.backward()
+        out[fused] = (loss, x.grad, metrics)
+    (l1, g1, m1), (l2, g2, m2) = out[True], out[False]
+    assert torch.allclose(l1, l2, rtol=1e-6, atol=1e-8) and torch.allclose(g1, g2, rtol=1e-5, atol=1e-9)
+    assert m1.keys() == m2.keys()
+    for k in m1:
+        assert torch.allclose(m1[k], m2[k], rtol=1e-6, atol=1e-8), k
+
+
+def test_a_loss_without_fused_kernel_says_so_once():
+    from moe_rl.config import AlgorithmConfig
+
+    obj = O.Objective(AlgorithmConfig(loss=PPOConfig()), group_size=4)
+    assert not obj.fused
+    assert obj.fused_note == (
+        "algorithm.fused_loss: loss 'ppo' has no fused kernel (fused: ['gspo']); it runs as the torch loss"
+    )
+    assert O.Objective(AlgorithmConfig(loss=PPOConfig(), fused_loss=False), group_size=4).fused_note is None
+
+
 # ---- KL -------------------------------------------------------------------------------------
 
 
