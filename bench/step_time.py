@@ -30,7 +30,8 @@ VARIANTS = {
 }
 
 
-def run(variant: str, steps: int, nproc: int, extra: list[str], root: Path) -> list[dict]:
+def run(variant: str, steps: int, nproc: int, extra: list[str], root: Path, overrides: list[str] | None = None):
+    """metrics.jsonl of one trainer run (`overrides`: the variant's; default VARIANTS[variant])."""
     run_dir = root / variant
     cmd = [
         sys.executable,
@@ -44,7 +45,7 @@ def run(variant: str, steps: int, nproc: int, extra: list[str], root: Path) -> l
         "trainer.checkpoint_every=0",
         "logging.wandb.mode=disabled",
         "logging.router_agreement_every=0",
-        *VARIANTS[variant],
+        *(VARIANTS[variant] if overrides is None else overrides),
         *extra,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
