@@ -239,15 +239,38 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if samples % cfg.actor.mini_batches:
         bad("actor.mini_batches", f"{cfg.actor.mini_batches} does not divide the {samples} samples per step")
     try:
-        cfg.parallel.data_parallel_size(world_size)
+        dp = cfg.parallel.data_parallel_size(world_size)
     except ValueError as e:
-        bad("parallel", str(e))
-    if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp > 1 and cfg.rollout.topology == "per_rank":
+        bad("parallel", str(e).removeprefix("parallel: "))
+    if cfg.parallel.cp > 1 and not _has_cuda():
         bad(
-            "parallel",
-            "tp/pp/cp > 1 with rollout.topology=per_rank is not supported yet (each model-parallel "
-            "group would need one shared rollout)",
+            "parallel.cp", f"{cfg.parallel.cp}: context parallel needs Transformer Engine attention (GPU); no CUDA here"
         )
+    r = cfg.rollout
+    if r.topology != "per_rank":
+        bad(
+            "rollout.topology",
+            f"{r.topology!r}: the trainer places its engines with rollout.engines (topology per_rank); "
+            "tp_group is a RolloutEngine topology for GPU tools",
+        )
+    if r.engines < 0 or (r.engines and dp % r.engines):
+        bad(
+            "rollout.engines",
+            f"{r.engines} engines cannot serve {dp} data-parallel ranks (world {world_size} / tp*pp*cp) in equal "
+            f"shares; choose a divisor of {dp}, or 0 for one engine per data-parallel rank",
+        )
+    if r.tensor_parallel_size != 1:
+        bad(
+            "rollout.tensor_parallel_size",
+            f"{r.tensor_parallel_size}: engines with tensor parallelism are not supported by the trainer yet "
+            "(each engine runs on one device or core set; use rollout.engines to size the rollout)",
+        )
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 GROUPS = {"algorithm/loss": POLICY_LOSSES, "algorithm/correction": CORRECTIONS}

@@ -16,14 +16,20 @@ import torch
 
 
 class WeightSync:
-    """actor -> engine, after every update and after a resume (the trainer has none without an
-    engine: from_dump)."""
+    """actor -> engines, after every update and after a resume (the trainer has none without
+    engines: from_dump). Every rank gathers (the weights' owners are spread over the layout);
+    ranks that lead an engine push, the others (`engine` None) only take part in the gathers."""
 
     def __init__(self, actor, engine):
         self.actor, self.engine = actor, engine
 
     def __call__(self) -> dict[str, float]:
-        return push_weights(self.engine, self.actor.iter_weights())
+        named = self.actor.iter_weights()
+        try:
+            return {} if self.engine is None else push_weights(self.engine, named)
+        finally:
+            for _ in named:  # to the end, even when the push failed: the gathers are collective
+                pass
 
 
 def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:

@@ -2,8 +2,8 @@
 parameters and one for expert parameters, chained so that gradients are clipped by their joint
 norm (megatron's ChainedOptimizer), and checkpointed through their sharded state dicts.
 
-As megatron's `get_megatron_optimizer` splits them: dense grad statistics reduce over the
-model-parallel group, expert ones over the expert tensor/model/pipeline group, with the
+As megatron's `get_megatron_optimizer` splits them (experts recognised by name): dense grad
+statistics reduce over the model-parallel group, expert ones over the expert tensor/model/pipeline group, with the
 expert-tensor-parallel group deciding which expert grads are duplicates. It is built here
 without megatron's DDP wrapper because on CPU gradients are synchronised by
 `train_step.sync_gradients` (gloo); the GPU path (DDP buffers + distributed optimizer via
@@ -13,6 +13,11 @@ without megatron's DDP wrapper because on CPU gradients are synchronised by
 from __future__ import annotations
 
 import torch
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter (megatron names them `...mlp.experts...`)."""
+    return ".mlp.experts." in name
 
 
 def init_adam_state(optimizer: torch.optim.Optimizer, config=None) -> None:
@@ -36,19 +41,21 @@ def build_optimizer(chunks: list[torch.nn.Module], lr: float, weight_decay: floa
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 
     config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=grad_clip)
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    # megatron marks expert-parallel parameters with allreduce=False
-    dense = [p for p in params if getattr(p, "allreduce", True)]
-    expert = [p for p in params if not getattr(p, "allreduce", True)]
+    named = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
+    # Experts by name, not by megatron's allreduce=False (set only when EP > 1): under TP > 1 with
+    # ETP = 1 the experts are replicated over TP, and counting them in the dense optimizer's
+    # model-parallel norm would add each TP rank's copy.
+    dense = [p for n, p in named if not is_expert(n)]
+    expert = [p for n, p in named if is_expert(n)]
     parts = []
-    for group, is_expert, stats_group, tp_group in (
+    for group, experts, stats_group, tp_group in (
         (dense, False, ps.get_model_parallel_group(), ps.get_tensor_model_parallel_group()),
         (expert, True, ps.get_expert_tensor_model_pipeline_parallel_group(), ps.get_expert_tensor_parallel_group()),
     ):
         if not group:
             continue
         # the keys megatron's checkpoint loading matches param groups by
-        keys = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": is_expert, "is_decoupled_lr": False}
+        keys = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": experts, "is_decoupled_lr": False}
         adam = torch.optim.AdamW(
             [{"params": group, **keys}],
             lr=lr,

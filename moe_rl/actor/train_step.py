@@ -19,10 +19,18 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
+from moe_rl.actor.optimizer import is_expert
 
 
-def _is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
+def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
+    """How a parameter replicated over TP combines its ranks' gradients (megatron's
+    _allreduce_non_tensor_model_parallel_grads): each rank saw only its sequence slice (sequence
+    parallel) or its own attention heads (QK layernorm) -> sum; a module asking for it -> mean."""
+    if getattr(p, "average_gradients_across_tp_domain", False):
+        return "mean"
+    if getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name:
+        return "sum"
+    return None
 
 
 def sync_gradients(chunks: list[torch.nn.Module]) -> None:
@@ -30,15 +38,19 @@ def sync_gradients(chunks: list[torch.nn.Module]) -> None:
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
     dp_group = ps.get_data_parallel_group(with_context_parallel=True)
     edp_group = ps.get_expert_data_parallel_group()
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if getattr(p, "sequence_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
+            how = _tp_reduction(name, p) if tp > 1 else None
+            if how is not None:
                 dist.all_reduce(p.grad, group=tp_group)
-            group = edp_group if _is_expert(name) else dp_group
+                if how == "mean":
+                    p.grad /= tp
+            group = edp_group if is_expert(name) else dp_group
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
 
@@ -117,7 +129,18 @@ def train_minibatch(
         for c in chunks:
             c.zero_grad(set_to_none=True)
     out = {"actor/grad_norm": float(norm) if ok else float("nan"), "skipped": 0.0 if ok else 1.0}
-    if results:
-        for k in results[0]:
-            out[k] = float(torch.stack([r[k] for r in results]).mean())
-    return out
+    losses_metrics = {k: float(torch.stack([r[k] for r in results]).mean()) for k in results[0]} if results else {}
+    return out | _from_last_stage(losses_metrics)
+
+
+def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
+    """The loss metrics, which only the last pipeline stage computes, on every stage (the step's
+    metric reductions need the same keys on every rank)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return metrics
+    box = [metrics]
+    group = ps.get_pipeline_model_parallel_group()
+    dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[-1], group=group)
+    return box[0]

@@ -33,6 +33,29 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def split_by_prompt(self, prompts_per_part: int) -> list[RolloutBatch]:
+        """Consecutive parts of `prompts_per_part` prompts each (prompt indices re-based to each part):
+        one engine's batch back to the data-parallel ranks whose prompts it sampled."""
+        parts = int(self.prompt_index.max()) // prompts_per_part + 1 if len(self) else 0
+        out = []
+        for p in range(parts):
+            rows = np.nonzero(self.prompt_index // prompts_per_part == p)[0]
+            out.append(
+                RolloutBatch(
+                    [self.prompt_ids[i] for i in rows],
+                    [self.response_ids[i] for i in rows],
+                    [self.rollout_logprobs[i] for i in rows],
+                    [self.finish_reasons[i] for i in rows],
+                    self.prompt_index[rows] - p * prompts_per_part,
+                    self.sample_index[rows],
+                    None if self.routes is None else [self.routes[i] for i in rows],
+                    self.moe_layers,
+                    self.num_experts,
+                    self.topk,
+                )
+            )
+        return out
+
     def to_padded(self, pad_id: int = 0, pad_to_multiple: int = 1, min_length: int = 0) -> PaddedBatch:
         """Right-padded tensors; log-probs and routes aligned to token positions.
 

@@ -1,8 +1,9 @@
 """The vLLM rollout engine: sampling with per-token log-probs and expert routes, weight sync.
 
 Topologies (`RolloutConfig.topology`):
-- `per_rank` (CPU default): every rank owns an independent engine (engine core in its own
-  subprocess with a private process group) and generates its own prompts.
+- `per_rank` (default; the trainer's): the engine belongs to one rank (engine core in its own
+  subprocess with a private process group). The trainer runs `rollout.engines` of them on the
+  leaders of its engine groups (rollout/engine_groups.py).
 - `tp_group` (GPU): one engine with tensor_parallel_size = world size spanning the ranks via
   vLLM's external launcher (not yet run on a GPU).
 
@@ -59,9 +60,12 @@ class RolloutConfig:
     """Engine dtype (bfloat16 on GPUs; the training-inference mismatch is what replay and corrections
     handle)."""
     topology: str = "per_rank"
-    """per_rank | tp_group (see module doc)."""
+    """per_rank | tp_group (see module doc; the trainer uses per_rank)."""
+    engines: int = 0
+    """Number of engines in a training run; 0 = one per data-parallel rank. Each serves an equal share of the
+    data-parallel ranks and runs on the lowest rank among them (rollout/engine_groups.py)."""
     tensor_parallel_size: int = 1
-    """Engine TP size (tp_group topology)."""
+    """Engine TP size (tp_group topology; the trainer's engines use 1)."""
     capture: str = "auto"
     """Route capture: auto (native on CUDA, hook on CPU) | hook | native | none."""
     max_model_len: int | None = None

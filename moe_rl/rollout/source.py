@@ -42,27 +42,25 @@ class RolloutSource(Protocol):
 
 
 class EngineSource:
-    """Prompts from the data source, sampled by this rank's vLLM engine with routes captured."""
+    """Prompts from this data-parallel rank's data shard, sampled by the engine that serves it (on this
+    rank or on its engine group's leader: rollout/engine_groups.py), routes captured."""
 
     phase = "rollout"
 
-    def __init__(self, engine, data, tokenizer, sampling, prompts_per_step: int, pad_multiple: int, may_stop):
-        """`may_stop`: context manager under which an engine failure during a stop signal ends
-        the step instead of the run (Trainer._engine_may_stop)."""
-        self.engine, self.data, self.tokenizer = engine, data, tokenizer
+    def __init__(self, engine, groups, data, tokenizer, sampling, prompts_per_step: int, pad_multiple: int, may_stop):
+        """`engine`: the RolloutEngine on an engine leader, None elsewhere; `groups`: EngineGroups;
+        `may_stop`: context manager under which an engine failure during a stop signal ends the step
+        instead of the run (Trainer._engine_may_stop)."""
+        if groups.is_leader != (engine is not None):
+            raise ValueError(f"rank {dist.get_rank()}: an engine belongs on the engine leaders only ({groups})")
+        self.engine, self.groups, self.data, self.tokenizer = engine, groups, data, tokenizer
         self.sampling, self.prompts_per_step, self.pad_multiple = sampling, prompts_per_step, pad_multiple
         self.may_stop = may_stop
 
     def next(self, step: int) -> Rollout:
         prompts = self.data.next(self.prompts_per_step)
         ids = [self.tokenizer(p.text)["input_ids"] for p in prompts]
-        sampling = self.sampling
-        if sampling.seed is not None:  # distinct per step and rank, reproducible after a resume
-            stream = step * dist.get_world_size() + dist.get_rank()
-            sampling = type(sampling)(**{**sampling.__dict__, "seed": sampling.seed + stream * len(ids)})
-        batch = None
-        with self.may_stop():
-            batch = self.engine.generate(ids, sampling)
+        batch = self._sample(step, ids)
         # One all-reduce: whether any rank lost its engine (ranks leave the step together) and
         # the padded length (EP ranks must agree on it).
         pairs = [] if batch is None else zip(batch.prompt_ids, batch.response_ids, strict=True)
@@ -81,8 +79,39 @@ class EngineSource:
             response_ids=batch.response_ids,
         )
 
+    def _sample(self, step: int, ids: list[list[int]]):
+        """This data-parallel rank's samples (None if the engine stopped with a signal): the leader
+        gathers the prompts of every data-parallel rank it serves, samples them in one call and
+        sends each rank its data-parallel rank's share."""
+        g = self.groups
+        asked = [(g.dp_rank, ids)]
+        if g.group is not None:
+            asked = [None] * len(g.group_ranks) if g.is_leader else None
+            dist.gather_object((g.dp_rank, ids), asked, dst=g.leader, group=g.group)
+        shares = None
+        if g.is_leader:
+            by_dp = dict(asked)
+            prompts = [p for d in g.served for p in by_dp[d]]
+            sampling = self.sampling
+            if sampling.seed is not None:  # per step and data-parallel rank: reproducible after a resume
+                seed = sampling.seed + g.sampling_stream(step) * self.prompts_per_step
+                sampling = type(sampling)(**{**sampling.__dict__, "seed": seed})
+            full = None
+            with self.may_stop():
+                full = self.engine.generate(prompts, sampling)
+            parts = (
+                None if full is None else dict(zip(g.served, full.split_by_prompt(self.prompts_per_step), strict=True))
+            )
+            shares = [None if parts is None else parts[d] for d, _ in asked]
+        if g.group is None:
+            return shares[0]
+        mine = [None]
+        dist.scatter_object_list(mine, shares, src=g.leader, group=g.group)
+        return mine[0]
+
     def close(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
 
 
 class DumpSource:

@@ -26,6 +26,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, run_dir: Path):
         from moe_rl.actor.actor import Actor
+        from moe_rl.actor.converters import get_converter
+        from moe_rl.actor.model import check_divisibility, load_hf_config
         from moe_rl.actor.parallel import init_distributed
         from moe_rl.diagnostics.step_hooks import StepDiagnostics
         from moe_rl.objectives import Objective
@@ -44,6 +46,7 @@ class Trainer:
         for note in notes if self.rank == 0 else []:
             print(f"[moe-rl] WARNING: {note}", flush=True)
         self.model_path = cfg.model.path or self._tiny_model(run_dir)
+        check_divisibility(get_converter(load_hf_config(self.model_path)), cfg.parallel)  # before anything is built
         # Data and reward before the model and engines: a bad file fails in seconds.
         self._build_data()
         self.objective = Objective(cfg.algorithm, cfg.sampling.n)
@@ -63,7 +66,8 @@ class Trainer:
         resumed = self._resume()
         self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
         self.source, engine = self._build_source()
-        self.weight_sync = None if engine is None else WeightSync(self.actor, engine)
+        # every rank of an engine-fed run takes part in the sync's gathers; the leaders push
+        self.weight_sync = None if cfg.trainer.mode == "from_dump" else WeightSync(self.actor, engine)
         self.updates = t.mode != "rollout_only"
         if resumed:
             if self.weight_sync is not None:  # the engine starts from the HF weights; give it the resumed actor's
@@ -88,8 +92,8 @@ class Trainer:
             d.prompt_key,
             d.answer_key,
             cfg.trainer.seed,
-            ps.get_data_parallel_rank(with_context_parallel=True),
-            ps.get_data_parallel_world_size(with_context_parallel=True),
+            ps.get_data_parallel_rank(),  # context-parallel ranks share their samples
+            ps.get_data_parallel_world_size(),
             tokenize=lambda texts: self.tokenizer(texts)["input_ids"],
             max_prompt_tokens=context - cfg.sampling.max_tokens,
             overlong=d.overlong_prompts,
@@ -103,9 +107,12 @@ class Trainer:
         self.reward_fn = load_reward(d.reward)
 
     def _build_source(self):
-        """(RolloutSource, its engine or None) for trainer.mode."""
+        """(RolloutSource, this rank's engine or None) for trainer.mode."""
+        from megatron.core import parallel_state as ps
+
         from moe_rl.rollout import dump
         from moe_rl.rollout.engine import RolloutEngine
+        from moe_rl.rollout.engine_groups import engine_groups
         from moe_rl.rollout.source import DumpSource, EngineSource
 
         cfg, a = self.cfg, self.actor
@@ -115,10 +122,14 @@ class Trainer:
                 Path(cfg.trainer.dump_dir), fingerprint, cfg.sampling.n, cfg.actor.mini_batches, cfg.actor.router_replay
             )
             return source, None
+        groups = engine_groups(cfg.rollout.engines, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         rollout_cfg = type(cfg.rollout)(**{**cfg.rollout.__dict__, "model": self.model_path, "seed": cfg.trainer.seed})
-        engine = RolloutEngine(rollout_cfg, a.layout.moe_layers, a.layout.num_experts, a.layout.topk)
+        engine = None
+        if groups.is_leader:
+            engine = RolloutEngine(rollout_cfg, a.layout.moe_layers, a.layout.num_experts, a.layout.topk)
         source = EngineSource(
             engine,
+            groups,
             self.data,
             self.tokenizer,
             cfg.sampling,

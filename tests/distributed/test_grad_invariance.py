@@ -3,7 +3,8 @@
 The same global batch of 8 sequences, updated once by `Actor.train` (the trainer's update: 2
 mini-batches, global token/sequence counts, gradient sync, clipping, Adam), gives the same
 gradients and updated parameters whether each mini-batch of 4 is split into 1, 2 or 4
-micro-batches, over DP=1 or DP=2, and with EP=2 (see grad_invariance_worker.py).
+micro-batches, over DP=1 or DP=2, with EP=2 and with TP=2 + sequence parallel (see
+grad_invariance_worker.py).
 
 Adam's first steps normalise each element by its own magnitude (~lr * sign(g)), which would
 hide a wrongly scaled gradient and turn fp32 noise in near-zero elements into full-size
@@ -46,17 +47,19 @@ VARIANTS = {
     "dp2_2mb": "w2_dp_mbs1",
     "ep2_1mb": "w2_ep_mbs2",
     "ep2_2mb": "w2_ep_mbs1",
+    "tp2_2mb": "w2_tp_mbs2",  # TP=2 + SP: one data-parallel rank, the whole mini-batch on each rank
+    "tp2_4mb": "w2_tp_mbs1",
 }
 WORKER = "tests.distributed.grad_invariance_worker"
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_models, tmp_path_factory) -> dict[str, dict]:
-    """Every variant's saved update (two torchrun launches: world 1, then world 2 for DP and EP)."""
+    """Every variant's saved update (two torchrun launches: world 1, then world 2 for DP, EP and TP)."""
     out = tmp_path_factory.mktemp("grad_invariance")
     model = str(tiny_models["qwen3_moe"])
     torchrun(WORKER, 1, [model, "--out", str(out), "--micro-batch-sizes", "4", "2", "1"])
-    torchrun(WORKER, 2, [model, "--out", str(out), "--layouts", "dp", "ep", "--micro-batch-sizes", "2", "1"])
+    torchrun(WORKER, 2, [model, "--out", str(out), "--layouts", "dp", "ep", "tp", "--micro-batch-sizes", "2", "1"])
     return {p.stem: torch.load(p) for p in sorted(out.glob("*.pt"))}
 
 

@@ -126,7 +126,12 @@ def test_schema_errors_name_the_key(override, match):
         (["actor.router_replay=r4"], 2, "config actor.router_replay"),
         (["rollout.capture=none"], 2, "r3 replays the rollout engine's routes"),
         (["parallel.ep=3"], 2, "config parallel: .*ep\\*etp = 3\\*1 must divide"),
-        (["parallel.tp=2"], 2, "tp/pp/cp > 1 with rollout.topology=per_rank"),
+        (["parallel.tp=3"], 2, "config parallel: world size 2 is not divisible by tp\\*pp\\*cp = 3\\*1\\*1"),
+        (["parallel.cp=2"], 2, "config parallel.cp: 2: context parallel needs Transformer Engine attention"),
+        (["rollout.engines=3"], 4, "config rollout.engines: 3 engines cannot serve 4 data-parallel ranks"),
+        (["parallel.tp=2", "rollout.engines=2"], 2, "cannot serve 1 data-parallel ranks .*choose a divisor of 1"),
+        (["rollout.tensor_parallel_size=2"], 2, "config rollout.tensor_parallel_size: 2: engines with tensor"),
+        (["rollout.topology=tp_group"], 2, "config rollout.topology: 'tp_group': the trainer places its engines"),
         (["actor.mini_batches=5"], 2, "config actor.mini_batches: 5 does not divide the 32 samples"),
         (["data.task=file"], 1, "config data.path"),
         (
