@@ -31,13 +31,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# The repo root goes first: this file is itself named kernels.py, and bench/ is sys.path[0].
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+# The kernels are imported by main(), not here: run from bench/, this file is itself the module
+# `kernels` to any `import kernels` (transformers probes for the Hugging Face package of that name),
+# and must then import nothing that fails.
+fused_gspo_loss = gspo_loss_reference = fused_linear_logprob = linear_logprob_reference = None
 
-from kernels.gspo_loss import fused_gspo_loss, gspo_loss_reference  # noqa: E402
-from kernels.linear_logprob import fused_linear_logprob, linear_logprob_reference  # noqa: E402
+
+def _import_kernels() -> None:
+    """The kernels from this source tree (the repo root goes first on sys.path: bench/ is sys.path[0])."""
+    global fused_gspo_loss, gspo_loss_reference, fused_linear_logprob, linear_logprob_reference
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kernels.gspo_loss import fused_gspo_loss, gspo_loss_reference
+    from kernels.linear_logprob import fused_linear_logprob, linear_logprob_reference
+
 
 try:
     import triton
@@ -301,6 +309,7 @@ def main() -> int:
     p.add_argument("--skip-reference", action="store_true", help="time only the fused kernels (still checked)")
     p.add_argument("--only", choices=["gspo", "logprob"], help="run one of the two sections")
     a = p.parse_args()
+    _import_kernels()
 
     cuda = torch.cuda.is_available()
     big = {"gspo_seqs": 64, "gspo_len": 4096, "tokens": 16384, "vocab": 151_936, "hidden": 1024, "reps": 10}

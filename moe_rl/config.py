@@ -259,6 +259,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"{r.engines} engines cannot serve {dp} data-parallel ranks (world {world_size} / tp*pp*cp) in equal "
             f"shares; choose a divisor of {dp}, or 0 for one engine per data-parallel rank",
         )
+    from moe_rl.weight_sync import TRANSPORTS
+
+    if r.weight_transport not in TRANSPORTS:
+        bad("rollout.weight_transport", f"{r.weight_transport!r}: choose one of {TRANSPORTS}")
     if r.tensor_parallel_size != 1:
         bad(
             "rollout.tensor_parallel_size",

@@ -1,75 +1,233 @@
-"""Weight sync: the actor's updated weights into the rollout engine, once per step.
+"""Weight sync: the actor's updated weights into the rollout engines, once per step, streamed.
 
-Phases: gather (`Actor.iter_weights`: HF-named full tensors; collective over the actor's
-groups) -> send in buckets of at most `rollout.weight_sync_bucket_mb` -> finish (the engine
-re-runs each layer's post-load processing). Transport `rpc` (CPU): each bucket is a
-safetensors blob passed through vLLM's `collective_rpc` to `WeightReceiver`, which the engine's
-worker extension mixes in. `cuda_ipc` (GPU) is not implemented yet.
+`WeightSync` walks one plan every rank shares (`actor.weights.export_plan`: every distinct HF
+tensor and the rank that contributes it), bucket by bucket (`rollout.weight_sync_bucket_mb`):
+the owner's TP/ETP group gathers a parameter's shards, the owner converts it to HF tensors and
+sends each to every engine leader (gloo point-to-point, or a copy when it is the leader), the
+leader packs them into its bucket buffer and the engine loads the bucket; then the next one. No
+rank ever holds the whole model: an owner holds one parameter, a leader one bucket.
+
+Transports (last hop, leader -> its engine's worker process, `rollout.weight_transport`):
+  shm   the bucket buffer is a file in /dev/shm that the worker maps (no serialisation) — CPU default;
+  rpc   the bucket as a safetensors blob through vLLM's collective_rpc;
+  cuda_ipc / nccl (GPU) are not written yet.
+The engine side (`WeightReceiver`) uses vLLM's layerwise reload, then re-runs each layer's
+post-load processing.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
+
+TRANSPORTS = ("shm", "rpc")
 
 
 class WeightSync:
-    """actor -> engines, after every update and after a resume (the trainer has none without
-    engines: from_dump). Every rank gathers (the weights' owners are spread over the layout);
-    ranks that lead an engine push, the others (`engine` None) only take part in the gathers."""
+    """actor -> engines, after every update and after a resume (the trainer has none without engines:
+    from_dump). Collective: every rank calls it; `engine` is the RolloutEngine on engine leaders, None
+    elsewhere; `leaders`: every engine leader's global rank."""
 
-    def __init__(self, actor, engine):
-        self.actor, self.engine = actor, engine
+    def __init__(self, actor, engine, leaders: list[int], bucket_mb: int, transport: str = "shm"):
+        _check_transport(transport)
+        self.actor, self.engine, self.leaders = actor, engine, sorted(leaders)
+        self.bucket_bytes, self.transport = bucket_mb * 2**20, transport
+        self._plan = None
 
     def __call__(self) -> dict[str, float]:
-        named = self.actor.iter_weights()
-        try:
-            return {} if self.engine is None else push_weights(self.engine, named)
-        finally:
-            for _ in named:  # to the end, even when the push failed: the gathers are collective
-                pass
+        from moe_rl.actor.weights import ExportProducer, export_plan
+
+        t0 = time.perf_counter()
+        me = dist.get_rank() if dist.is_initialized() else 0
+        if self._plan is None:  # shapes never change: planned once (two small all_gather_objects)
+            plan = export_plan(self.actor.chunks, self.actor.conv)
+            self._plan = list(buckets(plan, self.bucket_bytes, lambda e: e.nbytes))
+            hosts = _all_gather(socket.gethostname())
+            # shm: an owner on a leader's host writes straight into the leader's bucket buffer
+            shm = self.transport == "shm"
+            self._same_host = lambda a, b: a == b or (shm and hosts[a] == hosts[b])
+        produce = ExportProducer(self.actor.chunks, self.actor.conv)
+        lead = self.engine is not None
+        size = max(sum(e.nbytes for e in b) for b in self._plan)
+        if lead:
+            self.engine.rpc("moe_rl_begin_weight_update")
+        stats = {"bytes": 0, "tensors": 0, "buckets": 0}
+        with _BucketBuffer(size if lead else 0) as buf:
+            paths = dict(enumerate(_all_gather(buf.path if lead else None)))
+            peers = {r: _map(paths[r], size) for r in self.leaders if r != me and self._same_host(r, me)}
+            for bucket in self._plan:
+                made: dict[str, torch.Tensor] = {}
+                for entry in bucket:
+                    made |= produce(entry) or {}
+                manifest, offset = [], 0
+                for entry in bucket:
+                    for name, shape, dtype in entry.tensors:
+                        n = _nbytes(shape, dtype)
+                        for leader in self.leaders:
+                            if me == leader:
+                                dst = buf.view(offset, n)
+                            elif me == entry.owner and leader in peers:
+                                dst = peers[leader][offset : offset + n]
+                            else:
+                                dst = None
+                            local = self._same_host(entry.owner, leader)
+                            _deliver(made.get(name), entry.owner, leader, me, dst, local)
+                        manifest.append((name, dtype, shape, offset))
+                        offset += n
+                del made
+                _barrier()  # every write of this bucket has landed
+                if lead:
+                    _load_bucket(self.engine, self.transport, buf, manifest)
+                _barrier()  # the engines hold this bucket: its buffers may be overwritten
+                stats["bytes"] += offset
+                stats["tensors"] += len(manifest)
+                stats["buckets"] += 1
+        if lead:
+            self.engine.rpc("moe_rl_finish_weight_update")
+        return {**stats, "seconds": time.perf_counter() - t0}
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _all_gather(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _map(path: str, nbytes: int) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _check_transport(transport: str) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"rollout.weight_transport={transport!r}: choose one of {TRANSPORTS} (cuda_ipc/nccl: GPU, not written yet)"
+        )
+    return transport
+
+
+def _load_bucket(engine, transport: str, buf: _BucketBuffer, manifest: list) -> None:
+    """The engine loads one packed bucket (the last hop)."""
+    from moe_rl.rollout.engine import RolloutEngineError
+
+    if transport == "shm":
+        loaded = engine.rpc("moe_rl_load_shm", buf.path, buf.nbytes, manifest)
+    else:
+        from safetensors.torch import save
+
+        loaded = engine.rpc("moe_rl_load_weights", save(dict(buf.tensors(manifest))))
+    if any(n != len(manifest) for n in loaded):
+        raise RolloutEngineError(f"weight sync: engine loaded {loaded} of {len(manifest)} tensors")
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (what travels)."""
+    return t.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+
+
+def _nbytes(shape, dtype: str) -> int:
+    n = getattr(torch, dtype).itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _deliver(t: torch.Tensor | None, owner: int, leader: int, me: int, dst: torch.Tensor | None, local: bool) -> None:
+    """One HF tensor from its owner into a leader's bucket buffer (`dst`: its bytes there, as this rank
+    sees them). `local`: the owner writes into the leader's mapped buffer itself; else gloo carries it."""
+    if me == owner:
+        raw = _raw(t)
+        if me == leader or local:
+            dst.copy_(raw)
+        else:
+            dist.send(raw, dst=leader)
+    elif me == leader and not local:
+        dist.recv(dst, src=owner)
+
+
+class _BucketBuffer:
+    """A leader's bucket buffer: a file in /dev/shm (a temp dir where there is none) mapped here and,
+    by the shm transport, in the engine's worker process; removed on exit."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.path, self.data = nbytes, "", None
+
+    def __enter__(self) -> _BucketBuffer:
+        if self.nbytes:
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            fd, self.path = tempfile.mkstemp(prefix="moe-rl-weights-", dir=root)
+            os.ftruncate(fd, self.nbytes)
+            os.close(fd)
+            self.data = _map(self.path, self.nbytes)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.data = None
+        if self.path:
+            os.unlink(self.path)
+
+    def view(self, offset: int, n: int) -> torch.Tensor:
+        return self.data[offset : offset + n]
+
+    def tensors(self, manifest: list) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from _views(self.data, manifest)
+
+
+def _views(data: torch.Tensor, manifest: list) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, dtype, shape, offset in manifest:
+        n = _nbytes(shape, dtype)
+        yield name, data[offset : offset + n].view(getattr(torch, dtype)).view(shape)
 
 
 def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-    """Load HF-named tensors into a RolloutEngine in buckets of <= rollout.weight_sync_bucket_mb over
-    rollout.weight_transport; returns bytes, tensors, buckets and seconds."""
-    from safetensors.torch import save
-
-    from moe_rl.rollout.engine import RolloutEngineError
-
-    bucket_mb, transport = engine.cfg.weight_sync_bucket_mb, engine.cfg.weight_transport
-    if transport != "rpc":
-        raise NotImplementedError(
-            f"rollout.weight_transport={transport!r} is not implemented on this build (GPU path not yet run); use rpc"
-        )
+    """Load whole HF-named tensors (a checkpoint's, one rank's export) into one RolloutEngine in buckets of
+    <= rollout.weight_sync_bucket_mb over rollout.weight_transport; returns bytes, tensors, buckets, seconds."""
+    transport = _check_transport(engine.cfg.weight_transport)
     t0 = time.perf_counter()
-    n_bytes = n_tensors = n_buckets = 0
+    stats = {"bytes": 0, "tensors": 0, "buckets": 0}
     engine.rpc("moe_rl_begin_weight_update")
-    for bucket in buckets(named_tensors, bucket_mb * 2**20):
-        payload = save({k: v.detach().to("cpu").contiguous() for k, v in bucket})
-        loaded = engine.rpc("moe_rl_load_weights", payload)
-        if any(n != len(bucket) for n in loaded):
-            raise RolloutEngineError(f"weight sync: engine loaded {loaded} of {len(bucket)} tensors")
-        n_bytes += sum(v.numel() * v.element_size() for _, v in bucket)
-        n_tensors += len(bucket)
-        n_buckets += 1
+    for bucket in buckets(named_tensors, engine.cfg.weight_sync_bucket_mb * 2**20, lambda kv: _tensor_bytes(kv[1])):
+        manifest, offset = [], 0
+        for name, t in bucket:
+            manifest.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+            offset += _tensor_bytes(t)
+        with _BucketBuffer(offset) as buf:
+            for (_, t), (_, _, _, off) in zip(bucket, manifest, strict=True):
+                buf.view(off, _tensor_bytes(t)).copy_(_raw(t))
+            _load_bucket(engine, transport, buf, manifest)
+        stats["bytes"] += offset
+        stats["tensors"] += len(bucket)
+        stats["buckets"] += 1
     engine.rpc("moe_rl_finish_weight_update")
-    return {"bytes": n_bytes, "tensors": n_tensors, "buckets": n_buckets, "seconds": time.perf_counter() - t0}
+    return {**stats, "seconds": time.perf_counter() - t0}
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of tensors of at most `limit` bytes (a larger tensor travels alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > limit:
+def buckets(items: Iterable, limit: int, size) -> Iterator[list]:
+    """Consecutive items of at most `limit` bytes in all (`size(item)`; a larger item travels alone)."""
+    bucket, total = [], 0
+    for item in items:
+        n = size(item)
+        if bucket and total + n > limit:
             yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
+            bucket, total = [], 0
+        bucket.append(item)
+        total += n
     if bucket:
         yield bucket
 
@@ -99,6 +257,15 @@ class WeightReceiver:
 
         tensors = load(payload)
         self.model_runner.get_model().load_weights(weights=tensors.items())
+        return len(tensors)
+
+    def moe_rl_load_shm(self, path: str, nbytes: int, manifest: list) -> int:
+        """Load one bucket from the leader's shared-memory file. Copied out of the mapping first: the
+        layerwise reload keeps a layer's tensors until all of them arrived, possibly from a later
+        bucket, and the leader reuses the buffer for that bucket."""
+        data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        tensors = [(name, t.clone()) for name, t in _views(data, manifest)]
+        self.model_runner.get_model().load_weights(weights=tensors)
         return len(tensors)
 
     def moe_rl_finish_weight_update(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -121,9 +121,3 @@ class Actor:
         from moe_rl.actor.train_step import all_finite
 
         return all_finite([p for c in self.chunks for p in c.parameters()])
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors for the rollout engine (collective: every rank iterates to the end)."""
-        from moe_rl.actor.weights import export_hf_state_dict
-
-        yield from export_hf_state_dict(self.chunks, self.conv).items()

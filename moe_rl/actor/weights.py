@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -203,3 +204,78 @@ def export_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict
     for part in parts:
         out.update(part or {})
     return out
+
+
+# ---- streaming export: one tensor at a time, from its owner --------------------------------
+
+
+@dataclass
+class ExportEntry:
+    """One actor parameter in a streaming export: the rank that contributes it, its index among that
+    rank's parameters (the same on the peers that gather its shards), which group gathers them
+    ('tp' | 'etp' | '' for none) and the HF tensors it becomes: (name, shape, dtype name)."""
+
+    owner: int
+    index: int
+    kind: str
+    tensors: list[tuple[str, tuple[int, ...], str]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(shape) * getattr(torch, dtype).itemsize for _, shape, dtype in self.tensors)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def export_plan(chunks: list[torch.nn.Module], conv: Converter) -> list[ExportEntry]:
+    """Every distinct HF tensor of the model with the rank that contributes it, in one order all ranks
+    share (by owner rank, then parameter order). Shapes come from converting meta tensors: no weight
+    moves. Collective: one all_gather_object of this metadata."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    mine = []
+    for i, (local, gname, p) in enumerate(_local_params(chunks)):
+        if not _owns_unique_copy(local) or (gname == "output_layer.weight" and conv.tie):
+            continue
+        kind, dim, _ = _shard_rule(local, conv)
+        shape = list(p.shape)
+        if kind:
+            shape[dim] *= _group(kind)[2]
+        hf = conv.to_hf(gname, torch.empty(shape, dtype=p.dtype, device="meta"))
+        specs = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in hf.items()]
+        mine.append(ExportEntry(me, i, kind, specs))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    parts: list[list[ExportEntry] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return [e for part in parts for e in part or []]
+
+
+class ExportProducer:
+    """This rank's part in producing plan entries: gathers a parameter's shards with the peers that hold
+    them (only the owner's TP/ETP group takes part) and converts it on the owner."""
+
+    def __init__(self, chunks: list[torch.nn.Module], conv: Converter):
+        self.params = list(_local_params(chunks))
+        self.conv = conv
+        self.me = dist.get_rank() if dist.is_initialized() else 0
+        self._groups = {kind: set(_group_ranks(kind)) for kind in ("tp", "etp")}
+
+    def __call__(self, e: ExportEntry) -> dict[str, torch.Tensor] | None:
+        """HF tensors of `e` on its owner; None elsewhere (after taking part in the gather if needed)."""
+        if self.me != e.owner and (not e.kind or e.owner not in self._groups[e.kind]):
+            return None
+        local, gname, p = self.params[e.index]
+        full = _gather_full(p, local, self.conv)
+        return self.conv.to_hf(gname, full) if self.me == e.owner else None
+
+
+def _group_ranks(kind: str) -> list[int]:
+    group, _, size = _group(kind)
+    if not dist.is_initialized() or size == 1:
+        return [dist.get_rank() if dist.is_initialized() else 0]
+    return dist.get_process_group_ranks(group)

@@ -78,8 +78,9 @@ class RolloutConfig:
     """raw_logprobs (model distribution at temperature 1) | processed_logprobs (after temperature/top-p)."""
     weight_sync_bucket_mb: int = 64
     """Upper bound of one weight-sync bucket."""
-    weight_transport: str = "rpc"
-    """rpc (CPU: safetensors blob through collective_rpc) | cuda_ipc (GPU, not yet run)."""
+    weight_transport: str = "shm"
+    """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps) | rpc
+    (a safetensors blob through collective_rpc). GPU transports (CUDA IPC, NCCL) are not written yet."""
     seed: int | None = None
     """Engine seed; None = 0. The trainer sets it from trainer.seed (setting it there is an error)."""
 

@@ -27,6 +27,7 @@ class EngineGroups:
     leader: int  # global rank of that engine
     group: dist.ProcessGroup | None  # every rank served by that engine (None: only this rank)
     group_ranks: list[int]
+    leaders: list[int]  # every engine's leader (weight sync delivers to each)
 
     @property
     def is_leader(self) -> bool:
@@ -50,11 +51,12 @@ def engine_groups(engines: int, dp_rank: int, dp_size: int) -> EngineGroups:
     world = dist.get_world_size()
     dp_of: list[int] = [0] * world
     dist.all_gather_object(dp_of, dp_rank)
-    mine = None
+    mine, leaders = None, []
     for e in range(engines):  # every rank creates every group, in the same order
         ranks = [r for r in range(world) if e * per <= dp_of[r] < (e + 1) * per]
         group = dist.new_group(ranks) if 1 < len(ranks) < world else (dist.group.WORLD if len(ranks) > 1 else None)
+        leaders.append(min(ranks))
         if dist.get_rank() in ranks:
             mine = (list(range(e * per, (e + 1) * per)), ranks, group)
     served, ranks, group = mine
-    return EngineGroups(engines, dp_rank, dp_size, served, min(ranks), group, ranks)
+    return EngineGroups(engines, dp_rank, dp_size, served, min(ranks), group, ranks, leaders)

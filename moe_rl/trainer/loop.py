@@ -66,8 +66,11 @@ class Trainer:
         resumed = self._resume()
         self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
         self.source, engine = self._build_source()
-        # every rank of an engine-fed run takes part in the sync's gathers; the leaders push
-        self.weight_sync = None if cfg.trainer.mode == "from_dump" else WeightSync(self.actor, engine)
+        self.weight_sync = None
+        if cfg.trainer.mode != "from_dump":  # every rank takes part in the sync's gathers; leaders load
+            r = cfg.rollout
+            leaders = self.source.groups.leaders
+            self.weight_sync = WeightSync(self.actor, engine, leaders, r.weight_sync_bucket_mb, r.weight_transport)
         self.updates = t.mode != "rollout_only"
         if resumed:
             if self.weight_sync is not None:  # the engine starts from the HF weights; give it the resumed actor's

@@ -1,0 +1,164 @@
+"""Streaming weight sync (actor -> rollout engines) vs a plain in-process copy of the same tensors.
+Prints one JSON line.
+
+Builds a tiny Qwen3-MoE large enough for >= 10 buckets, runs `torchrun --nproc-per-node=N` on
+itself with the given layout (default EP=2 on 2 ranks: each rank owns half the experts and leads
+one engine, so half of every engine's experts arrive from the other rank), and times
+`moe_rl.weight_sync.WeightSync` into real vLLM engines. Variants, side by side in one run:
+  shm            streaming, bucket buffer in /dev/shm mapped by the engine worker (default)
+  rpc            streaming, bucket as a safetensors blob through collective_rpc
+  allgather_rpc  the previous path: the whole HF state dict all_gather_object'ed to every rank,
+                 then rpc buckets (every rank holds the whole model)
+  shm_without_engine_load  the shm stream with the engine's load skipped (gathers, sends, packing)
+Per variant: seconds (best of --repeats), bytes/s into each engine, `throughput_ratio` =
+sync bytes/s / plain-copy bytes/s (copying the same tensors once in-process),
+`peak_extra_bytes` = max over ranks of peak RSS during the sync (VmHWM reset before it) minus
+the RSS before it (the rank's own parameters are already resident).
+
+  python bench/weight_sync.py                          # EP=2 on 2 ranks, 4 MiB buckets
+  python bench/weight_sync.py --bucket-mb 8 --nproc 2 --layout parallel.tp=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = dict(arch="qwen3_moe", num_experts=16, topk=2, layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64)
+SPEC |= dict(moe_intermediate=384, vocab_size=512)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child(a) -> None:
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.actor.model import load_model
+    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.weights import export_hf_state_dict
+    from moe_rl.rollout.engine import RolloutConfig, RolloutEngine
+    from moe_rl.rollout.engine_groups import engine_groups
+    from moe_rl.trainer.metrics import PeakMemory
+    from moe_rl.weight_sync import WeightSync, push_weights
+
+    key, value = a.layout.split("=")
+    parallel = ParallelConfig(**{key.removeprefix("parallel."): int(value)})
+    init_distributed(parallel)
+    m = load_model(a.model, parallel)
+    actor = types.SimpleNamespace(chunks=m.chunks, conv=m.conv)
+    groups = engine_groups(0, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    engine = None
+    if groups.is_leader:
+        cfg = RolloutConfig(model=a.model, dtype="float32", weight_sync_bucket_mb=a.bucket_mb)
+        engine = RolloutEngine(cfg, m.layout.moe_layers, m.layout.num_experts, m.layout.topk)
+    memory = PeakMemory()
+
+    def measure(run) -> dict:
+        best = float("inf")
+        peak = 0
+        for _ in range(a.repeats):
+            dist.barrier()
+            before = _rss()
+            memory.reset()
+            t0 = time.perf_counter()
+            stats = run()
+            best = min(best, time.perf_counter() - t0)
+            peak = max(peak, int(memory.read()["memory/peak_rss_gib"] * 2**30) - before)
+        t = torch.tensor([best, peak], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return {"seconds": t[0].item(), "peak_extra_bytes": int(t[1].item()), **(stats or {})}
+
+    variants = {}
+    for transport in ("shm", "rpc"):
+        sync = WeightSync(actor, engine, groups.leaders, a.bucket_mb, transport)
+        sync()  # plans once; warm-up
+        variants[transport] = measure(sync)
+    # the same stream with the engine's load skipped: what the gathers, sends and packing cost
+    skip = types.SimpleNamespace(rpc=lambda method, *args: [len(args[2])] if method == "moe_rl_load_shm" else [True])
+    sync = WeightSync(actor, skip if engine is not None else None, groups.leaders, a.bucket_mb, "shm")
+    sync()
+    variants["shm_without_engine_load"] = measure(sync)
+
+    def allgather_rpc():
+        named = export_hf_state_dict(m.chunks, m.conv)
+        if engine is not None:
+            engine.cfg.weight_transport = "rpc"
+            return push_weights(engine, named.items())
+
+    variants["allgather_rpc"] = measure(allgather_rpc)
+    full = export_hf_state_dict(m.chunks, m.conv)
+    model_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    dst = {k: torch.empty_like(t) for k, t in full.items()}
+    copy_s = float("inf")
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        for k, t in full.items():
+            dst[k].copy_(t)
+        copy_s = min(copy_s, time.perf_counter() - t0)
+    copy_bps = model_bytes / copy_s
+    for v in variants.values():
+        v["bytes_per_s"] = model_bytes / v["seconds"]
+        v["throughput_ratio"] = v["bytes_per_s"] / copy_bps
+        v["peak_extra_buckets"] = v["peak_extra_bytes"] / (a.bucket_mb * 2**20)
+    if dist.get_rank() == 0:
+        out = {
+            "layout": a.layout,
+            "world": dist.get_world_size(),
+            "engines": groups.engines,
+            "model": SPEC,
+            "model_bytes": model_bytes,
+            "bucket_bytes": a.bucket_mb * 2**20,
+            "buckets": variants["shm"].get("buckets"),
+            "plain_copy_bytes_per_s": copy_bps,
+            **{k: variants["shm"][k] for k in ("throughput_ratio", "peak_extra_bytes")},
+            "variants": variants,
+        }
+        Path(a.out).write_text(json.dumps(out))
+    if engine is not None:
+        engine.shutdown()
+    dist.barrier()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--layout", default="parallel.ep=2", help="one parallel.<key>=<size> override")
+    p.add_argument("--bucket-mb", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        return child(a)
+    from moe_rl.models.tiny import TinySpec, build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="moe-rl-bench-") as tmp:
+        model = build_tiny_model(TinySpec(**SPEC), Path(tmp) / "model")
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
+        cmd += [__file__, "--child", "--model", str(model), "--out", str(out), "--layout", a.layout]
+        cmd += ["--bucket-mb", str(a.bucket_mb), "--repeats", str(a.repeats)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode or not out.exists():
+            sys.exit(f"benchmark failed:\n{(proc.stdout + proc.stderr)[-5000:]}")
+        print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()
