@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.parallel import all_gather_objects
+
 TRANSPORTS = ("shm", "rpc")
 
 
@@ -48,7 +50,7 @@ class WeightSync:
         if self._plan is None:  # shapes never change: planned once (two small all_gather_objects)
             plan = export_plan(self.actor.chunks, self.actor.conv)
             self._plan = list(buckets(plan, self.bucket_bytes, lambda e: e.nbytes))
-            hosts = _all_gather(socket.gethostname())
+            hosts = all_gather_objects(socket.gethostname())
             # shm: an owner on a leader's host writes straight into the leader's bucket buffer
             shm = self.transport == "shm"
             self._same_host = lambda a, b: a == b or (shm and hosts[a] == hosts[b])
@@ -59,7 +61,7 @@ class WeightSync:
             self.engine.rpc("moe_rl_begin_weight_update")
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
         with _BucketBuffer(size if lead else 0) as buf:
-            paths = dict(enumerate(_all_gather(buf.path if lead else None)))
+            paths = dict(enumerate(all_gather_objects(buf.path if lead else None)))
             peers = {r: _map(paths[r], size) for r in self.leaders if r != me and self._same_host(r, me)}
             for bucket in self._plan:
                 made: dict[str, torch.Tensor] = {}
@@ -96,14 +98,6 @@ class WeightSync:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _all_gather(obj) -> list:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:

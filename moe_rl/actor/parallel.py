@@ -111,3 +111,12 @@ def world_max(*values: int) -> list[int]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable; small metadata only), in rank order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

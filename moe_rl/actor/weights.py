@@ -248,11 +248,9 @@ def export_plan(chunks: list[torch.nn.Module], conv: Converter) -> list[ExportEn
         hf = conv.to_hf(gname, torch.empty(shape, dtype=p.dtype, device="meta"))
         specs = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in hf.items()]
         mine.append(ExportEntry(me, i, kind, specs))
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    parts: list[list[ExportEntry] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    return [e for part in parts for e in part or []]
+    from moe_rl.actor.parallel import all_gather_objects
+
+    return [e for part in all_gather_objects(mine) for e in part]
 
 
 class ExportProducer:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from moe_rl.actor.parallel import all_gather_objects
+
 
 @dataclass
 class EngineGroups:
@@ -49,8 +51,7 @@ def engine_groups(engines: int, dp_rank: int, dp_size: int) -> EngineGroups:
         )
     per = dp_size // engines
     world = dist.get_world_size()
-    dp_of: list[int] = [0] * world
-    dist.all_gather_object(dp_of, dp_rank)
+    dp_of = all_gather_objects(dp_rank)
     mine, leaders = None, []
     for e in range(engines):  # every rank creates every group, in the same order
         ranks = [r for r in range(world) if e * per <= dp_of[r] < (e + 1) * per]

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.parallel import all_gather_objects
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed as a whole."""
@@ -67,14 +69,6 @@ def _my_share(items: list, rank: int, world: int) -> list:
     return items[rank::world]
 
 
-def _gather(obj) -> list:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def write_manifest(path: Path) -> None:
     """Collective: every file's size and CRC-32 (files split over the ranks), written by rank 0."""
     rank, world = _rank_world()
@@ -83,7 +77,7 @@ def write_manifest(path: Path) -> None:
         name: {"size": (path / name).stat().st_size, "crc32": _crc32(path / name)}
         for name in _my_share(files, rank, world)
     }
-    entries = {k: v for part in _gather(mine) for k, v in part.items()}
+    entries = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
     if rank == 0:
         (path / MANIFEST).write_text(json.dumps({"version": 1, "checksum": "crc32", "files": entries}, indent=1))
 
@@ -112,7 +106,7 @@ def problems(path: Path) -> list[str]:
             )
         elif _crc32(f) != want["crc32"]:
             found.append(f"{f} does not match its checksum (crc32 {_crc32(f)}, manifest {want['crc32']}): corrupted")
-    return sorted(x for part in _gather(found) for x in part)
+    return sorted(x for part in all_gather_objects(found) for x in part)
 
 
 def resolve_resume(root: Path, how: str) -> tuple[Path | None, list[str]]:

@@ -119,7 +119,7 @@ def test_export_without_model_reference(trained, tmp_path):
 def test_megatron_optimizer_equals_clip_then_adamw(tiny_models, world1):
     """The chained megatron optimizer (dense + expert) = global-norm clipping then torch AdamW."""
     chunks, opt = _actor_and_adam(tiny_models["qwen3_moe"])
-    assert len(opt.chained_optimizers) == 1  # EP=1: megatron marks experts allreduce=True (dense group)
+    assert len(opt.chained_optimizers) == 2  # experts by name, even at EP=1 (optimizer.is_expert)
     ref = {n: p.detach().clone().requires_grad_() for n, p in chunks[0].named_parameters()}
     adam = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.01)
     for seed in range(2):
