@@ -57,8 +57,17 @@ class WeightSync:
         produce = ExportProducer(self.actor.chunks, self.actor.conv)
         lead = self.engine is not None
         size = max(sum(e.nbytes for e in b) for b in self._plan)
-        if lead:
-            self.engine.rpc("moe_rl_begin_weight_update")
+        failed: Exception | None = None  # a leader whose engine failed keeps streaming, then raises
+
+        def engine_call(fn, *args) -> None:
+            nonlocal failed
+            if lead and failed is None:
+                try:
+                    fn(*args)
+                except Exception as e:  # the stream's collectives must still complete on every rank
+                    failed = e
+
+        engine_call(self.engine and self.engine.rpc, "moe_rl_begin_weight_update")
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
         with _BucketBuffer(size if lead else 0) as buf:
             paths = dict(enumerate(all_gather_objects(buf.path if lead else None)))
@@ -84,14 +93,14 @@ class WeightSync:
                         offset += n
                 del made
                 _barrier()  # every write of this bucket has landed
-                if lead:
-                    _load_bucket(self.engine, self.transport, buf, manifest)
+                engine_call(_load_bucket, self.engine, self.transport, buf, manifest)
                 _barrier()  # the engines hold this bucket: its buffers may be overwritten
                 stats["bytes"] += offset
                 stats["tensors"] += len(manifest)
                 stats["buckets"] += 1
-        if lead:
-            self.engine.rpc("moe_rl_finish_weight_update")
+        engine_call(self.engine and self.engine.rpc, "moe_rl_finish_weight_update")
+        if failed is not None:
+            raise failed
         return {**stats, "seconds": time.perf_counter() - t0}
 
 

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.distributed
 
 METRIC_TOL = 1e-5  # relative; acceptance of the fused-kernel issue
 PARAM_TOL = 1e-6  # relative, worst HF tensor
-GRAD_TOL = 1e-5
+# fp32 rounding after one optimizer step: the summed QK-norm gradients of step 2 reach ~1.1e-5
+# (as in test_grad_invariance, whose GRAD_TOL this is); a wrong kernel moves them by O(1)
+GRAD_TOL = 1e-4
 LOSSES = ("gspo", "gspo-icepop", "ppo")
 RUNS = {"w1": "w1_dp_mbs2", "tp2_tied": "w2_tp_mbs2"}
 
