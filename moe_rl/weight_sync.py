@@ -3,9 +3,10 @@
 `WeightSync` walks one plan every rank shares (`actor.weights.export_plan`: every distinct HF
 tensor and the rank that contributes it), bucket by bucket (`rollout.weight_sync_bucket_mb`):
 the owner's TP/ETP group gathers a parameter's shards, the owner converts it to HF tensors and
-sends each to every engine leader (gloo point-to-point, or a copy when it is the leader), the
-leader packs them into its bucket buffer and the engine loads the bucket; then the next one. No
-rank ever holds the whole model: an owner holds one parameter, a leader one bucket.
+puts each into every engine leader's bucket buffer (under shm, straight into the mapped buffer
+of a leader on its host; otherwise gloo point-to-point), and the engine loads the bucket; then
+the next one. No rank ever holds the whole model: an owner holds one parameter, a leader one
+bucket.
 
 Transports (last hop, leader -> its engine's worker process, `rollout.weight_transport`):
   shm   the bucket buffer is a file in /dev/shm that the worker maps (no serialisation) — CPU default;
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.actor.parallel import all_gather_objects
+from moe_rl.actor.weights import tensor_nbytes
 
 TRANSPORTS = ("shm", "rpc")
 
@@ -79,7 +81,7 @@ class WeightSync:
                 manifest, offset = [], 0
                 for entry in bucket:
                     for name, shape, dtype in entry.tensors:
-                        n = _nbytes(shape, dtype)
+                        n = tensor_nbytes(shape, dtype)
                         for leader in self.leaders:
                             if me == leader:
                                 dst = buf.view(offset, n)
@@ -144,13 +146,6 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
 
 
-def _nbytes(shape, dtype: str) -> int:
-    n = getattr(torch, dtype).itemsize
-    for d in shape:
-        n *= d
-    return n
-
-
 def _deliver(t: torch.Tensor | None, owner: int, leader: int, me: int, dst: torch.Tensor | None, local: bool) -> None:
     """One HF tensor from its owner into a leader's bucket buffer (`dst`: its bytes there, as this rank
     sees them). `local`: the owner writes into the leader's mapped buffer itself; else gloo carries it."""
@@ -194,7 +189,7 @@ class _BucketBuffer:
 
 def _views(data: torch.Tensor, manifest: list) -> Iterator[tuple[str, torch.Tensor]]:
     for name, dtype, shape, offset in manifest:
-        n = _nbytes(shape, dtype)
+        n = tensor_nbytes(shape, dtype)
         yield name, data[offset : offset + n].view(getattr(torch, dtype)).view(shape)
 
 

@@ -13,6 +13,7 @@ set when megatron initialises weights itself, which the actor skips):
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -222,14 +223,12 @@ class ExportEntry:
 
     @property
     def nbytes(self) -> int:
-        return sum(_numel(shape) * getattr(torch, dtype).itemsize for _, shape, dtype in self.tensors)
+        return sum(tensor_nbytes(shape, dtype) for _, shape, dtype in self.tensors)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a tensor of this shape and dtype name ("float32", "bfloat16", ...)."""
+    return math.prod(shape) * getattr(torch, dtype).itemsize
 
 
 def export_plan(chunks: list[torch.nn.Module], conv: Converter) -> list[ExportEntry]:
