@@ -31,6 +31,7 @@ setup(
         "numpy>=1.26",
         "psutil>=5.9",
         "pyarrow>=14",  # parquet prompt files
+        "datasets>=5.2",  # data.path as a Dataset.save_to_disk folder (datasets.load_from_disk)
         "matplotlib>=3.8",  # moe-rl-diagnose plots
         "huggingface_hub>=0.34",  # sharded safetensors for the HF export
     ],

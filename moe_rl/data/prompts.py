@@ -1,16 +1,20 @@
-"""Prompt sources: the built-in toy prompts, or jsonl/parquet files.
+"""Prompt sources: the built-in toy prompts, jsonl/parquet files or a `Dataset.save_to_disk` folder.
+
+A row holds a prompt string (`data.prompt_key`) or a chat conversation (`data.messages_key`: a list
+of {"role": str, "content": str}). With `data.apply_chat_template=true` every prompt is rendered by
+the tokenizer's chat template (a prompt string as one user message); a conversation is never
+flattened into text without it. Each prompt is tokenized once here and keeps its token ids.
 
 Files are read here line by line (jsonl) or with pyarrow (parquet) so that every bad row is
-reported with its file and line; nothing is skipped silently. Prompts that do not fit the
-engine's context (prompt tokens + sampling.max_tokens > max_model_len) are an error naming
-the line, or are dropped with a count when `data.overlong_prompts=drop`.
+reported with its file and line; nothing is skipped silently. Prompts longer than
+min(data.max_prompt_tokens, the engine's context - sampling.max_tokens) are an error naming the
+line, or are dropped with a count when `data.overlong_prompts=drop`.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +26,15 @@ class DataError(ValueError):
 @dataclass
 class Prompt:
     text: str
+    """The prompt as the engine sees it: the row's prompt string, or its rendering by the chat
+    template (data.apply_chat_template); "" for a `messages` row not rendered yet."""
     answer: str | None = None
     source: str = ""
-    """Where the prompt came from (`file:line`, or `toy:i`), for error messages."""
+    """Where the prompt came from (`file:line`, `file:row N`, or `toy:i`), for error messages."""
+    messages: list[dict] | None = None
+    """The row's chat conversation, if it had one instead of a prompt string."""
+    ids: list[int] | None = None
+    """Token ids of `text`, set by PromptSource when it is given a tokenizer."""
 
 
 TOY_WORDS = [
@@ -54,8 +64,12 @@ OVERLONG_POLICIES = ("error", "drop")
 class PromptSource:
     """Endless shuffled prompts; each data-parallel rank reads its own disjoint stream.
 
-    tokenize + max_prompt_tokens: prompts longer than that many tokens are an error naming their
-    line (overlong="error") or are dropped before sharding, so every rank drops the same rows.
+    `tokenizer` (a Hugging Face tokenizer): every prompt is rendered (apply_chat_template) and
+    tokenized once, its ids kept on the Prompt. A rendered prompt is tokenized without special
+    tokens (the template holds them); a plain one as `tokenizer(text)` does.
+    `max_prompt_tokens` (data.max_prompt_tokens) and `context_limit` (the engine's context -
+    sampling.max_tokens): prompts longer than the smaller are an error naming their line
+    (overlong="error") or are dropped before sharding, so every rank drops the same rows.
     """
 
     def __init__(
@@ -68,19 +82,43 @@ class PromptSource:
         dp_rank: int = 0,
         dp_size: int = 1,
         *,
-        tokenize: Callable[[list[str]], list[list[int]]] | None = None,
+        messages_key: str = "messages",
+        tokenizer=None,
+        apply_chat_template: bool = False,
         max_prompt_tokens: int | None = None,
+        context_limit: int | None = None,
         overlong: str = "error",
     ):
+        if overlong not in OVERLONG_POLICIES:
+            raise ValueError(f"data.overlong_prompts={overlong!r}: choose one of {OVERLONG_POLICIES}")
         if task == "toy":
             rng = random.Random(seed)
             words = [" ".join(rng.choice(TOY_WORDS) for _ in range(rng.randint(2, 8))) for _ in range(512)]
             self.items = [Prompt(w, source=f"toy:{i}") for i, w in enumerate(words)]
         else:
-            self.items = read_prompt_file(path, prompt_key, answer_key)
+            self.items = read_prompt_file(path, prompt_key, answer_key, messages_key)
+        if apply_chat_template:
+            if tokenizer is None:
+                raise ValueError("data.apply_chat_template=true needs the model's tokenizer")
+            render_chat(self.items, tokenizer)
+        else:
+            chat = next((p for p in self.items if p.messages is not None), None)
+            if chat is not None:
+                raise DataError(
+                    f"{chat.source}: a chat {messages_key!r} row needs data.apply_chat_template=true (the "
+                    "conversation is rendered by the tokenizer's chat template, never joined into plain text)"
+                )
+        if tokenizer is not None:
+            ids = tokenizer([p.text for p in self.items], add_special_tokens=not apply_chat_template)["input_ids"]
+            for p, prompt_ids in zip(self.items, ids, strict=True):
+                p.ids = prompt_ids
+        # the longest prompt kept (None: no limit) and the setting it comes from, for messages
+        self.token_limit, self.limit_name = _token_limit(max_prompt_tokens, context_limit)
         self.dropped = 0
-        if tokenize is not None and max_prompt_tokens is not None:
-            self.items, self.dropped = _check_lengths(self.items, tokenize, max_prompt_tokens, overlong)
+        if self.token_limit is not None:
+            if tokenizer is None:
+                raise ValueError("a prompt token limit needs the tokenizer")
+            self.items, self.dropped = _check_lengths(self.items, self.token_limit, self.limit_name, overlong)
         if len(self.items) < dp_size:
             raise DataError(f"{len(self.items)} prompts cannot feed {dp_size} data-parallel ranks")
         self.items = self.items[dp_rank::dp_size]
@@ -103,43 +141,95 @@ class PromptSource:
         return out
 
 
-def _check_lengths(items: list[Prompt], tokenize, limit: int, policy: str) -> tuple[list[Prompt], int]:
-    if policy not in OVERLONG_POLICIES:
-        raise ValueError(f"data.overlong_prompts={policy!r}: choose one of {OVERLONG_POLICIES}")
-    lengths = [len(ids) for ids in tokenize([p.text for p in items])]
-    kept = [p for p, n in zip(items, lengths, strict=True) if n <= limit]
+def render_chat(items: list[Prompt], tokenizer) -> None:
+    """Set each prompt's text to its chat-template rendering, ending with the assistant's turn."""
+    from jinja2 import TemplateError
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"data.apply_chat_template=true, but the tokenizer of {tokenizer.name_or_path or 'the model'} has no "
+            "chat template (chat_template.jinja, or chat_template in tokenizer_config.json); add one to the model "
+            "folder, or set data.apply_chat_template=false and use plain prompt rows"
+        )
+    for p in items:
+        messages = p.messages if p.messages is not None else [{"role": "user", "content": p.text}]
+        try:
+            p.text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except (TemplateError, ValueError) as e:
+            raise DataError(f"{p.source}: the chat template rejects this conversation: {e}") from e
+
+
+def _token_limit(max_prompt_tokens: int | None, context_limit: int | None) -> tuple[int | None, str]:
+    """The smaller of the two limits and the setting to name in errors."""
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"data.max_prompt_tokens={max_prompt_tokens}: must be at least 1 (or null: no limit)")
+    if max_prompt_tokens is not None and (context_limit is None or max_prompt_tokens <= context_limit):
+        return max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"
+    if context_limit is not None:
+        return context_limit, "the engine's context (rollout.max_model_len) less sampling.max_tokens"
+    return None, ""
+
+
+def _check_lengths(items: list[Prompt], limit: int, limit_name: str, policy: str) -> tuple[list[Prompt], int]:
+    kept = [p for p in items if len(p.ids) <= limit]
     if len(kept) < len(items) and policy == "error":
-        first = next(i for i, n in enumerate(lengths) if n > limit)
+        first = next(p for p in items if len(p.ids) > limit)
+        fix = "raise data.max_prompt_tokens" if limit_name.startswith("data.") else "raise rollout.max_model_len"
         raise DataError(
-            f"{items[first].source}: the prompt has {lengths[first]} tokens, more than the {limit} that fit the "
-            f"engine's context with sampling.max_tokens ({len(items) - len(kept)} of {len(items)} prompts are too "
-            "long). Shorten them, raise rollout.max_model_len, or set data.overlong_prompts=drop."
+            f"{first.source}: the prompt has {len(first.ids)} tokens, more than the {limit} allowed by {limit_name} "
+            f"({len(items) - len(kept)} of {len(items)} prompts are too long). Shorten them, {fix}, or set "
+            "data.overlong_prompts=drop."
         )
     if not kept:
-        raise DataError(f"every one of the {len(items)} prompts is longer than {limit} tokens")
+        raise DataError(f"every one of the {len(items)} prompts is longer than {limit} tokens ({limit_name})")
     return kept, len(items) - len(kept)
 
 
-def read_prompt_file(path: str, prompt_key: str, answer_key: str) -> list[Prompt]:
-    """Prompts of a jsonl or parquet file; a DataError names the file and line of any bad row."""
+def read_prompt_file(path: str, prompt_key: str, answer_key: str, messages_key: str = "messages") -> list[Prompt]:
+    """Prompts of a jsonl or parquet file or a `Dataset.save_to_disk` folder; a DataError names the
+    file and line (`file:line`, `file:row N` counting from 1) of any bad row."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        rows = _dataset_folder_rows(p)
+    elif p.is_file():
+        rows = _parquet_rows(p) if p.suffix == ".parquet" else _jsonl_rows(p)
+    else:
         raise FileNotFoundError(f"data.path={path!r} does not exist")
-    rows = _parquet_rows(p) if p.suffix == ".parquet" else _jsonl_rows(p)
-    items = []
-    for where, row in rows:
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        if prompt_key not in row:
-            raise DataError(f"{where}: no key data.prompt_key={prompt_key!r} (keys: {sorted(row)})")
-        text = row[prompt_key]
-        if not isinstance(text, str) or not text.strip():
-            raise DataError(f"{where}: {prompt_key!r} must be a non-empty string, got {text!r:.80}")
-        answer = row.get(answer_key)
-        items.append(Prompt(text, None if answer is None else str(answer), where))
+    items = [_prompt(where, row, prompt_key, answer_key, messages_key) for where, row in rows]
     if not items:
         raise DataError(f"{path}: holds no prompts (empty file)")
     return items
+
+
+def _prompt(where: str, row, prompt_key: str, answer_key: str, messages_key: str) -> Prompt:
+    """One row as a Prompt; a missing (or null) key counts as absent."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    text, messages = row.get(prompt_key), row.get(messages_key)
+    if text is None and messages is None:
+        raise DataError(
+            f"{where}: no key data.prompt_key={prompt_key!r} or data.messages_key={messages_key!r} "
+            f"(keys: {sorted(row)})"
+        )
+    if text is not None and messages is not None:
+        raise DataError(
+            f"{where}: has both {prompt_key!r} and {messages_key!r}; keep one, or point data.prompt_key or "
+            "data.messages_key at the one to use"
+        )
+    answer = row.get(answer_key)
+    answer = None if answer is None else str(answer)
+    if messages is None:
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{where}: {prompt_key!r} must be a non-empty string, got {text!r:.80}")
+        return Prompt(text, answer, where)
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: {messages_key!r} must be a non-empty list of messages, got {messages!r:.80}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(
+                f"{where}: {messages_key!r}[{i}] must be an object with string 'role' and 'content', got {m!r:.80}"
+            )
+    return Prompt("", answer, where, messages=messages)
 
 
 def _jsonl_rows(path: Path):
@@ -167,4 +257,21 @@ def _parquet_rows(path: Path):
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path}: not a readable parquet file ({e})") from None
     for number, row in enumerate(table.to_pylist(), start=1):
+        yield f"{path}:row {number}", row
+
+
+def _dataset_folder_rows(path: Path):
+    """Rows of a folder written by `datasets.Dataset.save_to_disk`."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise DataError(f"{path}: a folder, but not a Hugging Face dataset saved with save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        raise DataError(
+            f"{path}: a DatasetDict with splits {list(ds)}; point data.path at one split's folder "
+            f"(e.g. {path / next(iter(ds), 'train')})"
+        )
+    for number, row in enumerate(ds.to_list(), start=1):
         yield f"{path}:row {number}", row

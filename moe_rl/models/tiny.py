@@ -37,6 +37,14 @@ _CORPUS = [
 ]
 
 
+# A short ChatML-like chat template (data.apply_chat_template). The role markers are plain text for
+# the byte-level BPE, so the vocabulary and special token ids stay as they are.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 @dataclass
 class TinySpec:
     """What to build; every field maps to one CLI option."""
@@ -136,7 +144,7 @@ def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
 
 
 def build_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on the in-memory corpus (no download)."""
+    """A byte-level BPE tokenizer trained on the in-memory corpus (no download), with CHAT_TEMPLATE."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -152,7 +160,11 @@ def build_tokenizer(vocab_size: int):
     )
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|pad|>"
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -31,6 +31,7 @@ class Rollout:
     prompt_index: list[int] | None = None  # prompt of each sample
     response_ids: list[list[int]] | None = None
     rewards: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None  # [B] bool: stopped by sampling.max_tokens (engine source)
 
 
 class RolloutSource(Protocol):
@@ -59,7 +60,7 @@ class EngineSource:
 
     def next(self, step: int) -> Rollout:
         prompts = self.data.next(self.prompts_per_step)
-        ids = [self.tokenizer(p.text)["input_ids"] for p in prompts]
+        ids = [p.ids for p in prompts]  # tokenized once by the PromptSource (chat template applied)
         batch = self._sample(step, ids)
         # One all-reduce: whether any rank lost its engine (ranks leave the step together) and
         # the padded length (EP ranks must agree on it).
@@ -77,6 +78,7 @@ class EngineSource:
             prompts=prompts,
             prompt_index=[int(i) for i in batch.prompt_index],
             response_ids=batch.response_ids,
+            truncated=torch.tensor([r == "length" for r in batch.finish_reasons]),
         )
 
     def _sample(self, step: int, ids: list[list[int]]):

@@ -92,7 +92,9 @@ def test_file_prompts_are_sharded_over_data_parallel_ranks(tmp_path):
     assert a.position == 5
     assert {p.answer for p in a.items} | {p.answer for p in b.items} == {str(i) for i in range(10)}
     with pytest.raises(
-        DataError, match=r"p.jsonl:1: no key data.prompt_key='prompt' \(keys: \['answer', 'question'\]\)"
+        DataError,
+        match=r"p.jsonl:1: no key data.prompt_key='prompt' or data.messages_key='messages' "
+        r"\(keys: \['answer', 'question'\]\)",
     ):
         PromptSource("file", str(path), "prompt", "answer")
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -132,19 +134,25 @@ def test_parquet_prompts_and_a_damaged_parquet_file(tmp_path):
         read_prompt_file(str(tmp_path / "bad.parquet"), "prompt", "answer")
 
 
+class WordTokenizer:
+    """One token per word; records how it was called."""
+
+    def __call__(self, texts, add_special_tokens=True):
+        self.add_special_tokens = add_special_tokens
+        return {"input_ids": [[len(w) for w in t.split()] for t in texts]}
+
+
 def test_overlong_prompts_error_naming_the_line_or_are_dropped_and_counted(tmp_path):
     rows = [{"prompt": "a " * n} for n in (3, 50, 4, 60)]
     path = _jsonl(tmp_path / "p.jsonl", rows)
-
-    def tokenize(texts):
-        return [t.split() for t in texts]
-
+    tok = WordTokenizer()
     with pytest.raises(DataError, match=r"p.jsonl:2: the prompt has 50 tokens, more than the 10 .*2 of 4 prompts"):
-        PromptSource("file", str(path), tokenize=tokenize, max_prompt_tokens=10)
-    src = PromptSource("file", str(path), tokenize=tokenize, max_prompt_tokens=10, overlong="drop")
+        PromptSource("file", str(path), tokenizer=tok, context_limit=10)
+    src = PromptSource("file", str(path), tokenizer=tok, context_limit=10, overlong="drop")
     assert src.dropped == 2 and sorted(len(p.text.split()) for p in src.items) == [3, 4]
+    assert all(p.ids == [1] * len(p.text.split()) for p in src.items) and tok.add_special_tokens
     with pytest.raises(DataError, match="every one of the 4 prompts is longer than 2 tokens"):
-        PromptSource("file", str(path), tokenize=tokenize, max_prompt_tokens=2, overlong="drop")
+        PromptSource("file", str(path), tokenizer=tok, context_limit=2, overlong="drop")
 
 
 def test_toy_prompts_are_deterministic():

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from moe_rl.models.tiny import TinySpec
+from moe_rl.models.tiny import CHAT_TEMPLATE, TinySpec
 from moe_rl.tools.tiny_model import main
 
 
@@ -41,6 +41,7 @@ def test_builds_loadable_folder_with_tokenizer(tmp_path):
     text = "Question: what is 12 + 30? Answer: 42"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text and max(ids) < cfg.vocab_size
+    assert tok.chat_template == CHAT_TEMPLATE  # saved with the folder (chat_template.jinja) and loaded back
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
