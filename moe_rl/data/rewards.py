@@ -1,13 +1,20 @@
-"""Reward functions: `fn(responses: list[str], answers: list[str | None], response_ids: list[list[int]])
--> list[float]`, selected by `data.reward = "module:function"`."""
+"""Reward functions, selected by `data.reward = "module:function"`. Two forms, each sync or `async def`:
+
+- batched: `fn(responses: list[str], answers: list[str | None], response_ids: list[list[int]]) -> list[float]`;
+- per sample, marked with `@per_sample`: `fn(response: str, answer, response_ids: list[int]) -> float`;
+  async ones run concurrently (asyncio.gather), e.g. calls to a judge model or a sandbox.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import numbers
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 RewardFn = Callable[[list[str], list, list[list[int]]], list[float]]
 
@@ -42,6 +49,22 @@ def numeric_answer_reward(responses: list[str], answers: list, response_ids: lis
     return out
 
 
+def per_sample(fn: Callable) -> Callable:
+    """Mark a reward plugin as per-sample, `fn(response: str, answer, response_ids: list[int]) -> float`
+    (sync or async): `score` calls it once per sample instead of once per batch."""
+    fn.reward_per_sample = True
+    return fn
+
+
+def __getattr__(name: str):
+    # `math_answer_reward` is imported on first use: math-verify (sympy, antlr) takes ~1 s to import.
+    if name == "math_answer_reward":
+        from moe_rl.data.math_reward import math_answer_reward
+
+        return math_answer_reward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_reward(spec: str) -> RewardFn:
     """`module:function` -> the function (clear error when missing or not callable)."""
     if ":" not in spec:
@@ -60,6 +83,50 @@ class RewardError(RuntimeError):
     """The reward plugin failed or returned something that is not one finite number per sample."""
 
 
+class _SampleFailed(Exception):
+    """A per-sample plugin raised on sample `index` (the plugin's exception is the cause)."""
+
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.index = index
+
+
+def _run(awaitable: Awaitable):
+    """Await from sync code. Inside a running event loop (a notebook, an async caller) asyncio.run
+    refuses to nest, so the awaitable runs on a fresh loop in a helper thread."""
+
+    async def main():
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main())
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, main()).result()
+
+
+async def _gather(awaitables: list[Awaitable]) -> list:
+    return await asyncio.gather(*awaitables, return_exceptions=True)
+
+
+def _per_sample_rewards(fn: Callable, responses: list[str], answers: list, response_ids: list[list[int]]) -> list:
+    """One call per sample, in order; the awaitables async plugins return then run concurrently."""
+    out = []
+    for i, args in enumerate(zip(responses, answers, response_ids, strict=True)):
+        try:
+            out.append(fn(*args))
+        except Exception as e:
+            raise _SampleFailed(i) from e
+    pending = [i for i, r in enumerate(out) if inspect.isawaitable(r)]
+    if pending:
+        for i, r in zip(pending, _run(_gather([out[i] for i in pending])), strict=True):
+            if isinstance(r, BaseException):
+                raise _SampleFailed(i) from r
+            out[i] = r
+    return out
+
+
 def score(
     fn: RewardFn,
     responses: list[str],
@@ -68,17 +135,30 @@ def score(
     prompts: list[str],
     step: int,
     rank: int | None = None,
+    phase: str = "",
 ) -> list[float]:
-    """Call the reward plugin and check its output: one finite real number per sample.
+    """Call the reward plugin (batched or `@per_sample`, sync or async) and check its output: one
+    finite real number per sample. `phase` names what was scored in errors (e.g. "validation").
 
     A bad value stops the run with the step, the sample index, the prompt's start and the value:
     a NaN reward would otherwise turn every weight into NaN a step later.
     """
     name = getattr(fn, "__qualname__", repr(fn))
-    where = f"step {step}" + (f" (rank {rank})" if rank is not None else "")
+    where = f"step {step}" + (f" {phase}" if phase else "") + (f" (rank {rank})" if rank is not None else "")
     try:
-        rewards = fn(responses, answers, response_ids)
-    except Exception as e:  # the plugin's own traceback is chained below
+        if getattr(fn, "reward_per_sample", False):
+            rewards = _per_sample_rewards(fn, responses, answers, response_ids)
+        else:
+            rewards = fn(responses, answers, response_ids)
+            if inspect.isawaitable(rewards):
+                rewards = _run(rewards)
+    except _SampleFailed as e:  # the plugin's own traceback is chained below
+        cause, i = e.__cause__, e.index
+        raise RewardError(
+            f"{where}: reward function {name} raised {type(cause).__name__} for sample {i} "
+            f"(prompt {prompts[i][:60]!r}): {cause}"
+        ) from cause
+    except Exception as e:
         raise RewardError(f"{where}: reward function {name} raised {type(e).__name__}: {e}") from e
     try:
         count = len(rewards)
