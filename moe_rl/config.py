@@ -50,6 +50,17 @@ class AlgorithmConfig:
     fused_loss: bool = True
     """Compute the policy loss with its fused kernel (kernels/gspo_loss.py: Triton on CUDA, packed torch
     on CPU) where the loss has one (gspo); others run as torch losses, with a one-time message."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy (a frozen copy of the initial weights in the actor's layout,
+    built when > 0: one more copy of the parameters per rank, no gradients or optimizer state)."""
+    kl_type: str = "low_var_kl"
+    """Per-token KL estimator: k1 (log pi - log ref) | k3 (Schulman's, >= 0) | low_var_kl (k3 clamped to
+    [-10, 10], verl's default)."""
+    kl_in_reward: bool = False
+    """false: kl_coef * token-mean KL(pi_theta || ref) is a loss term; true: kl_coef * sum_t KL_t(pi_old || ref)
+    is subtracted from each sample's reward before the advantages (no loss term)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts entropy_coef * token-mean entropy of pi_theta (0 = off)."""
 
 
 @dataclass
@@ -76,9 +87,19 @@ class DataConfig:
     task: str = "toy"
     """toy (built in, learnable by a tiny random model) | file."""
     path: str = ""
-    """jsonl or parquet file of prompts (task=file)."""
+    """jsonl or parquet file, or the folder of an HF dataset saved with save_to_disk (task=file)."""
     prompt_key: str = "prompt"
     """Field of a prompt row holding the prompt text (task=file)."""
+    messages_key: str = "messages"
+    """Field of a prompt row holding a chat: a list of {"role", "content"} (needs apply_chat_template)."""
+    apply_chat_template: bool = False
+    """Render each prompt with the tokenizer's chat template (a plain prompt becomes one user message) and
+    add the generation prompt; false: prompt text as it is (rows with messages are then an error)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt in tokens (after the chat template); null = what fits the engine's context with
+    sampling.max_tokens. Longer prompts follow overlong_prompts."""
+    val_path: str = ""
+    """Validation prompts (same formats and keys as path), evaluated every trainer.val_every steps."""
     answer_key: str = "answer"
     """Field holding the reference answer passed to the reward (task=file)."""
     reward: str = "moe_rl.data.rewards:toy_low_token_reward"
@@ -119,6 +140,29 @@ class TrainerConfig:
     max_skipped_steps: int = 3
     """An optimizer step with a non-finite loss or gradient is skipped on every rank (counted in
     actor/skipped_steps); this many consecutive skips stop the run with an error (>= 1)."""
+    val_every: int = 0
+    """Evaluate on data.val_path every N steps (after the step's weight sync; logged with that step as
+    val/*); 0 = never."""
+    val_before_train: bool = False
+    """Also evaluate once before the first step (logged as step 0)."""
+
+
+@dataclass
+class ValConfig:
+    """Validation sampling (data.val_path, trainer.val_every). Separate seeds: the training sampling and data
+    streams are the same with or without validation."""
+
+    n: int = 1
+    """Samples per validation prompt (val/pass@k uses k = n)."""
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    """null = sampling.max_tokens."""
+    seed: int = 0
+    """Validation prompt i (in file order) samples with seed + i, whatever the engine layout."""
+    pass_threshold: float = 1.0
+    """A sample counts as correct for val/pass@k when its reward >= this."""
 
 
 @dataclass
@@ -156,6 +200,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    val: ValConfig = field(default_factory=ValConfig)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -203,14 +248,41 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("data.task", f"{cfg.data.task!r}: choose toy or file")
     if cfg.data.task == "file" and not cfg.data.path:
         bad("data.path", "task=file needs a jsonl or parquet path")
-    if cfg.data.task == "file" and not os.path.isfile(cfg.data.path):
-        bad("data.path", f"{cfg.data.path!r} does not exist (or is not a file)")
+    if cfg.data.task == "file" and not os.path.exists(cfg.data.path):
+        bad("data.path", f"{cfg.data.path!r} does not exist")
+    if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens < 1:
+        bad("data.max_prompt_tokens", f"{cfg.data.max_prompt_tokens}: must be >= 1 (or null)")
     if cfg.data.overlong_prompts not in OVERLONG_POLICIES:
         bad("data.overlong_prompts", f"{cfg.data.overlong_prompts!r}: choose one of {OVERLONG_POLICIES}")
     try:
         load_reward(cfg.data.reward)
     except ValueError as e:
         bad("data.reward", str(e))
+    from moe_rl.objectives.kl import KL_KINDS
+
+    if alg.kl_type not in KL_KINDS:
+        bad("algorithm.kl_type", f"{alg.kl_type!r}: choose one of {KL_KINDS}")
+    for key in ("kl_coef", "entropy_coef"):
+        if not getattr(alg, key) >= 0:
+            bad(f"algorithm.{key}", f"{getattr(alg, key)}: must be >= 0")
+    if alg.kl_in_reward and not alg.kl_coef > 0:
+        bad("algorithm.kl_in_reward", "needs algorithm.kl_coef > 0 (the weight of the KL in the reward)")
+    if t.val_every < 0:
+        bad("trainer.val_every", "must be >= 0")
+    if (t.val_every or t.val_before_train) and not cfg.data.val_path:
+        bad("trainer.val_every", "validation needs data.val_path (a prompt file like data.path)")
+    if (t.val_every or t.val_before_train) and t.mode == "from_dump":
+        bad("trainer.val_every", "validation samples with the rollout engine; mode=from_dump has none")
+    if cfg.data.val_path and not os.path.exists(cfg.data.val_path):
+        bad("data.val_path", f"{cfg.data.val_path!r} does not exist")
+    if cfg.val.n < 1:
+        bad("val.n", "must be >= 1")
+    if cfg.val.temperature < 0:
+        bad("val.temperature", f"{cfg.val.temperature}: must be >= 0 (0 = greedy)")
+    if cfg.val.temperature == 0 and cfg.val.n > 1:
+        bad("val.n", f"{cfg.val.n}: greedy validation (val.temperature=0) gives one answer per prompt; use val.n=1")
+    if cfg.val.max_tokens is not None and cfg.val.max_tokens < 1:
+        bad("val.max_tokens", f"{cfg.val.max_tokens}: must be >= 1 (or null = sampling.max_tokens)")
     if cfg.data.prompts_per_step < 1:
         bad("data.prompts_per_step", "must be >= 1")
     if cfg.sampling.n < 1:

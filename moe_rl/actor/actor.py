@@ -42,25 +42,33 @@ class Actor:
         wants_replay = a.router_replay != "off" or record_routes
         self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
         self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
+        # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
+        self.reference = None
+        if cfg.algorithm.kl_coef > 0:
+            ref = load_model(model_path, cfg.parallel, ModelOptions(dtype=cfg.model.dtype)).chunks
+            for c in ref:
+                c.requires_grad_(False)
+            replay = RouteReplay(ref, self.layout.moe_layers, verify="count") if a.router_replay != "off" else None
+            self.reference = (ref, replay)
 
     # ---- passes ----------------------------------------------------------------------------
     def old_logprobs(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
         """log pi_old and entropy per token (and, under R2, the routes this pass took)."""
+        routing = {"r3": {"routes": padded.routes}, "r2": {"record": True}}.get(self.cfg.router_replay, {})
+        return self._logprobs(self.chunks, self.replay, padded, with_entropy=True, **routing)
+
+    def ref_logprobs(self, padded: PaddedBatch, old: dict[str, torch.Tensor]) -> torch.Tensor:
+        """log pi_ref per token, routed like pi_old and pi_theta: the engine's routes (R3) or the old pass's
+        (R2) replayed, so the KL measures how the weights moved on the same expert paths, not routing noise."""
+        chunks, replay = self.reference
+        routes = {"r3": padded.routes, "r2": old.get("routes")}.get(self.cfg.router_replay)
+        return self._logprobs(chunks, replay, padded, with_entropy=False, routes=routes)["logprobs"]
+
+    def _logprobs(self, chunks, replay, padded: PaddedBatch, **kw) -> dict[str, torch.Tensor]:
         from moe_rl.actor.forward import compute_logprobs
 
-        kw = {}
-        if self.cfg.router_replay == "r3":
-            kw = {"routes": padded.routes, "replay": self.replay}
-        elif self.cfg.router_replay == "r2":
-            kw = {"record": True, "replay": self.replay}
-        return compute_logprobs(
-            self.chunks,
-            padded.input_ids,
-            padded.attention_mask,
-            self.cfg.micro_batch_size,
-            fused=self.cfg.fused_logprob,
-            **kw,
-        )
+        args = (padded.input_ids, padded.attention_mask, self.cfg.micro_batch_size)
+        return compute_logprobs(chunks, *args, fused=self.cfg.fused_logprob, replay=replay, **kw)
 
     def train(
         self,
@@ -69,10 +77,12 @@ class Actor:
         advantages: torch.Tensor,
         objective,
         on_skip: Callable[[bool, int], bool],
+        ref_logprobs: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """`actor.mini_batches` optimizer steps on the batch with the objective's correction and
         loss; routes replayed per actor.router_replay. `on_skip(skipped, mini_batch)` -> whether
-        the mini-batch counts as skipped (it may raise to stop the run)."""
+        the mini-batch counts as skipped (it may raise to stop the run). `ref_logprobs`: log pi_ref
+        for the objective's KL (metric actor/kl_ref)."""
         from moe_rl.actor.train_step import train_minibatch
 
         a = self.cfg
@@ -100,12 +110,25 @@ class Actor:
             }
             if routes is not None:
                 batch["routes"] = routes[rows]
+            if ref_logprobs is not None:
+                batch["ref_logprobs"] = ref_logprobs[rows]
             counts = {"num_tokens": global_count(mask.sum()), "num_seqs": global_count((mask.sum(-1) > 0).sum())}
             loss = functools.partial(objective.loss, **counts)
             replay = self.replay if routes is not None else None
-            m = train_minibatch(self.chunks, self.optimizer, batch, loss, a.micro_batch_size, replay, a.fused_logprob)
+            m = train_minibatch(
+                self.chunks,
+                self.optimizer,
+                batch,
+                loss,
+                a.micro_batch_size,
+                replay,
+                a.fused_logprob,
+                with_entropy=objective.entropy_coef > 0,
+            )
             if i == 0:  # pi_theta == pi_old before the first optimizer step
                 out["actor/first_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)
+                if "kl_ref" in m:  # and pi_theta == pi_ref on the first step
+                    out["actor/first_minibatch_kl_ref"] = m["kl_ref"]
             if on_skip(bool(m.pop("skipped")), i):
                 out["actor/skipped_steps"] += 1
             norms.append(m.pop("actor/grad_norm"))

@@ -78,6 +78,7 @@ def train_minibatch(
     micro_batch_size: int,
     replay=None,
     fused_logprob: bool | str = True,
+    with_entropy: bool = False,
 ) -> dict[str, float]:
     """Forward+backward over one mini-batch and one optimizer step (`optimizer`: a megatron
     optimizer from `moe_rl.actor.optimizer.build_optimizer`).
@@ -86,6 +87,7 @@ def train_minibatch(
     "routes" when `replay` is given). loss_fn(logp [mb, T] aligned to tokens, micro-batch
     tensors) -> (loss share of this micro-batch in the global mini-batch loss, metrics).
     fused_logprob: log-probs through the fused linear -> log-prob kernel (`LogprobHead`).
+    with_entropy: the loss also gets pi_theta's per-token entropy (differentiable) as extra "entropy".
     """
     from contextlib import nullcontext
 
@@ -108,9 +110,11 @@ def train_minibatch(
     head = LogprobHead(chunks, fused_logprob)
 
     def step(output, mb):
-        lp, _ = head(output, mb.input_ids, with_entropy=False)
+        lp, ent = head(output, mb.input_ids, with_entropy=with_entropy)
         logp = torch.nn.functional.pad(lp, (1, 0))[:, :t]  # entry t scores token t
         extra_t = {k: v[:, :t] if v.dim() >= 2 and v.shape[1] >= t else v for k, v in mb.extra.items()}
+        if ent is not None:
+            extra_t["entropy"] = torch.nn.functional.pad(ent, (1, 0))[:, :t]
         loss, metrics = loss_fn(logp, extra_t)
         losses.append(loss.detach())
         # megatron's schedule divides each micro-batch loss by the number of micro-batches

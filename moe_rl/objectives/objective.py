@@ -1,11 +1,14 @@
 """The RL objective of a run, built once from `algorithm`: advantages, the mismatch correction
-and the policy loss, each a registered function with its own typed config."""
+and the policy loss, each a registered function with its own typed config, plus the KL to the
+reference policy and the entropy bonus."""
 
 from __future__ import annotations
 
 import torch
 
+from moe_rl.objectives.aggregation import masked_mean
 from moe_rl.objectives.corrections import Correction, IcePopConfig
+from moe_rl.objectives.kl import kl_penalty
 from moe_rl.objectives.policy_loss import LossInputs
 from moe_rl.objectives.registry import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 
@@ -34,6 +37,21 @@ class Objective:
         self.group_size = group_size
         # the band mismatch/k_outside_icepop_fraction reports: the run's own under IcePop
         self.icepop_band = self.correction_cfg if isinstance(self.correction_cfg, IcePopConfig) else IcePopConfig()
+        self.kl_coef, self.kl_type, self.kl_in_reward = algorithm.kl_coef, algorithm.kl_type, algorithm.kl_in_reward
+        self.entropy_coef = algorithm.entropy_coef
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run computes log-probs of the reference policy (the frozen initial weights)."""
+        return self.kl_coef > 0
+
+    @torch.no_grad()
+    def reward_kl(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B] kl_coef * sum_t KL_t(pi_old || ref) over each response (algorithm.kl_in_reward; else 0): the
+        total that token-level KL shaping (kl_shaped_token_rewards) takes from an outcome reward."""
+        if not self.kl_in_reward:
+            return torch.zeros(logp.shape[0])
+        return self.kl_coef * (kl_penalty(logp, ref_logp, self.kl_type) * mask).sum(-1)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         return self._advantages(rewards, self.group_size)
@@ -43,7 +61,9 @@ class Objective:
         return self._correction(old_logp, rollout_logp, mask, self.correction_cfg)
 
     def loss(self, logp: torch.Tensor, mb: dict, num_tokens: float, num_seqs: float):
-        """The policy loss of one micro-batch (`mb`: its per-token tensors, see Actor.train)."""
+        """The loss of one micro-batch (`mb`: its per-token tensors, see Actor.train): the policy loss,
+        plus kl_coef * KL(pi_theta || ref) and minus entropy_coef * entropy, both token means over the
+        mini-batch's `num_tokens` (so their share does not depend on the micro-batch split)."""
         x = LossInputs(
             logp=logp,
             old_logp=mb["old_logprobs"],
@@ -54,4 +74,13 @@ class Objective:
             num_tokens=num_tokens,
             num_seqs=num_seqs,
         )
-        return self._loss(x, self.loss_cfg)
+        loss, metrics = self._loss(x, self.loss_cfg)
+        m = x.mask.to(logp.dtype)
+        if "ref_logprobs" in mb:
+            kl = kl_penalty(logp, mb["ref_logprobs"], self.kl_type)
+            metrics["kl_ref"] = masked_mean(kl, m).detach()
+            if not self.kl_in_reward:
+                loss = loss + self.kl_coef * (kl * m).sum() / max(num_tokens, 1.0)
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * (mb["entropy"] * m).sum() / max(num_tokens, 1.0)
+        return loss, metrics

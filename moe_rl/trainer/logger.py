@@ -24,6 +24,14 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     )
 
 
+def val_line(step: int, metrics: dict[str, float]) -> str:
+    return (
+        f"validation at step {step}: reward {metrics['val/reward_mean']:.3f} pass@k {metrics['val/pass@k']:.3f} "
+        f"pass@1 {metrics['val/pass@1']:.3f} len {metrics['val/length_mean']:.1f} "
+        f"({metrics['val/prompts']:.0f} prompts)"
+    )
+
+
 def run_config(cfg) -> dict:
     """The config as wandb shows it, with the registered names of the loss and correction (their
     dataclasses alone do not say which was chosen)."""
@@ -94,7 +102,10 @@ class RunLogger:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
-        self._print(step_line(step, self.total, metrics))
+        if "reward/mean" in metrics:  # a training step (a record may hold only validation)
+            self._print(step_line(step, self.total, metrics))
+        if "val/reward_mean" in metrics:
+            self._print(val_line(step, metrics))
         if self.progress is not None:
             self.progress.update(self.task, completed=step)
 

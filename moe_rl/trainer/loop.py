@@ -72,6 +72,7 @@ class Trainer:
             leaders = self.source.groups.leaders
             self.weight_sync = WeightSync(self.actor, engine, leaders, r.weight_sync_bucket_mb, r.weight_transport)
         self.updates = t.mode != "rollout_only"
+        self.validator = self._build_validator(engine) if t.val_every or t.val_before_train else None
         if resumed:
             if self.weight_sync is not None:  # the engine starts from the HF weights; give it the resumed actor's
                 self.weight_sync()
@@ -82,32 +83,44 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from transformers import AutoTokenizer
 
-        from moe_rl.actor.model import load_hf_config
-        from moe_rl.data.prompts import PromptSource
         from moe_rl.data.rewards import load_reward
 
         cfg, d = self.cfg, self.cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
-        self.data = PromptSource(
-            d.task,
-            d.path,
-            d.prompt_key,
-            d.answer_key,
-            cfg.trainer.seed,
-            ps.get_data_parallel_rank(),  # context-parallel ranks share their samples
-            ps.get_data_parallel_world_size(),
-            tokenize=lambda texts: self.tokenizer(texts)["input_ids"],
-            max_prompt_tokens=context - cfg.sampling.max_tokens,
-            overlong=d.overlong_prompts,
-        )
+        self.data = self._read_prompts(
+            d.path, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), cfg.sampling.max_tokens, d.task
+        )  # context-parallel ranks share their samples
         if self.data.dropped and self.rank == 0:
             print(
                 f"[moe-rl] data: dropped {self.data.dropped} prompts of {d.path or d.task} longer than "
-                f"{context - cfg.sampling.max_tokens} tokens (data.overlong_prompts=drop)",
+                f"{self.data.token_limit} tokens ({self.data.limit_name}; data.overlong_prompts=drop)",
                 flush=True,
             )
         self.reward_fn = load_reward(d.reward)
+
+    def _read_prompts(self, path: str, dp_rank: int, dp_size: int, max_tokens: int, task: str = "file"):
+        """A PromptSource over `path` (this data-parallel rank's shard), rendered, tokenized and length-checked
+        as data.* says, for responses of up to `max_tokens`."""
+        from moe_rl.actor.model import load_hf_config
+        from moe_rl.data.prompts import PromptSource
+
+        cfg, d = self.cfg, self.cfg.data
+        context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
+        return PromptSource(
+            task,
+            path,
+            d.prompt_key,
+            d.answer_key,
+            cfg.trainer.seed,
+            dp_rank,
+            dp_size,
+            messages_key=d.messages_key,
+            tokenizer=self.tokenizer,
+            apply_chat_template=d.apply_chat_template,
+            max_prompt_tokens=d.max_prompt_tokens,
+            context_limit=context - max_tokens,
+            overlong=d.overlong_prompts,
+        )
 
     def _build_source(self):
         """(RolloutSource, this rank's engine or None) for trainer.mode."""
@@ -141,6 +154,19 @@ class Trainer:
             self._engine_may_stop,
         )
         return source, engine
+
+    def _build_validator(self, engine):
+        from moe_rl.trainer.validation import Validator
+
+        cfg = self.cfg
+        val = self._read_prompts(cfg.data.val_path, 0, 1, cfg.val.max_tokens or cfg.sampling.max_tokens)
+        prompts = val.items  # in file order, every rank the same list
+        if self.rank == 0:
+            dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
+            print(f"[moe-rl] validation: {len(prompts)} prompts of {cfg.data.val_path}{dropped}", flush=True)
+        groups = self.source.groups
+        args = (self.tokenizer, self.reward_fn, cfg.val, cfg.sampling, self._engine_may_stop)
+        return Validator(prompts, groups, engine, *args)
 
     def _resume(self) -> dict | None:
         """Restore the checkpoint chosen (and verified) at start; None for a fresh run."""
@@ -186,19 +212,31 @@ class Trainer:
             rollout = self.source.next(self.step_index)  # StepAbandoned when a signal took the engine
         with timer("reward"):
             rewards = self.reward(rollout)
-        advantages = self.objective.advantages(rewards)
         with timer("old_logprobs"):
             old = self.actor.old_logprobs(rollout.padded)
+        ref, kl_penalty = None, None
+        if self.objective.needs_reference:
+            with timer("ref_logprobs"):
+                ref = self.actor.ref_logprobs(rollout.padded, old)
+            kl_penalty = self.objective.reward_kl(old["logprobs"], ref, rollout.padded.loss_mask)
+        advantages = self.objective.advantages(rewards if kl_penalty is None else rewards - kl_penalty)
         with timer("diagnostics"):  # dumps and router agreement, before the update changes the actor
             metrics = self.diagnostics(self.step_index, rollout, old, rewards)
+        if self.objective.kl_in_reward:
+            metrics["reward/kl_penalty_mean"] = float(kl_penalty.mean())
         if self.updates:
             with timer("update"):
-                metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip)
+                metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip, ref)
         if self.updates and self.weight_sync is not None:
             with timer("weight_sync"), self._engine_may_stop():
                 self.weight_sync()
+        val, every = {}, self.cfg.trainer.val_every
+        if self.validator is not None and every and (self.step_index + 1) % every == 0:
+            with timer("validation"):
+                val = self.validator(self.step_index + 1)
         peaks = timer.times | self.memory.read()
         metrics = global_metrics(rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, peaks)
+        metrics |= val
         self.step_index += 1
         self.data_position = self.data.position
         self.logger.log(self.step_index, metrics)
@@ -261,6 +299,8 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     saves = t.mode != "rollout_only"
     history = []
     try:
+        if t.val_before_train and trainer.step_index == 0 and (val := trainer.validator(0)):
+            trainer.logger.log(0, val)
         while trainer.step_index < t.steps:
             try:
                 history.append(trainer.step())

@@ -96,7 +96,10 @@ def global_metrics(
     }
     rank_means = rank_means | {"reward/zero_variance_groups": zero_variance_fraction(rewards, group_size)}
     sums |= {f"rank_sum/{k}": v for k, v in rank_means.items()}
-    maxima |= {"reward/max": float(rewards.max())} | peaks
+    if rollout.truncated is not None:
+        sums["response/truncated"] = float(rollout.truncated.sum())
+    maxima |= {"reward/max": float(rewards.max()), "response/length_max": float(rollout.response_lengths.max())}
+    maxima |= peaks
     sums, maxima = _all_reduce(sums, dist.ReduceOp.SUM), _all_reduce(maxima, dist.ReduceOp.MAX)
     mm = mismatch_from_sums(
         {k[9:]: torch.tensor(v) for k, v in sums.items() if k.startswith("mismatch/")},
@@ -108,8 +111,11 @@ def global_metrics(
         "reward/mean": sums["reward/sum"] / sums["samples"],
         "reward/max": maxima["reward/max"],
         "response/length_mean": sums["response/length_sum"] / sums["samples"],
+        "response/length_max": maxima["response/length_max"],
         "actor/entropy": sums["entropy/sum"] / max(sums["mismatch/tokens"], 1.0),
     }
+    if "response/truncated" in sums:
+        out["response/clip_ratio"] = sums["response/truncated"] / sums["samples"]
     out |= {f"mismatch/{k}": float(v) for k, v in mm.items()}
     out |= {k: maxima[k] for k in peaks}
     return out

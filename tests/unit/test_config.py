@@ -155,6 +155,13 @@ def test_schema_errors_name_the_key(override, match):
         (["actor.micro_batch_size=0"], 1, "config actor.micro_batch_size: 0: must be >= 1"),
         (["actor.mini_batches=0"], 1, "config actor.mini_batches: 0: must be >= 1"),
         (["trainer.max_skipped_steps=0"], 1, "config trainer.max_skipped_steps"),
+        (["algorithm.kl_type=k2"], 1, "config algorithm.kl_type: 'k2': choose one of \\('k1', 'k3', 'low_var_kl'\\)"),
+        (["algorithm.kl_coef=-0.1"], 1, "config algorithm.kl_coef: -0.1: must be >= 0"),
+        (["algorithm.kl_in_reward=true"], 1, "config algorithm.kl_in_reward: needs algorithm.kl_coef > 0"),
+        (["trainer.val_every=2"], 1, "config trainer.val_every: validation needs data.val_path"),
+        (["data.val_path=/no/val.jsonl"], 1, "config data.val_path: '/no/val.jsonl' does not exist"),
+        (["val.n=4"], 1, "config val.n: 4: greedy validation .* use val.n=1"),
+        (["data.max_prompt_tokens=0"], 1, "config data.max_prompt_tokens: 0: must be >= 1"),
     ],
 )
 def test_inconsistent_configs_fail_before_heavy_work(overrides, world, match):

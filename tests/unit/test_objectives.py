@@ -326,6 +326,70 @@ def test_kl_estimators_and_reward_shaping():
         assert torch.allclose(shaped[i], expect)
 
 
+def _verl_kl_penalty(logprob, ref_logprob, kind):
+    """verl's core_algos.kl_penalty (kl, low_var_kl branches), transcribed."""
+    if kind == "kl":
+        return logprob - ref_logprob
+    kl = (ref_logprob - logprob).clamp(min=-20, max=20)
+    ratio = torch.exp(kl)
+    return torch.clamp(ratio - kl - 1, min=-10, max=10)
+
+
+def test_low_var_kl_is_verls():
+    logp, old, _, _, _ = _rand_batch(5, 8, scale=3.0)  # log-ratios large enough to reach the clamp
+    assert (O.kl_penalty(logp, old, "k3") > 10).any()
+    assert torch.equal(O.kl_penalty(logp, old, "low_var_kl"), _verl_kl_penalty(logp, old, "low_var_kl"))
+    assert torch.equal(O.kl_penalty(logp, old, "k1"), _verl_kl_penalty(logp, old, "kl"))
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3", "low_var_kl"])
+def test_objective_adds_the_reference_kl_and_the_entropy_bonus(kind):
+    """loss = policy loss + kl_coef * sum(KL * mask) / num_tokens - entropy_coef * sum(H * mask) / num_tokens,
+    in value and gradient; kl_ref is the micro-batch's token mean; pi_theta == pi_ref gives exactly 0."""
+    from moe_rl.config import AlgorithmConfig
+
+    logp, old, roll, mask, adv = _rand_batch(5, 9, scale=0.3)
+    ref = old + 0.2 * torch.randn_like(old)
+    ent = torch.rand_like(old) * 3
+    mb = {"old_logprobs": old, "rollout_logprobs": roll, "advantages": adv, "loss_mask": mask, "weights": None}
+    counts = {"num_tokens": float(mask.sum()) * 2, "num_seqs": 7.0}
+    plain = O.Objective(AlgorithmConfig(fused_loss=False), group_size=5)
+    both = O.Objective(AlgorithmConfig(fused_loss=False, kl_coef=0.3, kl_type=kind, entropy_coef=0.05), 5)
+    x0, x1 = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    l0, _ = plain.loss(x0, dict(mb), **counts)
+    l1, m1 = both.loss(x1, mb | {"ref_logprobs": ref, "entropy": ent}, **counts)
+    l0.backward()
+    l1.backward()
+    n = counts["num_tokens"]
+    kl = {"k1": logp - ref, "k3": (ref - logp).exp() - (ref - logp) - 1}.get(kind)
+    kl = _verl_kl_penalty(logp, ref, "low_var_kl") if kind == "low_var_kl" else kl
+    want = l0 + 0.3 * (kl * mask).sum() / n - 0.05 * (ent * mask).sum() / n
+    assert torch.allclose(l1, want, rtol=1e-10, atol=1e-12)
+    dkl = {"k1": torch.ones_like(logp)}.get(kind, 1 - (ref - logp).exp())
+    assert torch.allclose(x1.grad - x0.grad, 0.3 * dkl * mask / n, rtol=1e-8, atol=1e-12)
+    assert torch.allclose(m1["kl_ref"], (kl * mask).sum() / mask.sum())
+    _, m_same = both.loss(logp, mb | {"ref_logprobs": logp.clone(), "entropy": ent}, **counts)
+    assert m_same["kl_ref"].item() == 0.0
+
+
+def test_kl_in_reward_takes_the_shaped_total_from_each_reward():
+    """algorithm.kl_in_reward: reward - kl_coef * sum_t KL_t(pi_old || ref) = the sequence total of the
+    token-level shaping (kl_shaped_token_rewards), and no KL loss term."""
+    from moe_rl.config import AlgorithmConfig
+
+    logp, old, roll, mask, adv = _rand_batch(6, 7, scale=0.3)
+    mask[1, 3] = 1  # every row has a response (the shaping puts the reward on its last token)
+    rewards = torch.randn(6, dtype=torch.float64)
+    obj = O.Objective(AlgorithmConfig(kl_coef=0.2, kl_type="k1", kl_in_reward=True, fused_loss=False), 6)
+    shaped = O.kl_shaped_token_rewards(rewards, logp, old, mask, beta=0.2, kind="k1").sum(-1)
+    assert torch.allclose(rewards - obj.reward_kl(logp, old, mask), shaped)
+    mb = {"old_logprobs": old, "rollout_logprobs": roll, "advantages": adv, "loss_mask": mask, "weights": None}
+    plain = O.Objective(AlgorithmConfig(fused_loss=False), 6)
+    counts = {"num_tokens": float(mask.sum()), "num_seqs": 6.0}
+    loss, metrics = obj.loss(logp, mb | {"ref_logprobs": old}, **counts)
+    assert torch.equal(loss, plain.loss(logp, mb, **counts)[0]) and "kl_ref" in metrics
+
+
 # ---- mismatch metrics -----------------------------------------------------------------------
 
 

@@ -1,0 +1,79 @@
+"""Validation during training: the engines sample the validation prompts with the current weights
+(after the step's weight sync); no update, no routes kept.
+
+The prompts are split over the engines in contiguous shares and prompt i (in file order) samples
+with seed `val.seed + i`, so the result does not depend on the engine layout, and the training
+streams (their own data order and per-step seeds) are the same with or without validation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+VAL_SUMS = ("prompts", "samples", "reward", "length", "passed", "correct", "stopped")
+
+
+class Validator:
+    def __init__(self, prompts: list, groups, engine, tokenizer, reward_fn, val_cfg, sampling, may_stop):
+        """`prompts`: every validation Prompt (with token ids), the same list on every rank; `groups`:
+        EngineGroups; `engine`: this rank's engine (leaders) or None; `val_cfg`: config.ValConfig;
+        `sampling`: the training SamplingConfig (its stop strings are kept); `may_stop`: as EngineSource's."""
+        e, engines = groups.leaders.index(groups.leader), len(groups.leaders)
+        self.first = e * len(prompts) // engines
+        share = prompts[self.first : (e + 1) * len(prompts) // engines]
+        self.share = share if groups.is_leader else []
+        self.engine, self.tokenizer, self.reward_fn, self.may_stop = engine, tokenizer, reward_fn, may_stop
+        self.cfg = val_cfg
+        self.sampling = replace(
+            sampling,
+            n=val_cfg.n,
+            temperature=val_cfg.temperature,
+            top_p=val_cfg.top_p,
+            max_tokens=val_cfg.max_tokens or sampling.max_tokens,
+            seed=val_cfg.seed + self.first,
+        )
+
+    def __call__(self, step: int) -> dict[str, float]:
+        """val/* metrics over every engine's prompts (collective: every rank calls it); {} when a stop
+        signal took an engine."""
+        sums = torch.zeros(len(VAL_SUMS), dtype=torch.float64)
+        if self.share:
+            sums += self._score(step)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        s = dict(zip(VAL_SUMS, sums.tolist(), strict=True))
+        if s["stopped"] or not s["prompts"]:
+            return {}
+        return {
+            "val/reward_mean": s["reward"] / s["samples"],
+            "val/pass@k": s["passed"] / s["prompts"],
+            "val/pass@1": s["correct"] / s["samples"],
+            "val/length_mean": s["length"] / s["samples"],
+            "val/prompts": s["prompts"],
+        }
+
+    def _score(self, step: int) -> torch.Tensor:
+        from moe_rl.data.rewards import score
+
+        batch = None
+        with self.may_stop():
+            batch = self.engine.generate([p.ids for p in self.share], self.sampling)
+        if batch is None:
+            return torch.tensor([0, 0, 0, 0, 0, 0, 1], dtype=torch.float64)
+        texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        prompts = [self.share[i] for i in batch.prompt_index]
+        answers, sources = [p.answer for p in prompts], [p.text for p in prompts]
+        rank = dist.get_rank() if dist.get_world_size() > 1 else None
+        rewards = score(self.reward_fn, texts, answers, batch.response_ids, sources, step, rank, phase="validation")
+        r = torch.tensor(rewards, dtype=torch.float64)
+        correct = (r >= self.cfg.pass_threshold).double()
+        passed = torch.zeros(len(self.share), dtype=torch.float64).index_add_(
+            0, torch.as_tensor(batch.prompt_index), correct
+        )
+        lengths = sum(len(x) for x in batch.response_ids)
+        return torch.tensor(
+            [len(self.share), len(r), r.sum(), lengths, (passed > 0).sum(), correct.sum(), 0], dtype=torch.float64
+        )
