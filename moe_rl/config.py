@@ -75,7 +75,14 @@ class ActorConfig:
     mini_batches: int = 2
     """Optimizer steps per rollout batch (pi_theta drifts from pi_old after the first); >= 1."""
     micro_batch_size: int = 8
-    """Samples per forward/backward pass; >= 1."""
+    """Samples per forward/backward pass when packing is off; >= 1."""
+    packing: bool = True
+    """Padding-free passes: the samples of a pass are packed into bins of at most max_tokens_per_micro_batch
+    tokens, one row per forward with a block-diagonal causal mask (actor/packing.py); false: padded
+    micro-batches of micro_batch_size samples, all as long as the batch's longest sample. CPU path; on
+    GPU (THD through Transformer Engine, not built yet) set false."""
+    max_tokens_per_micro_batch: int = 2048
+    """Token budget of a packed forward (actor.packing); a longer sample gets a forward of its own."""
     fused_logprob: bool = True
     """Log-probs (and entropy) straight from the last hidden states with the fused linear -> log-prob kernel
     (kernels/linear_logprob.py), vocab-parallel under TP: the [tokens, vocab] logits are never held whole.
@@ -303,6 +310,14 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("sampling.max_tokens", f"{cfg.sampling.max_tokens}: must be >= 1 (tokens generated per sample)")
     if cfg.actor.micro_batch_size < 1:
         bad("actor.micro_batch_size", f"{cfg.actor.micro_batch_size}: must be >= 1 (samples per forward)")
+    if cfg.actor.max_tokens_per_micro_batch < 1:
+        bad("actor.max_tokens_per_micro_batch", f"{cfg.actor.max_tokens_per_micro_batch}: must be >= 1")
+    if cfg.actor.packing and _has_cuda():
+        bad(
+            "actor.packing",
+            "the GPU packing path (THD sequences through Transformer Engine) is not built yet, and megatron's "
+            "fused softmax ignores a block-diagonal mask in bf16; set actor.packing=false on GPU",
+        )
     if cfg.actor.mini_batches < 1:
         bad("actor.mini_batches", f"{cfg.actor.mini_batches}: must be >= 1")
     if t.max_skipped_steps < 1:

@@ -32,6 +32,7 @@ class Actor:
         `init_distributed`."""
         from moe_rl.actor.model import ModelOptions, load_model
         from moe_rl.actor.optimizer import build_optimizer
+        from moe_rl.actor.packing import check_packing_supported
         from moe_rl.actor.replay import RouteReplay
 
         a = cfg.actor
@@ -42,6 +43,9 @@ class Actor:
         wants_replay = a.router_replay != "off" or record_routes
         self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
         self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
+        self.max_tokens = a.max_tokens_per_micro_batch if a.packing else None  # token budget of a packed forward
+        if a.packing:
+            check_packing_supported(self.chunks[0].config)
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
@@ -68,7 +72,25 @@ class Actor:
         from moe_rl.actor.forward import compute_logprobs
 
         args = (padded.input_ids, padded.attention_mask, self.cfg.micro_batch_size)
-        return compute_logprobs(chunks, *args, fused=self.cfg.fused_logprob, replay=replay, **kw)
+        kw |= {"fused": self.cfg.fused_logprob, "replay": replay, "pack": self.pack_plan(padded)}
+        return compute_logprobs(chunks, *args, **kw)
+
+    def pack_plan(self, padded: PaddedBatch):
+        """The bins of this batch under actor.packing (None when off): within each mini-batch, so every
+        pass of the step (old, reference, diagnostics, update) runs each sample in the same bin at the
+        same row length. Collective."""
+        from megatron.core import parallel_state as ps
+
+        from moe_rl.actor.packing import plan_packing
+
+        if self.max_tokens is None:
+            return None
+        lengths = padded.attention_mask.sum(-1).tolist()
+        tp = ps.get_tensor_model_parallel_world_size()
+        one_length = ps.get_pipeline_model_parallel_world_size() > 1
+        # ranks that exchange tokens with each other inside a forward: expert (and expert-tensor) parallel
+        agree = ps.get_expert_tensor_and_model_parallel_group()
+        return plan_packing(lengths, self.max_tokens, self.cfg.mini_batches, tp, one_length, agree)
 
     def train(
         self,
@@ -92,6 +114,7 @@ class Actor:
         if b % a.mini_batches:
             raise ValueError(f"actor.mini_batches={a.mini_batches} does not divide this rank's {b} samples")
         per = b // a.mini_batches
+        plan = self.pack_plan(padded)  # the bins of the old-log-prob pass
         out: dict[str, float] = {f"{objective.correction_name}/{k}": float(v) for k, v in corr.metrics.items()}
         out["actor/skipped_steps"] = 0.0
         weights = corr.weights if corr.weights is not None else torch.ones_like(corr.mask)
@@ -124,6 +147,7 @@ class Actor:
                 replay,
                 a.fused_logprob,
                 with_entropy=objective.entropy_coef > 0,
+                pack=None if plan is None else plan.group(i, i * per),
             )
             if i == 0:  # pi_theta == pi_old before the first optimizer step
                 out["actor/first_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)
@@ -137,7 +161,27 @@ class Actor:
                 out[key] = out.get(key, 0.0) + v / a.mini_batches
         applied = [x for x in norms if math.isfinite(x)]
         out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
-        return out
+        return out | self._pass_shape(padded, plan)
+
+    def _pass_shape(self, padded: PaddedBatch, plan) -> dict[str, float]:
+        """What the update computed: perf/micro_batches (forwards on a rank), perf/padding_fraction
+        (share of computed positions that are padding, over every data-parallel rank) and perf/tokens
+        (real tokens over the data-parallel ranks; the trainer turns it into perf/tokens_per_s)."""
+        from megatron.core import parallel_state as ps
+
+        b, t = padded.input_ids.shape
+        if plan is None:
+            per = b // self.cfg.mini_batches
+            mbs = self.cfg.mini_batches * -(-per // self.cfg.micro_batch_size)
+            positions = b * (t + (-t) % ps.get_tensor_model_parallel_world_size())
+        else:
+            mbs, positions = len(plan.bins), sum(plan.seq_lens)
+        tokens = global_count(padded.attention_mask.sum())
+        return {
+            "perf/micro_batches": float(mbs),
+            "perf/padding_fraction": 1.0 - tokens / global_count(torch.tensor(float(positions))),
+            "perf/tokens": tokens,
+        }
 
     # ---- state -----------------------------------------------------------------------------
     def weights_finite(self) -> bool:

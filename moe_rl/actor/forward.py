@@ -13,18 +13,28 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.packing import Pack, PackPlan, pack_bin, sample_positions, unpack
+
 # step_fn(logits [b, s, V/TP], micro_batch) -> (loss scalar, outputs dict of [b, s] tensors)
 StepFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass
 class MicroBatch:
-    """One forward's inputs; `index` selects its rows in the full batch."""
+    """One forward's inputs; `index` selects its samples in the full batch. Packed (`pack` set): the
+    samples run back to back in one row (actor/packing.py)."""
 
-    input_ids: torch.Tensor  # [b, s]
-    attention_mask: torch.Tensor  # [b, s] 1 = real token
-    index: torch.Tensor  # [b] rows of the full batch
-    extra: dict
+    input_ids: torch.Tensor  # [b, s], packed: [1, S]
+    attention_mask: torch.Tensor  # [b, s] 1 = real token (packed: [1, S])
+    index: torch.Tensor  # [b] samples of the full batch
+    extra: dict  # per-sample [b, T, ...] tensors; packed: routes as [1, S, L, K]
+    pack: Pack | None = None
+
+    def aligned(self, values: torch.Tensor, t: int) -> torch.Tensor:
+        """Per-position scores of the next token ([rows, s-1], LogprobHead) -> [samples, t] where entry j
+        scores token j of each sample (column 0 is 0)."""
+        full = torch.nn.functional.pad(values, (1, 0))
+        return full[:, :t] if self.pack is None else unpack(full, self.pack, t)
 
 
 def split_microbatches(
@@ -33,11 +43,13 @@ def split_microbatches(
     micro_batch_size: int,
     pad_multiple: int = 1,
     extra: dict[str, torch.Tensor] | None = None,
+    pack: PackPlan | None = None,
 ) -> list[MicroBatch]:
     """Split a padded batch into micro-batches of equal sequence length.
 
     The length is padded to a multiple of `pad_multiple` (TP for sequence parallel). Tensors in
-    `extra` with a leading batch dim are split alongside.
+    `extra` with a leading batch dim are split alongside. `pack` (actor.packing): one packed
+    micro-batch per bin of the plan instead (`micro_batch_size` and `pad_multiple` unused).
     """
     if input_ids.shape != attention_mask.shape:
         raise ValueError(
@@ -46,6 +58,8 @@ def split_microbatches(
         )
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+    if pack is not None:
+        return _packed_microbatches(input_ids, attention_mask, pack, extra or {})
     b, t = input_ids.shape
     pad = (-t) % pad_multiple
     if pad:
@@ -56,6 +70,18 @@ def split_microbatches(
     for start in range(0, b, micro_batch_size):
         idx = torch.arange(start, min(start + micro_batch_size, b))
         out.append(MicroBatch(input_ids[idx], attention_mask[idx], idx, {k: v[idx] for k, v in extra.items()}))
+    return out
+
+
+def _packed_microbatches(input_ids, attention_mask, plan: PackPlan, extra) -> list[MicroBatch]:
+    lengths = attention_mask.sum(-1)
+    if (attention_mask != (torch.arange(attention_mask.shape[1]) < lengths[:, None]).long()).any():
+        raise ValueError("packing needs right-padded rows (attention_mask = 1 then 0)")
+    out = []
+    for rows, seq_len in zip(plan.bins, plan.seq_lens, strict=True):
+        ids, pack, mb_extra = pack_bin(input_ids, lengths, rows, seq_len, extra)
+        mask = (pack.sample >= 0).long()[None]
+        out.append(MicroBatch(ids, mask, torch.as_tensor(rows, dtype=torch.long), mb_extra, pack))
     return out
 
 
@@ -76,13 +102,17 @@ def run_schedule(
 
     device = next(chunks[0].parameters()).device
     seq_len = microbatches[0].input_ids.shape[1]
-    mask = _causal_mask(seq_len).to(device)
+    causal = _causal_mask(seq_len).to(device)
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         ids = mb.input_ids.to(device)
-        pos = torch.arange(seq_len, device=device).unsqueeze(0).expand_as(ids)
-        output = model(ids, pos, mask)
+        pos = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+        if mb.pack is None:
+            output = model(ids, pos, causal)
+        else:  # rows of their own length, block-diagonal mask, RoPE at each sample's positions
+            with sample_positions(model, mb.pack.position):
+                output = model(ids, pos, mb.pack.attn_mask.to(device))
 
         def loss_func(logits):
             return step_fn(logits, mb)
@@ -233,13 +263,15 @@ def compute_logprobs(
     replay=None,
     record: bool = False,
     fused: bool | str = True,
+    pack: PackPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token log pi(y_t | y_<t) and entropy for a right-padded batch.
 
     Returns {"logprobs": [B, T], "entropy": [B, T]}: entry t scores token t given tokens < t
     (column 0 and padding are 0). Available on every rank of the pipeline.
     fused=True: full-vocabulary logits never exist whole (`LogprobHead`); fused=False: they
-    live inside one micro-batch's loss function.
+    live inside one micro-batch's loss function. pack: run the plan's bins as packed micro-batches
+    (actor.packing; `micro_batch_size` is then unused).
 
     Routing (`replay`: a `moe_rl.actor.replay.RouteReplay` bound to these chunks):
       routes=[B, T, L_moe, K] -> replay them (R3, or the update passes of R2);
@@ -262,11 +294,12 @@ def compute_logprobs(
         micro_batch_size or b,
         pad_multiple=ps.get_tensor_model_parallel_world_size(),
         extra=None if routes is None else {"routes": routes},
+        pack=pack,
     )
     if routes is not None:
         routing = replay.replay(mbs)
     elif record:
-        routing = replay.record(mbs, b)
+        routing = replay.record(mbs, b, t)
     else:
         routing = nullcontext({})
 
@@ -274,9 +307,9 @@ def compute_logprobs(
 
     def step(output, mb: MicroBatch):
         lp, ent = head(output, mb.input_ids, with_entropy, temperature)
-        out = {"logprobs": lp}
+        out = {"logprobs": mb.aligned(lp, t)}
         if ent is not None:
-            out["entropy"] = ent
+            out["entropy"] = mb.aligned(ent, t)
         return lp.new_zeros(()), out
 
     with head, routing as recorded:
@@ -287,7 +320,7 @@ def compute_logprobs(
         full = torch.zeros(b, t, dtype=torch.float32)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             for mb, r in zip(mbs, results, strict=True):
-                full[mb.index, 1:] = r[k][:, : t - 1].float().cpu()
+                full[mb.index] = r[k].float().cpu()
         full = _broadcast_from_last_stage(full)
         out[k] = full * attention_mask.float() * _not_first(attention_mask)
     if record:
@@ -311,14 +344,16 @@ def routing_views(
     replayed: torch.Tensor | None = None,
     live: dict[str, torch.Tensor] | None = None,
     fused: bool | str = True,
+    pack: PackPlan | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """pi_old two ways, for the mismatch diagnostics: with the engine's `routes` replayed and
     with the actor's own routing (plus the routes it chose). A caller whose old-log-prob pass
     already is one of the two passes it in (`replayed` log-probs, or `live` = a recording
     `compute_logprobs` output) and only the other runs."""
     args = (chunks, input_ids, attention_mask, micro_batch_size)
+    kw = {"replay": replay, "fused": fused, "pack": pack}
     if live is None:
-        live = compute_logprobs(*args, with_entropy=False, replay=replay, record=True, fused=fused)
+        live = compute_logprobs(*args, with_entropy=False, record=True, **kw)
     if replayed is None and routes is not None:
-        replayed = compute_logprobs(*args, with_entropy=False, routes=routes, replay=replay, fused=fused)["logprobs"]
+        replayed = compute_logprobs(*args, with_entropy=False, routes=routes, **kw)["logprobs"]
     return {"logprobs_replay": replayed, "logprobs_live": live["logprobs"], "routes_live": live["routes"]}

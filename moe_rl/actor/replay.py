@@ -231,12 +231,13 @@ class RouteReplay:
 
     # ---- record (R2) ----------------------------------------------------------------------
     @contextmanager
-    def record(self, microbatches: list[MicroBatch], num_samples: int) -> Iterator[dict]:
+    def record(self, microbatches: list[MicroBatch], num_samples: int, length: int) -> Iterator[dict]:
         """Record this model's top-k for the micro-batches run inside the block.
 
-        Yields a dict whose "routes" entry (set on exit) is a host `[num_samples, T, L_moe, K]`
+        Yields a dict whose "routes" entry (set on exit) is a host `[num_samples, >= length, L_moe, K]`
         array holding this rank's layers (other layers hold filler ids), gathered over
-        sequence/context-parallel ranks so it can be re-sliced for any later micro-batching.
+        sequence/context-parallel ranks and unpacked per sample (packed micro-batches), so it can be
+        re-sliced for any later micro-batching.
         """
         for h in self.hooks:
             h.recorded.clear()
@@ -247,34 +248,29 @@ class RouteReplay:
         finally:
             for h in self.hooks:
                 h.mode = "idle"
-        out["routes"] = self._assemble(microbatches, num_samples)
+        out["routes"] = self._assemble(microbatches, num_samples, length)
 
-    def _assemble(self, microbatches: list[MicroBatch], num_samples: int) -> np.ndarray:
+    def _assemble(self, microbatches: list[MicroBatch], num_samples: int, length: int) -> np.ndarray:
         from megatron.core import parallel_state as ps
 
         from moe_rl.routing.records import route_dtype
 
         dtype = route_dtype(self.num_experts)
-        seq_len = microbatches[0].input_ids.shape[1]
         lay = self._layout()
-        local_pos = rank_positions(seq_len, **lay)
-        full = np.empty((num_samples, seq_len, len(self.moe_layers), self.topk), dtype=dtype)
+        width = length if microbatches[0].pack is not None else microbatches[0].input_ids.shape[1]
+        full = np.empty((num_samples, width, len(self.moe_layers), self.topk), dtype=dtype)
         full[:] = filler_row(len(self.moe_layers), self.topk, dtype)
-        mine = []  # (mb index rows, layer col, [b, s_local, K])
+        mine = []  # (micro-batch number, layer col, [rows, s_local, K])
         for h in self.hooks:
             if len(h.recorded) != len(microbatches):
                 raise RouteError(
                     f"MoE layer {h.layer}: recorded {len(h.recorded)} forwards for {len(microbatches)} micro-batches"
                 )
-            for mb, ids in zip(microbatches, h.recorded, strict=True):
-                b = len(mb.index)
-                mine.append(
-                    (
-                        mb.index.numpy(),
-                        self.col[h.layer],
-                        ids.reshape(len(local_pos), b, self.topk).transpose(0, 1).cpu().numpy().astype(dtype),
-                    )
-                )
+            for number, (mb, ids) in enumerate(zip(microbatches, h.recorded, strict=True)):
+                rows, seq_len = mb.input_ids.shape
+                local_pos = rank_positions(seq_len, **lay)
+                local = ids.reshape(len(local_pos), rows, self.topk).transpose(0, 1).cpu().numpy().astype(dtype)
+                mine.append((number, self.col[h.layer], local))
             h.recorded.clear()
         parts = [(lay["tp_rank"], lay["cp_rank"], mine)]
         group = ps.get_tensor_and_context_parallel_group() if dist.is_initialized() else None
@@ -282,7 +278,14 @@ class RouteReplay:
             parts = [None] * dist.get_world_size(group)
             dist.all_gather_object(parts, (lay["tp_rank"], lay["cp_rank"], mine), group=group)
         for tp_rank, cp_rank, entries in parts:
-            pos = rank_positions(seq_len, **{**lay, "tp_rank": tp_rank, "cp_rank": cp_rank})
-            for rows, col, ids in entries:
-                full[np.ix_(rows, pos, [col])] = ids[:, :, None, :]
+            for number, col, ids in entries:
+                mb = microbatches[number]
+                pos = rank_positions(mb.input_ids.shape[1], **{**lay, "tp_rank": tp_rank, "cp_rank": cp_rank})
+                if mb.pack is None:
+                    full[np.ix_(mb.index.numpy(), pos, [col])] = ids[:, :, None, :]
+                    continue
+                sample = mb.pack.sample.numpy()[pos]  # packed positions -> (sample, position)
+                real = sample >= 0
+                rows = mb.index.numpy()[sample[real]]
+                full[rows, mb.pack.position.numpy()[pos][real], col] = ids[0, real]
         return full

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
 from moe_rl.actor.optimizer import is_expert
+from moe_rl.actor.packing import PackPlan
 
 
 def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
@@ -79,6 +80,7 @@ def train_minibatch(
     replay=None,
     fused_logprob: bool | str = True,
     with_entropy: bool = False,
+    pack: PackPlan | None = None,
 ) -> dict[str, float]:
     """Forward+backward over one mini-batch and one optimizer step (`optimizer`: a megatron
     optimizer from `moe_rl.actor.optimizer.build_optimizer`).
@@ -88,6 +90,7 @@ def train_minibatch(
     tensors) -> (loss share of this micro-batch in the global mini-batch loss, metrics).
     fused_logprob: log-probs through the fused linear -> log-prob kernel (`LogprobHead`).
     with_entropy: the loss also gets pi_theta's per-token entropy (differentiable) as extra "entropy".
+    pack: run the plan's bins as packed micro-batches (actor.packing); the loss still sees per-sample rows.
     """
     from contextlib import nullcontext
 
@@ -103,6 +106,7 @@ def train_minibatch(
         micro_batch_size,
         pad_multiple=ps.get_tensor_model_parallel_world_size(),
         extra=extra,
+        pack=pack,
     )
     t = batch["input_ids"].shape[1]
     n_mb = len(mbs)
@@ -110,15 +114,19 @@ def train_minibatch(
     head = LogprobHead(chunks, fused_logprob)
 
     def step(output, mb):
+        if len(mb.index) == 0:  # a bin left empty so that every rank runs as many forwards
+            return output.sum() * 0.0, {}
         lp, ent = head(output, mb.input_ids, with_entropy=with_entropy)
-        logp = torch.nn.functional.pad(lp, (1, 0))[:, :t]  # entry t scores token t
-        extra_t = {k: v[:, :t] if v.dim() >= 2 and v.shape[1] >= t else v for k, v in mb.extra.items()}
+        logp = mb.aligned(lp, t)  # entry t scores token t of each sample
+        extra_t = {k: v[:, :t] if v.dim() >= 2 and v.shape[1] >= t else v for k, v in mb.extra.items() if k != "routes"}
         if ent is not None:
-            extra_t["entropy"] = torch.nn.functional.pad(ent, (1, 0))[:, :t]
+            extra_t["entropy"] = mb.aligned(ent, t)
         loss, metrics = loss_fn(logp, extra_t)
         losses.append(loss.detach())
+        mask = extra_t.get("loss_mask", torch.ones(len(mb.index), 1))
+        weights = {TOKENS: mask.sum().detach(), SEQS: (mask.sum(-1) > 0).sum().detach()}
         # megatron's schedule divides each micro-batch loss by the number of micro-batches
-        return loss * n_mb, {k: v.detach() for k, v in metrics.items()}
+        return loss * n_mb, {k: v.detach() for k, v in metrics.items()} | weights
 
     routing = replay.replay(mbs) if replay is not None else nullcontext()
     with head, routing:
@@ -133,8 +141,26 @@ def train_minibatch(
         for c in chunks:
             c.zero_grad(set_to_none=True)
     out = {"actor/grad_norm": float(norm) if ok else float("nan"), "skipped": 0.0 if ok else 1.0}
-    losses_metrics = {k: float(torch.stack([r[k] for r in results]).mean()) for k in results[0]} if results else {}
-    return out | _from_last_stage(losses_metrics)
+    return out | _from_last_stage(_weighted_means([r for r in results if r]))
+
+
+TOKENS, SEQS = "_tokens", "_sequences"
+
+
+def _weighted_means(results: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Each loss metric over the mini-batch: the micro-batches' values weighted by their loss tokens
+    (by their sequences for `seq_*` metrics), so a token mean (ppo_kl, clipfrac, kl_ref) or a sequence
+    mean (seq_ratio_mean) does not depend on how the samples were split or packed."""
+    if not results:
+        return {}
+    out = {}
+    for k in results[0]:
+        if k in (TOKENS, SEQS):
+            continue
+        w = torch.stack([r[SEQS if k.startswith("seq_") else TOKENS].double() for r in results])
+        w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1.0 / len(w))
+        out[k] = float((torch.stack([r[k].double() for r in results]) * w).sum())
+    return out
 
 
 def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:

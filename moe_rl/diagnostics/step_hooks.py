@@ -54,6 +54,7 @@ class StepDiagnostics:
             replayed=old["logprobs"] if mode == "r3" else None,
             live=old if mode == "r2" else None,
             fused=a.cfg.fused_logprob,
+            pack=a.pack_plan(padded),
         )
 
     def router_agreement(self, padded, live_routes: torch.Tensor) -> float:

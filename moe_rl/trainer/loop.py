@@ -237,6 +237,8 @@ class Trainer:
         peaks = timer.times | self.memory.read()
         metrics = global_metrics(rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, peaks)
         metrics |= val
+        if "perf/tokens" in metrics:  # the update's real tokens over the data-parallel ranks
+            metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/update"]
         self.step_index += 1
         self.data_position = self.data.position
         self.logger.log(self.step_index, metrics)

@@ -1,8 +1,9 @@
 """torchrun worker: one actor update on a fixed global batch, split over micro-batches, DP, EP and
-TP, with the fused kernels (actor.fused_logprob, algorithm.fused_loss) on or off.
+TP, with the fused kernels (actor.fused_logprob, algorithm.fused_loss) on or off, padded or packed
+(actor.packing, bins of PACK_TOKENS tokens).
 
   torchrun --nproc-per-node=N -m tests.distributed.grad_invariance_worker MODEL --out DIR \
-      --layouts dp ep --micro-batch-sizes 2 1 --losses gspo ppo [--fused on off]
+      --layouts dp ep --micro-batch-sizes 2 1 --losses gspo ppo [--fused on off] [--packing off on]
 
 Every rank builds the same global batch of 8 sequences (seeded; uneven prompt and response
 lengths, rollout log-probs that make the correction drop tokens and sequences, random R3
@@ -17,7 +18,7 @@ joined): the synced gradient before each optimizer step ("grads", one dict per s
 parameters after the update ("params"), the mean grad norm ("grad_norm"), every metric of the
 update ("metrics") and the old-log-prob pass ("old": log-probs and entropy, at temperature 1
 and 0.7); DIR/initial.pt holds the weights before it. A variant with the fused kernels off is
-saved with the suffix "_unfused".
+saved with the suffix "_unfused", a packed one with "_packed".
 
 A data-parallel rank takes, from each global mini-batch of 4 rows, its contiguous share, so
 that the union over ranks of local mini-batch i is global mini-batch i (rows 4i..4i+3).
@@ -44,6 +45,7 @@ MASKED_TOKEN = (0, PROMPT_LENS[0] + 1)
 # Far below Adam's eps (1e-8 per element): Adam runs in its linear regime (update ~ lr * g / eps),
 # so the updated parameters reflect the gradient values instead of their signs.
 GRAD_CLIP = 1e-6
+PACK_TOKENS = 24  # several bins per mini-batch, of 1 to 3 samples (lengths 5 to 17)
 
 
 def global_batch(vocab: int, num_moe_layers: int, num_experts: int, topk: int, seed: int) -> dict:
@@ -106,7 +108,9 @@ def hf_tensors(actor, of_grad: bool = False) -> dict[str, torch.Tensor]:
             p.data = d
 
 
-def run_variant(model: str, layout: str, mbs: int, loss: str, batch: dict, out: Path, fused: bool = True) -> str:
+def run_variant(
+    model: str, layout: str, mbs: int, loss: str, batch: dict, out: Path, fused: bool = True, packing: bool = False
+) -> str:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -138,6 +142,8 @@ def run_variant(model: str, layout: str, mbs: int, loss: str, batch: dict, out: 
             mini_batches=MINI_BATCHES,
             micro_batch_size=mbs,
             fused_logprob=fused,
+            packing=packing,
+            max_tokens_per_micro_batch=PACK_TOKENS,
         ),
     )
     actor = Actor(cfg, model, record_routes=False)
@@ -161,6 +167,7 @@ def run_variant(model: str, layout: str, mbs: int, loss: str, batch: dict, out: 
         fused=fused,
         routes=padded.routes,
         replay=actor.replay,
+        pack=actor.pack_plan(padded),
     )
     padded.rollout_logprobs = (old["logprobs"] + batch["noise"][rows]) * padded.loss_mask
 
@@ -177,7 +184,7 @@ def run_variant(model: str, layout: str, mbs: int, loss: str, batch: dict, out: 
     assert metrics["actor/skipped_steps"] == 0, metrics
     assert len(grads) == MINI_BATCHES, len(grads)
     params = hf_tensors(actor)
-    name = f"w{world}_{layout}_mbs{mbs}_{loss}" + ("" if fused else "_unfused")
+    name = f"w{world}_{layout}_mbs{mbs}_{loss}" + ("" if fused else "_unfused") + ("_packed" if packing else "")
     if dist.get_rank() == 0:
         olds = {"logprobs": old["logprobs"], "entropy": old["entropy"], "logprobs_t0.7": hot["logprobs"]}
         olds["entropy_t0.7"] = hot["entropy"]
@@ -203,6 +210,7 @@ def main() -> None:
     p.add_argument("--micro-batch-sizes", nargs="+", type=int, required=True)
     p.add_argument("--losses", nargs="+", choices=("gspo", "gspo-icepop", "ppo"), default=["gspo", "ppo"])
     p.add_argument("--fused", nargs="+", choices=("on", "off"), default=["on"])
+    p.add_argument("--packing", nargs="+", choices=("off", "on"), default=["off"])
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     out = Path(a.out)
@@ -215,8 +223,9 @@ def main() -> None:
         for mbs in a.micro_batch_sizes:
             for loss in a.losses:
                 for fused in a.fused:
-                    name = run_variant(a.model, lay, mbs, loss, batch, out, fused == "on")
-                    print(f"[grad_invariance] {name} done", flush=True)
+                    for packing in a.packing:
+                        name = run_variant(a.model, lay, mbs, loss, batch, out, fused == "on", packing == "on")
+                        print(f"[grad_invariance] {name} done", flush=True)
     destroy_distributed()
 
 

@@ -37,8 +37,9 @@ def test_kl_ref_is_zero_on_the_first_minibatch_then_grows(replay, tiny_models, w
     for step in range(3):
         old = actor.old_logprobs(padded)
         ref = actor.ref_logprobs(padded, old)
-        if step == 0:  # same weights, same routes, same passes: bitwise the old log-probs
-            assert torch.equal(ref, old["logprobs"])
+        if step == 0:  # same weights and routes: the old log-probs (bitwise where both passes route live;
+            # under R2 the old pass records and the reference replays, fp32 rounding of the padding's experts)
+            assert torch.allclose(ref, old["logprobs"], rtol=0, atol=0 if replay == "off" else 1e-5)
         adv = torch.randn(8)
         m = actor.train(padded, old, adv, objective, lambda skipped, i: skipped, ref)
         kls.append((m["actor/first_minibatch_kl_ref"], m["actor/kl_ref"]))

@@ -1,0 +1,221 @@
+"""Padding-free micro-batches: samples packed into token-budget bins, one bin per forward.
+
+RL response lengths have long tails, so padding every sample to the longest of the batch wastes
+most of the compute. Here the samples of each mini-batch go into `k = ceil(tokens / budget)` bins
+balanced by token count (longest first into the lightest bin; a bin that would overflow the budget
+adds a bin); ranks that exchange tokens inside a forward (expert parallel) agree on the bin count
+and on each bin's length, and each bin runs as one row:
+
+  tokens  [1, S]         the samples back to back, then padding up to S
+  mask    [1, 1, S, S]   block-diagonal causal (True = masked): a token sees only earlier tokens of
+                         its own sample; a padding position sees only itself (no empty softmax row)
+  RoPE                   at each sample's own positions (0, 1, ... per sample), as THD does
+  routes  [1, S, L, K]   packed by the same index as the tokens, filler ids on padding
+
+The mask carries all the separation: a plain causal mask leaks across samples. Log-probs come
+back per sample (`unpack`), so losses see `[n, T]` rows as without packing and use the same
+global token counts. Megatron's local attention applies a given mask as is on CPU; on GPU the THD
+path through Transformer Engine is the one to use (not built yet).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.routing.records import filler_row
+
+PACKED_KEYS = ("routes",)
+"""Per-token `extra` tensors packed like the tokens (replay consumes them per forward); every other
+extra tensor stays per sample (the loss reads it next to the unpacked log-probs)."""
+
+
+def check_packing_supported(config) -> None:
+    """Refuse MoE settings under which a sample's result depends on what it is packed with: expert
+    capacity drops tokens by the load of the whole forward, and per-sequence auxiliary losses would
+    see one sequence per pack (Megatron-LM #6108)."""
+    problems = []
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        problems.append(f"moe_expert_capacity_factor={config.moe_expert_capacity_factor} (token dropping)")
+    balancing = getattr(config, "moe_router_load_balancing_type", "none")
+    if "seq_aux_loss" in (balancing if isinstance(balancing, list) else [balancing]):
+        problems.append("moe_router_load_balancing_type=seq_aux_loss")
+    if problems:
+        raise ValueError("actor.packing=true changes results with " + "; ".join(problems) + "; set actor.packing=false")
+
+
+@dataclass
+class Pack:
+    """Where each sample of a bin sits in its packed row."""
+
+    attn_mask: torch.Tensor  # [1, 1, S, S] bool, True = masked
+    sample: torch.Tensor  # [S] row of the micro-batch's samples at each packed position (-1: padding)
+    position: torch.Tensor  # [S] position within that sample
+    gather: torch.Tensor  # [n, T] packed position of each sample token (0 where not `valid`)
+    valid: torch.Tensor  # [n, T] bool: the sample has a token there
+
+
+def balanced_bins(lengths: list[int], budget: int, min_bins: int = 1) -> list[list[int]]:
+    """Indices of `lengths` in bins of at most `budget` tokens (a longer sample gets a bin alone),
+    at least `min_bins`, balanced: longest first into the lightest bin (LPT). Deterministic."""
+    if budget < 1:
+        raise ValueError(f"actor.max_tokens_per_micro_batch={budget}: must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    over = sum(n >= budget for n in lengths)  # each fills a bin alone
+    k = max(min_bins, over + math.ceil(sum(n for n in lengths if n < budget) / budget), 1)
+    while True:
+        bins: list[list[int]] = [[] for _ in range(k)]
+        load = [0] * k
+        for i in order:
+            j = min(range(k), key=lambda b: (load[b], b))
+            if load[j] and load[j] + lengths[i] > budget:
+                break  # the lightest bin is full: one more bin, start over
+            bins[j].append(i)
+            load[j] += lengths[i]
+        else:
+            return [sorted(b) for b in bins]
+        k += 1
+
+
+@dataclass
+class PackPlan:
+    """The bins of a batch: per group of rows (a mini-batch), its bins of row indices, and each bin's
+    packed row length. Computed once per batch (`plan_packing`), so the old-log-prob pass and the
+    update run every sample in the same bin at the same length: pi_theta = pi_old bitwise on the
+    first mini-batch, as without packing."""
+
+    groups: list[list[list[int]]]
+    lengths: list[list[int]]  # packed row length of each bin, per group
+
+    @property
+    def bins(self) -> list[list[int]]:
+        return [b for g in self.groups for b in g]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [n for g in self.lengths for n in g]
+
+    def group(self, i: int, first_row: int) -> PackPlan:
+        """Group i alone, its row indices counted from `first_row` (the rows of that mini-batch)."""
+        return PackPlan([[[r - first_row for r in b] for b in self.groups[i]]], [self.lengths[i]])
+
+
+def plan_packing(
+    lengths: list[int],
+    budget: int,
+    groups: int = 1,
+    pad_multiple: int = 1,
+    one_length: bool = False,
+    agree=None,
+) -> PackPlan:
+    """Bins of at most `budget` tokens within each of `groups` equal, consecutive row groups, heaviest
+    first, each padded to a multiple of `pad_multiple` (TP under sequence parallel).
+    `agree` (a process group; collective over it): its ranks get the largest bin count per group and
+    bin i of a group is as long on each of them (the largest load), since expert-parallel token
+    dispatchers exchange equal blocks per forward. `one_length`: every bin as long as the longest
+    (pipeline stages exchange activations of one shape)."""
+
+    if len(lengths) % groups:
+        raise ValueError(f"{len(lengths)} samples do not split into {groups} equal groups")
+    per = len(lengths) // groups
+    parts = [lengths[g * per : (g + 1) * per] for g in range(groups)]
+    counts = _group_max([len(balanced_bins(part, budget)) for part in parts], agree)
+    plan = []
+    for g, (part, count) in enumerate(zip(parts, counts, strict=True)):
+        bins = balanced_bins(part, budget, count)
+        bins.sort(key=lambda b: -sum(part[i] for i in b))  # bin i pairs with the i-th heaviest elsewhere
+        plan.append([[g * per + i for i in b] for b in bins])
+    loads = _group_max([max(1, sum(lengths[i] for i in b)) for g in plan for b in g], agree)
+    if one_length:
+        loads = [max(loads)] * len(loads)
+    loads = iter(n + (-n) % pad_multiple for n in loads)
+    return PackPlan(plan, [[next(loads) for _ in g] for g in plan])
+
+
+def _group_max(values: list[int], group) -> list[int]:
+    t = torch.tensor(values, dtype=torch.long)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def pack_bin(
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    rows: list[int],
+    seq_len: int,
+    extra: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, Pack, dict[str, torch.Tensor]]:
+    """One bin's packed row ([1, seq_len] ids), its Pack, and its extra tensors (routes packed,
+    the rest the bin's sample rows)."""
+    t = input_ids.shape[1]
+    idx = torch.as_tensor(rows, dtype=torch.long)
+    n = lengths[idx].tolist()
+    if sum(n) > seq_len:
+        raise ValueError(f"a bin of {sum(n)} tokens does not fit a packed row of {seq_len}")
+    sample = torch.full((seq_len,), -1, dtype=torch.long)
+    position = torch.arange(seq_len)
+    gather = torch.zeros(len(rows), t, dtype=torch.long)
+    offset = 0
+    for r, m in enumerate(n):
+        sample[offset : offset + m] = r
+        position[offset : offset + m] = torch.arange(m)
+        gather[r, :m] = torch.arange(offset, offset + m)
+        offset += m
+    valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]
+    # segment of each position: its sample, or a segment of its own for padding
+    segment = torch.where(sample >= 0, sample, len(rows) + torch.arange(seq_len))
+    allowed = (segment[:, None] == segment[None, :]) & torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    pack = Pack(~allowed[None, None], sample, position, gather, valid)
+    ids = torch.zeros(1, seq_len, dtype=input_ids.dtype)
+    ids[0, :offset] = input_ids[idx][valid]
+    out = {}
+    for key, value in extra.items():
+        if key in PACKED_KEYS:
+            out[key] = _pack_routes(value[idx], valid, seq_len)
+        else:
+            out[key] = value[idx]
+    return ids, pack, out
+
+
+def _pack_routes(routes: torch.Tensor, valid: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[n, T, L, K] per-sample routes -> [1, seq_len, L, K] in packed order, filler ids (distinct,
+    valid expert ids) on padding."""
+    _, _, layers, k = routes.shape
+    filler = torch.from_numpy(filler_row(layers, k, routes.numpy().dtype))
+    out = filler.expand(seq_len, layers, k).clone()
+    real = routes[valid[:, : routes.shape[1]]]
+    out[: real.shape[0]] = real
+    return out[None]
+
+
+@contextmanager
+def sample_positions(model: torch.nn.Module, position: torch.Tensor) -> Iterator[None]:
+    """RoPE at each sample's own positions inside a pack (what THD does with cu_seqlens): attention
+    only depends on distances, but fp32 angles at pack offsets of thousands lose ~1e-4 rad, so the
+    rotary table is gathered at `position` ([S]: 0.. per sample) instead of the row index."""
+    rope = getattr(model, "rotary_pos_emb", None) or getattr(getattr(model, "module", None), "rotary_pos_emb", None)
+    if rope is None:
+        yield
+        return
+
+    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        emb = type(rope).forward(rope, int(position.max()) + 1, offset, packed_seq, cp_group)
+        return emb[position.to(emb.device)]
+
+    rope.forward = forward  # instance attribute: shadows the class's (cached) forward for this pass
+    try:
+        yield
+    finally:
+        del rope.forward
+
+
+def unpack(values: torch.Tensor, pack: Pack, t: int) -> torch.Tensor:
+    """[1, S] per packed position -> [n, t] per sample token (0 where the sample has no token).
+    Differentiable (a gather)."""
+    return torch.where(pack.valid[:, :t], values[0][pack.gather[:, :t]], values.new_zeros(()))

@@ -1,0 +1,122 @@
+"""Padding-free packing (actor.packing): bins, the block-diagonal mask, and the actor's passes
+packed vs padded at world size 1 (fp32), with the plain causal mask as the negative control."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moe_rl.actor.forward import compute_logprobs, run_schedule, split_microbatches
+from moe_rl.actor.model import build_model, load_hf_config
+from moe_rl.actor.packing import balanced_bins, check_packing_supported, plan_packing
+from moe_rl.actor.parallel import ParallelConfig
+from moe_rl.actor.replay import RouteReplay
+from moe_rl.actor.weights import load_hf_weights
+from moe_rl.routing.model_layout import moe_layout
+from tests.reference import random_batch
+
+
+def test_balanced_bins_cover_every_sample_within_the_budget():
+    rng = random.Random()
+    for _ in range(50):
+        lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 40))]
+        budget = rng.randint(30, 200)
+        bins = balanced_bins(lengths, budget)
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+        for b in bins:
+            assert len(b) == 1 or sum(lengths[i] for i in b) <= budget
+        over = sum(n >= budget for n in lengths)  # alone in their bins
+        assert len(bins) >= over + -(-sum(n for n in lengths if n < budget) // budget)
+        assert balanced_bins(lengths, budget) == bins  # deterministic
+        more = balanced_bins(lengths, budget, min_bins=len(bins) + 2)
+        assert len(more) == len(bins) + 2 and sorted(i for b in more for i in b) == list(range(len(lengths)))
+    assert balanced_bins([500, 3, 4], budget=100) == [[0], [1, 2]]  # a sample over the budget: alone
+
+
+def test_plan_groups_stay_within_their_mini_batch(world1):
+    lengths = [5, 9, 3, 7, 12, 4, 6, 8]
+    plan = plan_packing(lengths, budget=14, groups=2, pad_multiple=4)
+    for g, bins in enumerate(plan.groups):
+        assert sorted(i for b in bins for i in b) == list(range(4 * g, 4 * g + 4))
+    for b, n in zip(plan.bins, plan.seq_lens, strict=True):
+        assert n % 4 == 0 and sum(lengths[i] for i in b) <= n < sum(lengths[i] for i in b) + 4
+    assert plan.group(1, 4).groups == [[[i - 4 for i in b] for b in plan.groups[1]]]
+    assert plan.group(1, 4).seq_lens == plan.lengths[1]
+    one = plan_packing(lengths, budget=14, groups=2, pad_multiple=4, one_length=True)
+    assert set(one.seq_lens) == {max(plan.seq_lens)}
+
+
+def _model(path):
+    cfg = load_hf_config(path)
+    chunks, conv = build_model(cfg, ParallelConfig())
+    load_hf_weights(chunks, conv, path)
+    return cfg, chunks
+
+
+def _batch(vocab):
+    ids, mask = random_batch(vocab, batch=8, length=23, seed=int(torch.randint(0, 2**31, ()).item()), min_len=2)
+    return ids, mask
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_packed_logprobs_equal_padded_and_a_causal_mask_leaks(fused, tiny_models, world1):
+    cfg, chunks = _model(tiny_models["qwen3_moe"])
+    ids, mask = _batch(cfg.vocab_size)
+    padded = compute_logprobs(chunks, ids, mask, micro_batch_size=3, fused=fused)
+    plan = plan_packing(mask.sum(-1).tolist(), 40)  # several bins
+    assert max(len(b) for b in plan.bins) > 1
+    packed = compute_logprobs(chunks, ids, mask, fused=fused, pack=plan)
+    for k in ("logprobs", "entropy"):  # fp32 rounding (RoPE at other absolute positions), relative
+        scale = max(1.0, padded[k].abs().max().item())
+        assert (packed[k] - padded[k]).abs().max().item() <= 5e-6 * scale, k
+        assert (packed[k][mask == 0] == 0).all() and (packed[k][:, 0] == 0).all()
+
+    # negative control: the same packs under a plain causal mask see the samples before them
+    mbs = split_microbatches(ids, mask, 1, pack=plan)
+    for mb in mbs:
+        n = mb.input_ids.shape[1]
+        mb.pack.attn_mask = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool), 1)
+    leaked = torch.zeros_like(padded["logprobs"])
+    with torch.no_grad():
+        out = run_schedule(chunks, mbs, lambda lg, mb: (lg.new_zeros(()), {"lp": _lp(lg, mb, ids.shape[1])}), True)
+    for mb, r in zip(mbs, out, strict=True):
+        leaked[mb.index] = r["lp"]
+    leaked = leaked * mask
+    leaked[:, 0] = 0
+    assert (leaked - padded["logprobs"]).abs().max().item() > 1e-2
+
+
+def _lp(logits, mb, t):
+    lp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, mb.input_ids[:, 1:, None])[..., 0]
+    return mb.aligned(lp, t)
+
+
+def test_r2_routes_recorded_packed_replay_like_padded(tiny_models, world1):
+    """R2: the routes a packed pass records are the padded pass's, and replaying them packed gives the
+    padded replay's log-probs (filler ids on padding never reach a sample)."""
+    path = tiny_models["qwen3_moe"]
+    cfg, chunks = _model(path)
+    layout = moe_layout(cfg)
+    replay = RouteReplay(chunks, layout.moe_layers, verify=True)
+    ids, mask = _batch(cfg.vocab_size)
+    lengths = mask.sum(-1).tolist()
+    padded = compute_logprobs(chunks, ids, mask, 4, replay=replay, record=True)
+    packed = compute_logprobs(chunks, ids, mask, replay=replay, record=True, pack=plan_packing(lengths, 50, groups=2))
+    real = mask.bool()
+    assert torch.equal(padded["routes"][real], packed["routes"][real])
+    shape = padded["routes"].shape  # random distinct experts per token and layer
+    routes = torch.rand(*shape[:-1], layout.num_experts).argsort(-1)[..., : layout.topk].to(padded["routes"].dtype)
+    a = compute_logprobs(chunks, ids, mask, 4, replay=replay, routes=routes)["logprobs"]
+    b = compute_logprobs(chunks, ids, mask, replay=replay, routes=routes, pack=plan_packing(lengths, 50))["logprobs"]
+    assert (a - b).abs().max().item() <= 5e-6 * max(1.0, a.abs().max().item())
+
+
+def test_packing_refuses_token_dropping():
+    class Cfg:
+        moe_expert_capacity_factor = 1.0
+        moe_router_load_balancing_type = "seq_aux_loss"
+
+    with pytest.raises(ValueError, match="moe_expert_capacity_factor=1.0 .*seq_aux_loss; set actor.packing=false"):
+        check_packing_supported(Cfg())
