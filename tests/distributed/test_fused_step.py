@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import torchrun
-from tests.distributed.test_grad_invariance import WORKER, max_rel_error
+from tests.distributed.test_grad_invariance import WORKER, assert_same_update
 
 pytestmark = pytest.mark.distributed
 
@@ -41,23 +41,4 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("run", list(RUNS))
 def test_fused_step_equals_unfused(runs, run, loss):
     on, off = runs[f"{RUNS[run]}_{loss}"], runs[f"{RUNS[run]}_{loss}_unfused"]
-    where = f"{run}/{loss}"
-    for k, ref in off["old"].items():
-        scale = max(1.0, ref.abs().max().item())
-        assert (on["old"][k] - ref).abs().max().item() <= 1e-5 * scale, f"{where}: old pass {k}"
-    assert on["metrics"].keys() == off["metrics"].keys(), f"{where}: {on['metrics'].keys() ^ off['metrics'].keys()}"
-    # ppo_kl = mean(old - logp) is a difference of log-probs of magnitude ~5: its error is relative
-    # to theirs (the first mini-batch's is fp32 noise around 0)
-    logp_scale = off["old"]["logprobs"].abs().max().item()
-    for k, ref in off["metrics"].items():
-        got = on["metrics"][k]
-        scale = max(abs(ref), logp_scale) if "ppo_kl" in k else abs(ref)
-        assert abs(got - ref) <= METRIC_TOL * scale + 1e-9, f"{where}: {k} fused {got} vs {ref}"
-    for step, (g, r) in enumerate(zip(on["grads"], off["grads"], strict=True)):
-        err, name = max_rel_error(g, r)
-        assert err <= GRAD_TOL, f"{where}: gradient of step {step + 1} off by {err:.2e} in {name}"
-    err, name = max_rel_error(on["params"], off["params"])
-    assert err <= PARAM_TOL, f"{where}: updated parameters off by {err:.2e} in {name}"
-    if run == "w1":  # the comparison can fail: the update moves weights far more than PARAM_TOL
-        moved, _ = max_rel_error(on["params"], runs["initial"])  # initial.pt: the untied model's weights
-        assert moved > 100 * PARAM_TOL
+    assert_same_update(on, off, f"{run}/{loss}", 1e-5, METRIC_TOL, GRAD_TOL, PARAM_TOL)

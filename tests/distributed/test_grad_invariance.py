@@ -74,6 +74,30 @@ def max_rel_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     return worst
 
 
+def assert_same_update(
+    got: dict, ref: dict, where: str, old_tol: float, metric_tol: float, grad_tol: float, param_tol: float
+):
+    """Two saved worker updates (old-pass log-probs, update metrics, per-step gradients, parameters) agree;
+    `perf/*` metrics (how the update was cut, not what it computed) are not compared."""
+    for k, r in ref["old"].items():
+        scale = max(1.0, r.abs().max().item())
+        assert (got["old"][k] - r).abs().max().item() <= old_tol * scale, f"{where}: old pass {k}"
+    assert got["metrics"].keys() == ref["metrics"].keys(), f"{where}: {got['metrics'].keys() ^ ref['metrics'].keys()}"
+    # ppo_kl = mean(old - logp) is a difference of log-probs of magnitude ~5: its error is relative
+    # to theirs (the first mini-batch's is fp32 noise around 0)
+    logp_scale = ref["old"]["logprobs"].abs().max().item()
+    for k, r in ref["metrics"].items():
+        if k.startswith("perf/"):
+            continue
+        scale = max(abs(r), logp_scale) if "ppo_kl" in k else abs(r)
+        assert abs(got["metrics"][k] - r) <= metric_tol * scale + 1e-9, f"{where}: {k} {got['metrics'][k]} vs {r}"
+    for step, (g, r) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
+        err, name = max_rel_error(g, r)
+        assert err <= grad_tol, f"{where}: gradient of step {step + 1} off by {err:.2e} in {name}"
+    err, name = max_rel_error(got["params"], ref["params"])
+    assert err <= param_tol, f"{where}: updated parameters off by {err:.2e} in {name}"
+
+
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_update_matches_single_micro_batch_reference(runs, variant, loss):
