@@ -81,8 +81,9 @@ class ActorConfig:
     tokens, one row per forward with a block-diagonal causal mask (actor/packing.py); false: padded
     micro-batches of micro_batch_size samples, all as long as the batch's longest sample. CPU path; on
     GPU (THD through Transformer Engine, not built yet) set false."""
-    max_tokens_per_micro_batch: int = 2048
-    """Token budget of a packed forward (actor.packing); a longer sample gets a forward of its own."""
+    max_tokens_per_micro_batch: int = 1024
+    """Token budget of a packed forward (actor.packing); a longer sample gets a forward of its own. On CPU
+    attention costs S^2 per packed row, so a budget near the longest sample is fastest (bench/packing.py)."""
     fused_logprob: bool = True
     """Log-probs (and entropy) straight from the last hidden states with the fused linear -> log-prob kernel
     (kernels/linear_logprob.py), vocab-parallel under TP: the [tokens, vocab] logits are never held whole.
