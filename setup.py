@@ -32,6 +32,7 @@ setup(
         "psutil>=5.9",
         "pyarrow>=14",  # parquet prompt files
         "datasets>=5.2",  # data.path as a Dataset.save_to_disk folder (datasets.load_from_disk)
+        "jinja2>=3.1",  # chat templates (data.apply_chat_template); its TemplateError names a rejected row
         "matplotlib>=3.8",  # moe-rl-diagnose plots
         "huggingface_hub>=0.34",  # sharded safetensors for the HF export
         "math-verify[antlr4_9_3]==0.9.0",  # math_answer_reward; the antlr extra matching hydra-core's pin (4.9.3)
