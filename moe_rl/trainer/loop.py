@@ -214,16 +214,17 @@ class Trainer:
             rewards = self.reward(rollout)
         with timer("old_logprobs"):
             old = self.actor.old_logprobs(rollout.padded)
-        ref, kl_penalty = None, None
+        ref, penalty = None, torch.zeros_like(rewards)
         if self.objective.needs_reference:
             with timer("ref_logprobs"):
                 ref = self.actor.ref_logprobs(rollout.padded, old)
-            kl_penalty = self.objective.reward_kl(old["logprobs"], ref, rollout.padded.loss_mask)
-        advantages = self.objective.advantages(rewards if kl_penalty is None else rewards - kl_penalty)
+        if self.objective.kl_in_reward:
+            penalty = self.objective.reward_kl(old["logprobs"], ref, rollout.padded.loss_mask)
+        advantages = self.objective.advantages(rewards - penalty)
         with timer("diagnostics"):  # dumps and router agreement, before the update changes the actor
             metrics = self.diagnostics(self.step_index, rollout, old, rewards)
         if self.objective.kl_in_reward:
-            metrics["reward/kl_penalty_mean"] = float(kl_penalty.mean())
+            metrics["reward/kl_penalty_mean"] = float(penalty.mean())
         if self.updates:
             with timer("update"):
                 metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip, ref)
