@@ -57,7 +57,8 @@ def run(variant: str, steps: int, nproc: int, extra: list[str], root: Path, over
 
 def phases(history: list[dict]) -> dict[str, float]:
     steady = history[1:]  # the first step pays one-off costs (first engine batch, allocations)
-    keys = sorted({k for h in steady for k in h if k.startswith("time/")})
+    totals = ("time/step", "time/trainer_idle", "time/rollout_idle")  # not phases: wall and idle times
+    keys = sorted({k for h in steady for k in h if k.startswith("time/") and k not in totals})
     out = {k[5:]: statistics.mean(h.get(k, 0.0) for h in steady) for k in keys}
     out["step"] = sum(out.values())
     return out

@@ -20,6 +20,7 @@ from moe_rl.objectives.aggregation import AGG_MODES
 from moe_rl.objectives.corrections import IcePopConfig
 from moe_rl.objectives.policy_loss import GSPOConfig
 from moe_rl.rollout.engine import RolloutConfig, SamplingConfig
+from moe_rl.rollout.placement import PLACEMENTS
 
 
 @dataclass
@@ -32,6 +33,10 @@ class ModelConfig:
     """Actor dtype: float32 | bfloat16."""
     recompute: str | None = None
     """Activation recompute: null | full | selective."""
+    transformer_engine: bool = False
+    """Transformer Engine layer spec (GPU only, needs transformer-engine; not yet run on a GPU here). Packed
+    passes (actor.packing) then run as THD sequences through its attention. false: megatron's local spec
+    (the CPU path)."""
 
 
 @dataclass
@@ -153,6 +158,17 @@ class TrainerConfig:
     val/*); 0 = never."""
     val_before_train: bool = False
     """Also evaluate once before the first step (logged as step 0)."""
+    max_staleness: int = 0
+    """Off-policy rollouts: 0 = synchronous (the engine samples, then the actor trains). >= 1: the engine
+    samples the next step's prompts while the actor trains this step's, with the weights it has; a sample
+    trains at most this many versions after the one that generated it (the engine runs one batch ahead, so
+    staleness is at most 1; rollout/ahead.py). Logged: staleness/mean, staleness/max, staleness/dropped,
+    time/trainer_idle, time/rollout_idle. Needs rollout.engines = the data-parallel size."""
+    balance_batch: bool = True
+    """Before the step's passes, move whole GRPO groups between data-parallel ranks, each within its
+    mini-batch, so each rank holds about as many tokens (verl's balance_batch; perf/dp_token_imbalance,
+    perf/dp_groups_moved). Changes no result beyond summation order; needs data.prompts_per_step to be a
+    multiple of actor.mini_batches. false: each rank trains the samples it generated."""
 
 
 @dataclass
@@ -313,11 +329,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("actor.micro_batch_size", f"{cfg.actor.micro_batch_size}: must be >= 1 (samples per forward)")
     if cfg.actor.max_tokens_per_micro_batch < 1:
         bad("actor.max_tokens_per_micro_batch", f"{cfg.actor.max_tokens_per_micro_batch}: must be >= 1")
-    if cfg.actor.packing and _has_cuda():
+    if cfg.model.transformer_engine and not _has_cuda():
+        bad("model.transformer_engine", "true needs CUDA (Transformer Engine); no CUDA here: set it false")
+    if cfg.actor.packing and _has_cuda() and not cfg.model.transformer_engine:
         bad(
             "actor.packing",
-            "the GPU packing path (THD sequences through Transformer Engine) is not built yet, and megatron's "
-            "fused softmax ignores a block-diagonal mask in bf16; set actor.packing=false on GPU",
+            "on GPU packed rows run as THD sequences through Transformer Engine (megatron's fused softmax "
+            "ignores a block-diagonal mask in bf16): set model.transformer_engine=true, or actor.packing=false",
         )
     if cfg.actor.mini_batches < 1:
         bad("actor.mini_batches", f"{cfg.actor.mini_batches}: must be >= 1")
@@ -330,9 +348,21 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         dp = cfg.parallel.data_parallel_size(world_size)
     except ValueError as e:
         bad("parallel", str(e).removeprefix("parallel: "))
+    if t.balance_batch and dp > 1 and t.mode != "from_dump" and cfg.data.prompts_per_step % cfg.actor.mini_batches:
+        bad(
+            "trainer.balance_batch",
+            f"true moves whole groups within their mini-batch: data.prompts_per_step={cfg.data.prompts_per_step} "
+            f"must be a multiple of actor.mini_batches={cfg.actor.mini_batches}; or set trainer.balance_batch=false",
+        )
     if cfg.parallel.cp > 1 and not _has_cuda():
         bad(
             "parallel.cp", f"{cfg.parallel.cp}: context parallel needs Transformer Engine attention (GPU); no CUDA here"
+        )
+    if cfg.actor.packing and cfg.parallel.cp > 1:
+        bad(
+            "actor.packing",
+            f"with parallel.cp={cfg.parallel.cp}: packed sequences would need a zigzag split per sample, "
+            "not built yet; set actor.packing=false",
         )
     r = cfg.rollout
     if r.topology != "per_rank":
@@ -347,6 +377,20 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"{r.engines} engines cannot serve {dp} data-parallel ranks (world {world_size} / tp*pp*cp) in equal "
             f"shares; choose a divisor of {dp}, or 0 for one engine per data-parallel rank",
         )
+    if r.placement not in PLACEMENTS:
+        bad("rollout.placement", f"{r.placement!r}: choose one of {', '.join(PLACEMENTS)}")
+    if r.placement == "separate" and _has_cuda():
+        bad("rollout.placement", "separate engines on devices of their own are not built yet on GPU; use colocated")
+    if t.max_staleness < 0:
+        bad("trainer.max_staleness", f"{t.max_staleness}: must be >= 0 (0 = synchronous)")
+    if t.max_staleness and r.engines not in (0, dp):
+        bad(
+            "trainer.max_staleness",
+            f"{t.max_staleness} needs one engine per data-parallel rank; rollout.engines={r.engines} serves {dp} "
+            "ranks with fewer (set rollout.engines=0)",
+        )
+    if t.max_staleness and t.mode != "train":
+        bad("trainer.max_staleness", f"{t.max_staleness}: off-policy rollouts need trainer.mode=train, not {t.mode}")
     from moe_rl.weight_sync import TRANSPORTS
 
     if r.weight_transport not in TRANSPORTS:

@@ -25,6 +25,19 @@ def global_count(x: torch.Tensor) -> float:
     return float(t.item())
 
 
+def global_mean(values: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+    """Each value (a mean over this rank's `weights[key]` tokens or sequences) as the mean over the
+    data-parallel ranks' tokens or sequences: one all-reduce."""
+    from megatron.core import parallel_state as ps
+
+    keys = list(values)
+    t = torch.tensor([[values[k] * weights[k] for k in keys], [weights[k] for k in keys]], dtype=torch.float64)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return {k: float(n / d) if d > 0 else 0.0 for k, n, d in zip(keys, t[0].tolist(), t[1].tolist(), strict=True)}
+
+
 class Actor:
     def __init__(self, cfg, model_path: str, record_routes: bool):
         """`cfg`: moe_rl.config.TrainConfig (model, parallel, actor); `record_routes`: bind replay
@@ -37,23 +50,32 @@ class Actor:
 
         a = cfg.actor
         self.cfg, self.model_path = a, model_path
-        opts = ModelOptions(dtype=cfg.model.dtype, recompute=cfg.model.recompute)
+        opts = ModelOptions(dtype=cfg.model.dtype, use_te=cfg.model.transformer_engine, recompute=cfg.model.recompute)
         m = load_model(model_path, cfg.parallel, opts)
         self.chunks, self.conv, self.hf_config, self.layout = m.chunks, m.conv, m.hf_config, m.layout
         wants_replay = a.router_replay != "off" or record_routes
         self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
         self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
         self.max_tokens = a.max_tokens_per_micro_batch if a.packing else None  # token budget of a packed forward
+        self.thd = opts.use_te  # packed rows as THD sequences through Transformer Engine (GPU)
         if a.packing:
             check_packing_supported(self.chunks[0].config)
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            ref = load_model(model_path, cfg.parallel, ModelOptions(dtype=cfg.model.dtype)).chunks
+            ref = load_model(model_path, cfg.parallel, ModelOptions(dtype=cfg.model.dtype, use_te=opts.use_te)).chunks
             for c in ref:
                 c.requires_grad_(False)
             replay = RouteReplay(ref, self.layout.moe_layers, verify="count") if a.router_replay != "off" else None
             self.reference = (ref, replay)
+        if a.packing and cfg.parallel.pp > 1 and not (cfg.parallel.vpp or 1) > 1:
+            # Packed rows have their own lengths: pipeline stages send shapes first. (Megatron refuses this
+            # flag with the allgather dispatcher at construction; plan_packing gives the ranks that dispatch
+            # together equal row lengths, which is what that dispatcher needs.) Under the interleaved schedule
+            # the shape exchange hung here (gloo, PP=2: the previous and next stage are one rank), so there
+            # every bin gets one length instead (pack_plan).
+            for c in self.chunks + (self.reference[0] if self.reference else []):
+                c.config.variable_seq_lengths = True
 
     # ---- passes ----------------------------------------------------------------------------
     def old_logprobs(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
@@ -87,10 +109,20 @@ class Actor:
             return None
         lengths = padded.attention_mask.sum(-1).tolist()
         tp = ps.get_tensor_model_parallel_world_size()
-        one_length = ps.get_pipeline_model_parallel_world_size() > 1
-        # ranks that exchange tokens with each other inside a forward: expert (and expert-tensor) parallel
-        agree = ps.get_expert_tensor_and_model_parallel_group()
-        return plan_packing(lengths, self.max_tokens, self.cfg.mini_batches, tp, one_length, agree)
+        interleaved = (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
+        return plan_packing(
+            lengths,
+            self.max_tokens,
+            self.cfg.mini_batches,
+            tp,
+            one_length=interleaved,  # see __init__: variable lengths only under the plain pipeline schedule
+            # ranks that exchange tokens with each other inside a forward: expert (and expert-tensor) parallel
+            agree=ps.get_expert_tensor_and_model_parallel_group(),
+            count_agree=dist.group.WORLD,  # every rank runs as many forwards
+            # the interleaved schedule runs micro-batches in groups of the pipeline size
+            count_multiple=ps.get_pipeline_model_parallel_world_size() if interleaved else 1,
+            thd=self.thd,
+        )
 
     def train(
         self,
@@ -115,7 +147,13 @@ class Actor:
             raise ValueError(f"actor.mini_batches={a.mini_batches} does not divide this rank's {b} samples")
         per = b // a.mini_batches
         plan = self.pack_plan(padded)  # the bins of the old-log-prob pass
-        out: dict[str, float] = {f"{objective.correction_name}/{k}": float(v) for k, v in corr.metrics.items()}
+        # correction metrics: token means, or sequence shares (`*_seq_*`), over the data-parallel ranks
+        tokens, seqs = float(padded.loss_mask.sum()), float((padded.loss_mask.sum(-1) > 0).sum())
+        name = objective.correction_name
+        out = global_mean(
+            {f"{name}/{k}": float(v) for k, v in corr.metrics.items()},
+            {f"{name}/{k}": seqs if "_seq_" in k else tokens for k in corr.metrics},
+        )
         out["actor/skipped_steps"] = 0.0
         weights = corr.weights if corr.weights is not None else torch.ones_like(corr.mask)
         norms = []

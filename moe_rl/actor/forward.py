@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.packing import Pack, PackPlan, pack_bin, sample_positions, unpack
+from moe_rl.actor.packing import Pack, PackPlan, pack_bin, sample_positions, thd_params, unpack
 
 # step_fn(logits [b, s, V/TP], micro_batch) -> (loss scalar, outputs dict of [b, s] tensors)
 StepFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -79,7 +79,7 @@ def _packed_microbatches(input_ids, attention_mask, plan: PackPlan, extra) -> li
         raise ValueError("packing needs right-padded rows (attention_mask = 1 then 0)")
     out = []
     for rows, seq_len in zip(plan.bins, plan.seq_lens, strict=True):
-        ids, pack, mb_extra = pack_bin(input_ids, lengths, rows, seq_len, extra)
+        ids, pack, mb_extra = pack_bin(input_ids, lengths, rows, seq_len, extra, plan.thd)
         mask = (pack.sample >= 0).long()[None]
         out.append(MicroBatch(ids, mask, torch.as_tensor(rows, dtype=torch.long), mb_extra, pack))
     return out
@@ -102,17 +102,22 @@ def run_schedule(
 
     device = next(chunks[0].parameters()).device
     seq_len = microbatches[0].input_ids.shape[1]
-    causal = _causal_mask(seq_len).to(device)
+    causal = _causal_mask(seq_len).to(device) if microbatches[0].pack is None else None
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         ids = mb.input_ids.to(device)
-        pos = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
         if mb.pack is None:
+            pos = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
             output = model(ids, pos, causal)
+        elif mb.pack.thd:  # Transformer Engine attention per sequence; RoPE per sequence from cu_seqlens
+            params = thd_params(mb.pack)
+            for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+                setattr(params, name, getattr(params, name).to(device))
+            output = model(ids, mb.pack.position[None].to(device), None, packed_seq_params=params)
         else:  # rows of their own length, block-diagonal mask, RoPE at each sample's positions
             with sample_positions(model, mb.pack.position):
-                output = model(ids, pos, mb.pack.attn_mask.to(device))
+                output = model(ids, mb.pack.position[None].to(device), mb.pack.attn_mask.to(device))
 
         def loss_func(logits):
             return step_fn(logits, mb)

@@ -14,12 +14,20 @@ and on each bin's length, and each bin runs as one row:
 
 The mask carries all the separation: a plain causal mask leaks across samples. Log-probs come
 back per sample (`unpack`), so losses see `[n, T]` rows as without packing and use the same
-global token counts. Megatron's local attention applies a given mask as is on CPU; on GPU the THD
-path through Transformer Engine is the one to use (not built yet).
+global token counts. Megatron's local attention applies a given mask as is (the CPU path). On GPU
+(model.transformer_engine) the same row runs in THD format instead: no mask, `PackedSeqParams`
+with the samples' `cu_seqlens` (`thd_params`; the row's tail padding is one more sequence), and
+megatron applies RoPE per sequence from them. Not yet run on a GPU here.
+
+Every rank runs the same number of bins per mini-batch (data-parallel ranks finish their passes
+together; a multiple of the pipeline size under the interleaved schedule); under pipeline
+parallel bins keep their own lengths (megatron's `variable_seq_lengths`: stages send shapes first;
+one length under the interleaved schedule).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,11 +61,13 @@ def check_packing_supported(config) -> None:
 class Pack:
     """Where each sample of a bin sits in its packed row."""
 
-    attn_mask: torch.Tensor  # [1, 1, S, S] bool, True = masked
+    attn_mask: torch.Tensor | None  # [1, 1, S, S] bool, True = masked (None under THD)
     sample: torch.Tensor  # [S] row of the micro-batch's samples at each packed position (-1: padding)
     position: torch.Tensor  # [S] position within that sample
     gather: torch.Tensor  # [n, T] packed position of each sample token (0 where not `valid`)
     valid: torch.Tensor  # [n, T] bool: the sample has a token there
+    cu_seqlens: torch.Tensor  # [segments + 1] int32 sample boundaries; the tail padding is one more segment
+    thd: bool = False  # run as THD sequences through Transformer Engine (no mask) instead of with attn_mask
 
 
 def balanced_bins(lengths: list[int], budget: int, min_bins: int = 1) -> list[list[int]]:
@@ -91,6 +101,7 @@ class PackPlan:
 
     groups: list[list[list[int]]]
     lengths: list[list[int]]  # packed row length of each bin, per group
+    thd: bool = False  # bins run as THD sequences (model.transformer_engine) instead of with a mask
 
     @property
     def bins(self) -> list[list[int]]:
@@ -102,7 +113,7 @@ class PackPlan:
 
     def group(self, i: int, first_row: int) -> PackPlan:
         """Group i alone, its row indices counted from `first_row` (the rows of that mini-batch)."""
-        return PackPlan([[[r - first_row for r in b] for b in self.groups[i]]], [self.lengths[i]])
+        return PackPlan([[[r - first_row for r in b] for b in self.groups[i]]], [self.lengths[i]], self.thd)
 
 
 def plan_packing(
@@ -112,19 +123,24 @@ def plan_packing(
     pad_multiple: int = 1,
     one_length: bool = False,
     agree=None,
+    count_agree=None,
+    count_multiple: int = 1,
+    thd: bool = False,
 ) -> PackPlan:
     """Bins of at most `budget` tokens within each of `groups` equal, consecutive row groups, heaviest
     first, each padded to a multiple of `pad_multiple` (TP under sequence parallel).
-    `agree` (a process group; collective over it): its ranks get the largest bin count per group and
-    bin i of a group is as long on each of them (the largest load), since expert-parallel token
-    dispatchers exchange equal blocks per forward. `one_length`: every bin as long as the longest
-    (pipeline stages exchange activations of one shape)."""
+    `agree` (a process group; collective over it): bin i of a group is as long on each of its ranks
+    (the largest load), since expert-parallel token dispatchers exchange equal blocks per forward.
+    `count_agree` (a process group, default `agree`): its ranks run the largest bin count per group,
+    rounded up to a multiple of `count_multiple` (a bin beyond the sample count is one padding row).
+    `one_length`: every bin as long as the longest. `thd`: the plan's bins run as THD sequences."""
 
     if len(lengths) % groups:
         raise ValueError(f"{len(lengths)} samples do not split into {groups} equal groups")
     per = len(lengths) // groups
     parts = [lengths[g * per : (g + 1) * per] for g in range(groups)]
-    counts = _group_max([len(balanced_bins(part, budget)) for part in parts], agree)
+    counts = _group_max([len(balanced_bins(part, budget)) for part in parts], count_agree or agree)
+    counts = [c + (-c) % count_multiple for c in counts]
     plan = []
     for g, (part, count) in enumerate(zip(parts, counts, strict=True)):
         bins = balanced_bins(part, budget, count)
@@ -134,7 +150,7 @@ def plan_packing(
     if one_length:
         loads = [max(loads)] * len(loads)
     loads = iter(n + (-n) % pad_multiple for n in loads)
-    return PackPlan(plan, [[next(loads) for _ in g] for g in plan])
+    return PackPlan(plan, [[next(loads) for _ in g] for g in plan], thd)
 
 
 def _group_max(values: list[int], group) -> list[int]:
@@ -150,6 +166,7 @@ def pack_bin(
     rows: list[int],
     seq_len: int,
     extra: dict[str, torch.Tensor],
+    thd: bool = False,
 ) -> tuple[torch.Tensor, Pack, dict[str, torch.Tensor]]:
     """One bin's packed row ([1, seq_len] ids), its Pack, and its extra tensors (routes packed,
     the rest the bin's sample rows)."""
@@ -168,10 +185,12 @@ def pack_bin(
         gather[r, :m] = torch.arange(offset, offset + m)
         offset += m
     valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]
-    # segment of each position: its sample, or a segment of its own for padding
-    segment = torch.where(sample >= 0, sample, len(rows) + torch.arange(seq_len))
-    allowed = (segment[:, None] == segment[None, :]) & torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
-    pack = Pack(~allowed[None, None], sample, position, gather, valid)
+    attn_mask = None if thd else _block_causal_mask(sample)
+    bounds = [0, *itertools.accumulate(m for m in n if m)]
+    if bounds[-1] < seq_len:
+        bounds.append(seq_len)  # the tail padding: a sequence of its own under THD
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    pack = Pack(attn_mask, sample, position, gather, valid, cu_seqlens, thd)
     ids = torch.zeros(1, seq_len, dtype=input_ids.dtype)
     ids[0, :offset] = input_ids[idx][valid]
     out = {}
@@ -181,6 +200,14 @@ def pack_bin(
         else:
             out[key] = value[idx]
     return ids, pack, out
+
+
+def _block_causal_mask(sample: torch.Tensor) -> torch.Tensor:
+    """[1, 1, S, S] (True = masked): causal within each sample; a padding position (-1) sees only itself."""
+    s = sample.shape[0]
+    segment = torch.where(sample >= 0, sample, sample.max() + 1 + torch.arange(s))
+    allowed = (segment[:, None] == segment[None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    return ~allowed[None, None]
 
 
 def _pack_routes(routes: torch.Tensor, valid: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -213,6 +240,19 @@ def sample_positions(model: torch.nn.Module, position: torch.Tensor) -> Iterator
         yield
     finally:
         del rope.forward
+
+
+def thd_params(pack: Pack):
+    """megatron's PackedSeqParams for one packed row in THD format (Transformer Engine attention): each
+    sample a sequence of its own, causal within; the row's tail padding one more sequence. No per-sample
+    padding (context parallel, which would need it, is refused with packing)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = pack.cu_seqlens
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
 
 
 def unpack(values: torch.Tensor, pack: Pack, t: int) -> torch.Tensor:

@@ -148,19 +148,25 @@ TOKENS, SEQS = "_tokens", "_sequences"
 
 
 def _weighted_means(results: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Each loss metric over the mini-batch: the micro-batches' values weighted by their loss tokens
-    (by their sequences for `seq_*` metrics), so a token mean (ppo_kl, clipfrac, kl_ref) or a sequence
-    mean (seq_ratio_mean) does not depend on how the samples were split or packed."""
-    if not results:
+    """Each loss metric over the global mini-batch: the micro-batches' values of every data-parallel rank
+    weighted by their loss tokens (by their sequences for `seq_*` metrics), so a token mean (ppo_kl,
+    clipfrac, kl_ref) or a sequence mean (seq_ratio_mean) depends neither on how the samples were split or
+    packed nor on which rank holds them. Collective over the data-parallel group (last stage only)."""
+    from megatron.core import parallel_state as ps
+
+    keys = [k for k in (results[0] if results else ()) if k not in (TOKENS, SEQS)]
+    if not keys:
         return {}
-    out = {}
-    for k in results[0]:
-        if k in (TOKENS, SEQS):
-            continue
-        w = torch.stack([r[SEQS if k.startswith("seq_") else TOKENS].double() for r in results])
-        w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1.0 / len(w))
-        out[k] = float((torch.stack([r[k].double() for r in results]) * w).sum())
-    return out
+    weight = {k: SEQS if k.startswith("seq_") else TOKENS for k in keys}
+    w = torch.stack([torch.stack([r[weight[k]].double() for r in results]) for k in keys])
+    v = torch.stack([torch.stack([r[k].double() for r in results]) for k in keys])
+    # per key: sum of w*v, sum of w, sum of v and micro-batch count (the fallback when no loss tokens)
+    sums = torch.stack([(w * v).sum(-1), w.sum(-1), v.sum(-1), torch.full((len(keys),), float(len(results)))])
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+    means = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1e-300), sums[2] / sums[3])
+    return dict(zip(keys, means.tolist(), strict=True))
 
 
 def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:

@@ -66,6 +66,10 @@ class RolloutConfig:
     data-parallel ranks and runs on the lowest rank among them (rollout/engine_groups.py)."""
     tensor_parallel_size: int = 1
     """Engine TP size (tp_group topology; the trainer's engines use 1)."""
+    placement: str = "colocated"
+    """colocated (the engine shares its rank's cores or device) | separate (CPU: the rank's cores split in
+    halves, trainer threads pinned to one, the engine's to the other; rollout/placement.py). With
+    trainer.max_staleness >= 1 separate lets generation and training run side by side."""
     capture: str = "auto"
     """Route capture: auto (native on CUDA, hook on CPU) | hook | native | none."""
     max_model_len: int | None = None

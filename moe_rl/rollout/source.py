@@ -1,6 +1,7 @@
-"""Where a step's samples come from: the vLLM engine (`EngineSource`) or the dumps of an earlier
-run (`DumpSource`, trainer.mode=from_dump). Chosen once when the trainer is built; an
-asynchronous source and a replay buffer will be two more implementations of `next`."""
+"""Where a step's samples come from: the vLLM engine (`EngineSource`; sampling one batch ahead under
+trainer.max_staleness: `rollout/ahead.py`) or the dumps of an earlier run (`DumpSource`,
+trainer.mode=from_dump). Chosen once when the trainer is built; a replay buffer will be one more
+implementation of `next`."""
 
 from __future__ import annotations
 
@@ -60,8 +61,11 @@ class EngineSource:
 
     def next(self, step: int) -> Rollout:
         prompts = self.data.next(self.prompts_per_step)
-        ids = [p.ids for p in prompts]  # tokenized once by the PromptSource (chat template applied)
-        batch = self._sample(step, ids)
+        return self.finish(step, prompts, self._sample(step, [p.ids for p in prompts]), version=step)
+
+    def finish(self, step: int, prompts: list, batch, version: int) -> Rollout:
+        """The Rollout of `prompts`' sampled `batch` (None: the engine stopped with a signal) by the engine
+        weights of actor step `version`. Collective."""
         # One all-reduce: whether any rank lost its engine (ranks leave the step together) and
         # the padded length (EP ranks must agree on it).
         pairs = [] if batch is None else zip(batch.prompt_ids, batch.response_ids, strict=True)
@@ -73,7 +77,7 @@ class EngineSource:
         )
         return Rollout(
             padded,
-            policy_version=torch.full((len(batch),), step, dtype=torch.long),
+            policy_version=torch.full((len(batch),), version, dtype=torch.long),
             response_lengths=torch.tensor([len(r) for r in batch.response_ids], dtype=torch.long),
             prompts=prompts,
             prompt_index=[int(i) for i in batch.prompt_index],
@@ -81,7 +85,7 @@ class EngineSource:
             truncated=torch.tensor([r == "length" for r in batch.finish_reasons]),
         )
 
-    def _sample(self, step: int, ids: list[list[int]]):
+    def _sample(self, step: int, ids: list[list[int]]):  # ids: tokenized once by the PromptSource
         """This data-parallel rank's samples (None if the engine stopped with a signal): the leader
         gathers the prompts of every data-parallel rank it serves, samples them in one call and
         sends each rank its data-parallel rank's share."""

@@ -23,9 +23,16 @@ def health_warnings(metrics: dict[str, float], first_minibatch_tolerance: float)
             f"pi_theta != pi_old on the first mini-batch (ppo_kl {kl0:.2e} > {first_minibatch_tolerance:g}): "
             "broken weight sync or routing replay?"
         )
-    for key, bad, text in HEALTH:
-        if key in metrics and bad(metrics[key]):
-            out.append(f"training-inference mismatch: {text} ({key} = {metrics[key]:.3g})")
+    flagged = [(key, text) for key, bad, text in HEALTH if key in metrics and bad(metrics[key])]
+    stale = metrics.get("staleness/max", 0.0)
+    if flagged and stale > 0:  # mu is an older policy: the gap includes the policy's own change, in one line
+        values = ", ".join(f"{key} = {metrics[key]:.3g}" for key, _ in flagged)
+        out.append(
+            f"off-policy gap beyond the mismatch thresholds ({values}): mu is up to {stale:g} version(s) behind "
+            "pi_old, so this includes the policy's change between versions, not only training-inference mismatch"
+        )
+    else:
+        out += [f"training-inference mismatch: {text} ({key} = {metrics[key]:.3g})" for key, text in flagged]
     return out
 
 

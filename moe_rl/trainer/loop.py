@@ -8,6 +8,7 @@ of routing replay (R3 by default), and GSPO's ratio is per sequence.
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import TrainConfig, validate
+from moe_rl.rollout.ahead import AheadSource
 from moe_rl.rollout.source import StepAbandoned
 from moe_rl.trainer.health import HealthMonitor, SkipCounter
 from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
@@ -126,7 +128,7 @@ class Trainer:
         """(RolloutSource, this rank's engine or None) for trainer.mode."""
         from megatron.core import parallel_state as ps
 
-        from moe_rl.rollout import dump
+        from moe_rl.rollout import dump, placement
         from moe_rl.rollout.engine import RolloutEngine
         from moe_rl.rollout.engine_groups import engine_groups
         from moe_rl.rollout.source import DumpSource, EngineSource
@@ -140,9 +142,17 @@ class Trainer:
             return source, None
         groups = engine_groups(cfg.rollout.engines, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         rollout_cfg = type(cfg.rollout)(**{**cfg.rollout.__dict__, "model": self.model_path, "seed": cfg.trainer.seed})
-        engine = None
+        engine, trainer_cores, engine_cores = None, None, None
         if groups.is_leader:
+            if cfg.rollout.placement == "separate":
+                local = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                trainer_cores, engine_cores = placement.split_cores(*local)
+                placement.bind_engine(engine_cores)
             engine = RolloutEngine(rollout_cfg, a.layout.moe_layers, a.layout.num_experts, a.layout.topk)
+        if trainer_cores is not None:  # after the engine's processes started
+            placement.pin(trainer_cores, engine_cores)
+            if self.rank == 0:
+                print(f"[moe-rl] placement: trainer on cores {trainer_cores}, engine on {engine_cores}", flush=True)
         source = EngineSource(
             engine,
             groups,
@@ -153,6 +163,8 @@ class Trainer:
             cfg.parallel.tp,
             self._engine_may_stop,
         )
+        if cfg.trainer.max_staleness:
+            source = AheadSource(source, cfg.trainer.max_staleness, cfg.trainer.steps, engine_cores)
         return source, engine
 
     def _build_validator(self, engine):
@@ -205,11 +217,16 @@ class Trainer:
 
     # ---- one RL step: one line per phase ------------------------------------------------
     def step(self) -> dict[str, float]:
+        start = time.perf_counter()
         timer = Timer()
         self.memory.reset()
         self.diagnostics.begin_step()
         with timer(self.source.phase):  # rollout | load_dump
             rollout = self.source.next(self.step_index)  # StepAbandoned when a signal took the engine
+        balance = {}
+        if self.cfg.trainer.balance_batch:
+            with timer("balance"):
+                rollout, balance = self.balance(rollout)
         with timer("reward"):
             rewards = self.reward(rollout)
         with timer("old_logprobs"):
@@ -229,23 +246,54 @@ class Trainer:
             with timer("update"):
                 metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip, ref)
         if self.updates and self.weight_sync is not None:
+            if isinstance(self.source, AheadSource):  # the next step's sampling ends before weights change
+                self.source.wait_idle()
             with timer("weight_sync"), self._engine_may_stop():
                 self.weight_sync()
         val, every = {}, self.cfg.trainer.val_every
         if self.validator is not None and every and (self.step_index + 1) % every == 0:
             with timer("validation"):
                 val = self.validator(self.step_index + 1)
-        peaks = timer.times | self.memory.read()
+        peaks = timer.times | self.memory.read() | self._idle_times(timer, time.perf_counter() - start)
         metrics = global_metrics(rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, peaks)
-        metrics |= val
+        metrics |= val | balance | self._staleness(rollout)
         if "perf/tokens" in metrics:  # the update's real tokens over the data-parallel ranks
             metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/update"]
         self.step_index += 1
-        self.data_position = self.data.position
+        self.data_position = getattr(self.source, "position", self.data.position)  # not the prompts sampled ahead
         self.logger.log(self.step_index, metrics)
         for warning in self.health(metrics):
             self.logger.warn(self.step_index, warning)
         return metrics
+
+    def _staleness(self, rollout) -> dict[str, float]:
+        """How many actor versions the step's samples lag the actor that trains on them (every rank's samples
+        come from one version per step, so this rank's values are the step's)."""
+        if self.source.phase != "rollout":  # dumps: no engine, no versions to compare
+            return {}
+        lag = (self.step_index - rollout.policy_version).float()
+        return {"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max()), "staleness/dropped": 0.0}
+
+    def _idle_times(self, timer, step_s: float) -> dict[str, float]:
+        """time/step, and time/trainer_idle (waiting for samples) and time/rollout_idle (the engine with nothing
+        to sample) of the step: synchronously the trainer waits the whole rollout and the engine the rest."""
+        if isinstance(self.source, AheadSource):
+            idle = self.source.idle_times()
+        elif self.source.phase != "rollout":  # dumps: no engine
+            idle = {}
+        else:
+            rollout = timer.times.get(f"time/{self.source.phase}", 0.0)
+            idle = {"time/trainer_idle": rollout, "time/rollout_idle": step_s - rollout}
+        return {"time/step": step_s} | idle
+
+    def balance(self, rollout):
+        """(this rank's rollout after balancing tokens over the data-parallel ranks, its metrics)."""
+        from megatron.core import parallel_state as ps
+
+        from moe_rl.rollout.balance import balance_rollout
+
+        cfg = self.cfg
+        return balance_rollout(rollout, cfg.sampling.n, cfg.actor.mini_batches, ps.get_data_parallel_group())
 
     def reward(self, rollout) -> torch.Tensor:
         """The reward plugin's scores (checked), or the dump's rewards."""

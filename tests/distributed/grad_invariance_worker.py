@@ -1,6 +1,6 @@
-"""torchrun worker: one actor update on a fixed global batch, split over micro-batches, DP, EP and
-TP, with the fused kernels (actor.fused_logprob, algorithm.fused_loss) on or off, padded or packed
-(actor.packing, bins of PACK_TOKENS tokens).
+"""torchrun worker: one actor update on a fixed global batch, split over micro-batches, DP, EP, TP
+and PP (plain, or interleaved with vpp = 2), with the fused kernels (actor.fused_logprob,
+algorithm.fused_loss) on or off, padded or packed (actor.packing, bins of PACK_TOKENS tokens).
 
   torchrun --nproc-per-node=N -m tests.distributed.grad_invariance_worker MODEL --out DIR \
       --layouts dp ep --micro-batch-sizes 2 1 --losses gspo ppo [--fused on off] [--packing off on]
@@ -124,7 +124,12 @@ def run_variant(
     from moe_rl.rollout.batch import PaddedBatch
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    parallel = ParallelConfig(ep=world if layout == "ep" else 1, tp=world if layout == "tp" else 1)
+    parallel = ParallelConfig(
+        ep=world if layout == "ep" else 1,
+        tp=world if layout == "tp" else 1,
+        pp=world if layout in ("pp", "vpp") else 1,
+        vpp=2 if layout == "vpp" else None,
+    )
     init_distributed(parallel, seed=1234)
     algorithms = {
         "gspo": AlgorithmConfig(loss=GSPOConfig(), correction=SeqMaskConfig()),
@@ -206,7 +211,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("--out", required=True)
-    p.add_argument("--layouts", nargs="+", choices=("dp", "ep", "tp"), default=["dp"])
+    p.add_argument("--layouts", nargs="+", choices=("dp", "ep", "tp", "pp", "vpp"), default=["dp"])
     p.add_argument("--micro-batch-sizes", nargs="+", type=int, required=True)
     p.add_argument("--losses", nargs="+", choices=("gspo", "gspo-icepop", "ppo"), default=["gspo", "ppo"])
     p.add_argument("--fused", nargs="+", choices=("on", "off"), default=["on"])

@@ -1,7 +1,9 @@
-"""The RL loop packed (actor.packing=true, default) and padded: the same step 1 on 2 ranks (actor fp32,
-engine bf16 as in test_layouts), 128-token responses, R3 replay, and EP=2 (expert tokens exchanged
-between ranks that pack different samples); packing leaves almost no padding. Parameters after the
-update are compared in tests/distributed/test_packed_step.py (the same update, without the engine)."""
+"""The RL loop packed and balanced over the data-parallel ranks (actor.packing=true and
+trainer.balance_batch=true, the defaults) and padded with each rank training its own samples: the same
+step 1 on 2 ranks (actor fp32, engine bf16 as in test_layouts), 128-token responses, R3 replay, and EP=2
+(expert tokens exchanged between ranks that pack different samples); packing leaves almost no padding.
+Parameters after the update are compared in tests/distributed/test_packed_step.py (the same update,
+without the engine)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ REL_TOL = 1e-5
 
 
 def test_packed_step_equals_padded_step_and_ep2(tmp_path):
-    padded = _train(tmp_path / "padded", 2, [*STEP, "actor.packing=false"])[0]
+    padded = _train(tmp_path / "padded", 2, [*STEP, "actor.packing=false", "trainer.balance_batch=false"])[0]
     packed = _train(tmp_path / "packed", 2, STEP)[0]
     packed_ep = _train(tmp_path / "packed_ep2", 2, [*STEP, "parallel.ep=2"])[0]
     assert packed["perf/padding_fraction"] <= 0.05, packed["perf/padding_fraction"]
     assert packed["perf/padding_fraction"] < padded["perf/padding_fraction"]
+    assert packed["perf/dp_groups_moved"] > 0 and "perf/dp_groups_moved" not in padded  # balancing moved samples
     for run, name in ((packed, "packed"), (packed_ep, "packed ep=2")):
         assert run["response/length_mean"] == padded["response/length_mean"]  # the same samples
         for key in KEYS:

@@ -120,3 +120,60 @@ def test_packing_refuses_token_dropping():
 
     with pytest.raises(ValueError, match="moe_expert_capacity_factor=1.0 .*seq_aux_loss; set actor.packing=false"):
         check_packing_supported(Cfg())
+
+
+def test_bin_counts_round_up_to_the_interleaved_multiple_with_empty_bins(tiny_models, world1):
+    """count_multiple (the pipeline size under the interleaved schedule): more bins than samples leaves
+    empty bins, a padding row each, which changes no sample's log-probs."""
+    cfg, chunks = _model(tiny_models["qwen3_moe"])
+    ids, mask = _batch(cfg.vocab_size)
+    lengths = mask.sum(-1).tolist()
+    assert len(plan_packing(lengths, 60, groups=2).bins) < 10
+    plan = plan_packing(lengths, 60, groups=2, count_multiple=5)
+    assert all(len(g) == 5 for g in plan.groups) and sum(not b for b in plan.bins) == 2
+    assert sorted(i for b in plan.bins for i in b) == list(range(8))
+    a = compute_logprobs(chunks, ids, mask, 4, with_entropy=False)["logprobs"]
+    b = compute_logprobs(chunks, ids, mask, with_entropy=False, pack=plan)["logprobs"]
+    assert (a - b).abs().max().item() <= 5e-6 * max(1.0, a.abs().max().item())
+
+
+def test_thd_sequences_match_the_mask_and_megatrons_thd_rope_matches_sample_positions():
+    """The GPU path's wiring, checked on CPU: the THD sequences (cu_seqlens) of a pack are the mask's
+    blocks on every real token, and megatron's own THD RoPE over them rotates each token at its position in
+    its sample, as `sample_positions` does on the mask path. (Transformer Engine attention itself needs a GPU.)"""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import (
+        _apply_rotary_pos_emb_bshd,
+        _apply_rotary_pos_emb_thd,
+    )
+
+    from moe_rl.actor.packing import pack_bin, thd_params
+
+    lengths = torch.tensor([5, 3, 7, 2])
+    ids = torch.randint(1, 50, (4, 7))
+    _, pack, _ = pack_bin(ids, lengths, [2, 0, 3], 16, {})
+    _, thd, _ = pack_bin(ids, lengths, [2, 0, 3], 16, {}, thd=True)
+    assert thd.attn_mask is None and thd.thd and torch.equal(thd.cu_seqlens, pack.cu_seqlens)
+    assert thd.cu_seqlens.tolist() == [0, 7, 12, 14, 16] and thd.cu_seqlens.dtype == torch.int32
+    params = thd_params(thd)
+    assert params.qkv_format == "thd" and params.max_seqlen_q == params.max_seqlen_kv == 7
+    assert params.cu_seqlens_q is thd.cu_seqlens and params.cu_seqlens_kv is thd.cu_seqlens
+
+    cu = thd.cu_seqlens.long()
+    segment = torch.bucketize(torch.arange(16), cu[1:], right=True)
+    allowed = (segment[:, None] == segment[None, :]) & torch.ones(16, 16, dtype=torch.bool).tril()
+    real = pack.sample >= 0
+    assert torch.equal(~allowed[real], pack.attn_mask[0, 0][real])
+
+    dim = 8
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.outer(torch.arange(16).float(), inv)
+    freqs = torch.cat([angles, angles], -1)[:, None, None, :]  # [max_s, 1, 1, d], megatron's layout
+    q = torch.randn(16, 2, dim)
+    single = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    rotated = _apply_rotary_pos_emb_thd(q, thd.cu_seqlens, freqs[:7], cp_group=single)
+    expected = _apply_rotary_pos_emb_bshd(q[:, None], freqs[pack.position])[:, 0]
+    assert torch.allclose(rotated[real], expected[real], atol=1e-6)  # padding: positions of no sample
+    shifted = _apply_rotary_pos_emb_bshd(q[:, None], freqs[:16])[:, 0]  # row positions: the control
+    assert not torch.allclose(rotated[7:], shifted[7:], atol=1e-3)

@@ -105,3 +105,15 @@ def test_health_monitor_warns_on_a_grad_norm_spike_and_once_on_flat_steps():
     assert len(flat) == 1 and "teaches nothing" in flat[0]
     assert h({"actor/grad_norm": 3.0, "reward/zero_variance_groups": 1.0}) == []  # said once
     assert h.summary() == ["2 step(s) had nothing to learn (every group's rewards equal)"]
+
+
+def test_mismatch_warnings_name_the_stale_behaviour_policy_in_one_line():
+    from moe_rl.trainer.health import health_warnings
+
+    gap = {"mismatch/kl": 0.6, "mismatch/ess": 0.2, "mismatch/chi2_token": 0.5}
+    sync = health_warnings(gap | {"staleness/max": 0.0}, 1e-4)
+    assert len(sync) == 2 and all(w.startswith("training-inference mismatch") for w in sync)
+    stale = health_warnings(gap | {"staleness/max": 1.0}, 1e-4)
+    assert len(stale) == 1 and "mismatch/kl = 0.6, mismatch/ess = 0.2" in stale[0]
+    assert "1 version(s) behind pi_old" in stale[0]
+    assert health_warnings({"mismatch/kl": 0.01, "staleness/max": 1.0}, 1e-4) == []
