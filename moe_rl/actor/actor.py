@@ -191,6 +191,8 @@ class Actor:
                 out["actor/first_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)
                 if "kl_ref" in m:  # and pi_theta == pi_ref on the first step
                     out["actor/first_minibatch_kl_ref"] = m["kl_ref"]
+            if i == a.mini_batches - 1 > 0:  # the stalest: pi_theta has moved mini_batches - 1 optimizer steps
+                out["actor/last_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)
             if on_skip(bool(m.pop("skipped")), i):
                 out["actor/skipped_steps"] += 1
             norms.append(m.pop("actor/grad_norm"))
