@@ -35,7 +35,6 @@ class _Pending:
     prompts: list
     position: int  # the data position after these prompts
     future: Future
-    started: float
 
 
 class AheadSource:
@@ -107,7 +106,7 @@ class AheadSource:
         now = time.perf_counter()
         self._idle["time/rollout_idle"] += now - self._engine_free_since
         future = self._pool.submit(self._sample, step, ids)
-        self.pending = _Pending(step, version, prompts, self.inner.data.position, future, now)
+        self.pending = _Pending(step, version, prompts, self.inner.data.position, future)
 
     def _sample(self, step: int, ids: list[list[int]]):
         try:

@@ -64,28 +64,24 @@ def balance_rollout(
         part = assign_groups([c[i * per : (i + 1) * per] for c in costs])
         for d in range(world):
             plan[d] += [(s, i * per + g) for s, g in part[d]]
-    me = dist.get_rank(group) if world > 1 else 0
-    rows = _rows(group_size)
-    sends = [_take(rollout, [g for s, g in plan[d] if s == me], rows) for d in range(world)]
-    received = sends if world == 1 else _all_to_all(sends, group)
-    pieces = {}  # (source rank, group) -> that group alone
-    for s, part in enumerate(received):
-        for j, g in enumerate(g for src, g in plan[me] if src == s):
-            pieces[(s, g)] = _take(part, [j], rows)
-    mine = _concat([pieces[p] for p in plan[me]])
     loads = [sum(costs[s][g] for s, g in pairs) for pairs in plan]
     moved = sum(s != d for d, pairs in enumerate(plan) for s, _ in pairs)
     mean = sum(loads) / max(1, len(loads))
-    return mine, {"perf/dp_token_imbalance": max(loads) / mean if mean else 1.0, "perf/dp_groups_moved": float(moved)}
+    metrics = {"perf/dp_token_imbalance": max(loads) / mean if mean else 1.0, "perf/dp_groups_moved": float(moved)}
+    if not moved:  # every rank knows the plan: all skip the exchange
+        return rollout, metrics
+    me = dist.get_rank(group)
+    sends = [_take(rollout, [g for s, g in plan[d] if s == me], group_size) for d in range(world)]
+    pieces = {}  # (source rank, group) -> that group alone
+    for s, part in enumerate(_all_to_all(sends, group)):
+        for j, g in enumerate(g for src, g in plan[me] if src == s):
+            pieces[(s, g)] = _take(part, [j], group_size)
+    return _concat([pieces[p] for p in plan[me]]), metrics
 
 
-def _rows(n: int):
-    return lambda groups: [g * n + j for g in groups for j in range(n)]
-
-
-def _take(r: Rollout, groups: list[int], rows_of) -> Rollout:
+def _take(r: Rollout, groups: list[int], group_size: int) -> Rollout:
     """The rollout restricted to `groups` (in that order); prompts re-indexed from 0."""
-    rows = rows_of(groups)
+    rows = [g * group_size + j for g in groups for j in range(group_size)]
     idx = torch.as_tensor(rows, dtype=torch.long)
     p = r.padded
     padded = PaddedBatch(
