@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.parallel import global_mean
 from moe_rl.rollout.batch import PaddedBatch
 
 
@@ -23,19 +24,6 @@ def global_count(x: torch.Tensor) -> float:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return float(t.item())
-
-
-def global_mean(values: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
-    """Each value (a mean over this rank's `weights[key]` tokens or sequences) as the mean over the
-    data-parallel ranks' tokens or sequences: one all-reduce."""
-    from megatron.core import parallel_state as ps
-
-    keys = list(values)
-    t = torch.tensor([[values[k] * weights[k] for k in keys], [weights[k] for k in keys]], dtype=torch.float64)
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return {k: float(n / d) if d > 0 else 0.0 for k, n, d in zip(keys, t[0].tolist(), t[1].tolist(), strict=True)}
 
 
 class Actor:

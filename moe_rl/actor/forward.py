@@ -111,9 +111,7 @@ def run_schedule(
             pos = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
             output = model(ids, pos, causal)
         elif mb.pack.thd:  # Transformer Engine attention per sequence; RoPE per sequence from cu_seqlens
-            params = thd_params(mb.pack)
-            for name in ("cu_seqlens_q", "cu_seqlens_kv"):
-                setattr(params, name, getattr(params, name).to(device))
+            params = thd_params(mb.pack, device)
             output = model(ids, mb.pack.position[None].to(device), None, packed_seq_params=params)
         else:  # rows of their own length, block-diagonal mask, RoPE at each sample's positions
             with sample_positions(model, mb.pack.position):

@@ -242,14 +242,14 @@ def sample_positions(model: torch.nn.Module, position: torch.Tensor) -> Iterator
         del rope.forward
 
 
-def thd_params(pack: Pack):
+def thd_params(pack: Pack, device: torch.device | str = "cpu"):
     """megatron's PackedSeqParams for one packed row in THD format (Transformer Engine attention): each
     sample a sequence of its own, causal within; the row's tail padding one more sequence. No per-sample
     padding (context parallel, which would need it, is refused with packing)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = pack.cu_seqlens
-    longest = int((cu[1:] - cu[:-1]).max())
+    longest = int((pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).max())
+    cu = pack.cu_seqlens.to(device)
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )

@@ -113,10 +113,23 @@ def world_max(*values: int) -> list[int]:
     return t.tolist()
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's `obj` (picklable; small metadata only), in rank order."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's `obj` (picklable; small metadata only), in rank order of `group` (default: the world)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def global_mean(values: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+    """Each value (a mean over this rank's `weights[key]` tokens or sequences) as the mean over the
+    data-parallel ranks' tokens or sequences: one all-reduce."""
+    from megatron.core import parallel_state as ps
+
+    keys = list(values)
+    t = torch.tensor([[values[k] * weights[k] for k in keys], [weights[k] for k in keys]], dtype=torch.float64)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return {k: float(n / d) if d > 0 else 0.0 for k, n, d in zip(keys, t[0].tolist(), t[1].tolist(), strict=True)}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
 from moe_rl.actor.optimizer import is_expert
 from moe_rl.actor.packing import PackPlan
+from moe_rl.actor.parallel import global_mean
 
 
 def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
@@ -151,22 +152,15 @@ def _weighted_means(results: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Each loss metric over the global mini-batch: the micro-batches' values of every data-parallel rank
     weighted by their loss tokens (by their sequences for `seq_*` metrics), so a token mean (ppo_kl,
     clipfrac, kl_ref) or a sequence mean (seq_ratio_mean) depends neither on how the samples were split or
-    packed nor on which rank holds them. Collective over the data-parallel group (last stage only)."""
-    from megatron.core import parallel_state as ps
-
+    packed nor on which rank holds them (0 where there are none). Collective over the data-parallel group
+    (last stage only)."""
     keys = [k for k in (results[0] if results else ()) if k not in (TOKENS, SEQS)]
     if not keys:
         return {}
-    weight = {k: SEQS if k.startswith("seq_") else TOKENS for k in keys}
-    w = torch.stack([torch.stack([r[weight[k]].double() for r in results]) for k in keys])
-    v = torch.stack([torch.stack([r[k].double() for r in results]) for k in keys])
-    # per key: sum of w*v, sum of w, sum of v and micro-batch count (the fallback when no loss tokens)
-    sums = torch.stack([(w * v).sum(-1), w.sum(-1), v.sum(-1), torch.full((len(keys),), float(len(results)))])
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(sums, group=group)
-    means = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1e-300), sums[2] / sums[3])
-    return dict(zip(keys, means.tolist(), strict=True))
+    by = {k: SEQS if k.startswith("seq_") else TOKENS for k in keys}
+    weights = {k: sum(float(r[by[k]]) for r in results) for k in keys}
+    sums = {k: sum(float(r[k]) * float(r[by[k]]) for r in results) for k in keys}
+    return global_mean({k: sums[k] / weights[k] if weights[k] > 0 else 0.0 for k in keys}, weights)
 
 
 def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:

@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.parallel import all_gather_objects
 from moe_rl.rollout.batch import PaddedBatch
 from moe_rl.rollout.source import Rollout
 
@@ -56,8 +57,8 @@ def balance_rollout(
             "trainer.balance_batch=false"
         )
     tokens = rollout.padded.attention_mask.sum(-1).view(-1, group_size).sum(-1).tolist()
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    costs = [tokens] if world == 1 else _all_gather(tokens, group)
+    costs = all_gather_objects(tokens, group)
+    world = len(costs)
     per = groups // mini_batches
     plan: list[list[tuple[int, int]]] = [[] for _ in range(world)]
     for i in range(mini_batches):
@@ -139,12 +140,6 @@ def _concat(parts: list[Rollout]) -> Rollout:
         rewards=cat(lambda p: p.rewards),
         truncated=cat(lambda p: p.truncated),
     )
-
-
-def _all_gather(obj, group) -> list:
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def _all_to_all(objs: list, group) -> list:
