@@ -66,6 +66,11 @@ class AlgorithmConfig:
     is subtracted from each sample's reward before the advantages (no loss term)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss subtracts entropy_coef * token-mean entropy of pi_theta (0 = off)."""
+    prox_logp: str = "recompute"
+    """The proximal policy pi_prox the loss clips against and the correction weighs mu with: recompute (the
+    old-log-prob pass: the actor before the update, mu's routes replayed) | loglinear (A-3PO: interpolated
+    from mu and pi_theta by policy versions, objectives/proximal.py; skips that pass; not with
+    actor.router_replay=r2 or algorithm.kl_in_reward, which need it)."""
 
 
 @dataclass
@@ -291,6 +296,19 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             bad(f"algorithm.{key}", f"{getattr(alg, key)}: must be >= 0")
     if alg.kl_in_reward and not alg.kl_coef > 0:
         bad("algorithm.kl_in_reward", "needs algorithm.kl_coef > 0 (the weight of the KL in the reward)")
+    from moe_rl.objectives.proximal import PROX_LOGP
+
+    if alg.prox_logp not in PROX_LOGP:
+        bad("algorithm.prox_logp", f"{alg.prox_logp!r}: choose one of {', '.join(PROX_LOGP)}")
+    if alg.prox_logp == "loglinear":
+        needs = {
+            "actor.router_replay=r2": cfg.actor.router_replay == "r2",  # replays that pass's own routes
+            "algorithm.kl_in_reward=true": alg.kl_in_reward,  # shapes rewards with pi_old before the update
+            "trainer.mode=rollout_only": t.mode == "rollout_only",  # no update to interpolate in
+        }
+        for what, used in needs.items():
+            if used:
+                bad("algorithm.prox_logp", f"loglinear skips the old-log-prob pass that {what} needs; use recompute")
     if t.val_every < 0:
         bad("trainer.val_every", "must be >= 0")
     if (t.val_every or t.val_before_train) and not cfg.data.val_path:

@@ -26,6 +26,26 @@ def global_count(x: torch.Tensor) -> float:
     return float(t.item())
 
 
+def _recording(loss_fn, seen: dict[str, torch.Tensor], logp: torch.Tensor, mb: dict):
+    """`loss_fn(logp, mb)`, keeping this micro-batch's detached log-probs and entropy in `seen` ([B, T], rows
+    `mb["sample"]`) for the step's metrics when no old-log-prob pass ran (algorithm.prox_logp=loglinear)."""
+    rows = mb["sample"]
+    seen["logprobs"][rows] = logp.detach().float()
+    seen["entropy"][rows] = mb["entropy"].detach().float()
+    return loss_fn(logp, mb)
+
+
+def _from_last_stage_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The last pipeline stage's tensors (only it computes log-probs) on every stage of its pipeline."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        group = ps.get_pipeline_model_parallel_group()
+        for t in tensors.values():
+            dist.broadcast(t, src=dist.get_process_group_ranks(group)[-1], group=group)
+    return tensors
+
+
 class Actor:
     def __init__(self, cfg, model_path: str, record_routes: bool):
         """`cfg`: moe_rl.config.TrainConfig (model, parallel, actor); `record_routes`: bind replay
@@ -124,45 +144,60 @@ class Actor:
         """`actor.mini_batches` optimizer steps on the batch with the objective's correction and
         loss; routes replayed per actor.router_replay. `on_skip(skipped, mini_batch)` -> whether
         the mini-batch counts as skipped (it may raise to stop the run). `ref_logprobs`: log pi_ref
-        for the objective's KL (metric actor/kl_ref)."""
+        for the objective's KL (metric actor/kl_ref).
+
+        `old`: the old-log-prob pass (pi_prox), or under algorithm.prox_logp=loglinear just {"alpha": [B]}
+        (objectives/proximal.py): pi_prox and the correction are then formed inside the loss, and the
+        update fills `old["logprobs"]` / `old["entropy"]` with its own forward's (pi_theta as each sample's
+        mini-batch met it: pi_prox exactly for the first) for the step's mismatch and entropy metrics."""
         from moe_rl.actor.train_step import train_minibatch
 
         a = self.cfg
-        corr = objective.correct(old["logprobs"], padded.rollout_logprobs, padded.loss_mask)
+        loglinear = "logprobs" not in old
         routes = {"r3": padded.routes, "r2": old.get("routes"), "off": None}[a.router_replay]
         b = padded.input_ids.shape[0]
         if b % a.mini_batches:
             raise ValueError(f"actor.mini_batches={a.mini_batches} does not divide this rank's {b} samples")
         per = b // a.mini_batches
         plan = self.pack_plan(padded)  # the bins of the old-log-prob pass
-        # correction metrics: token means, or sequence shares (`*_seq_*`), over the data-parallel ranks
-        tokens, seqs = float(padded.loss_mask.sum()), float((padded.loss_mask.sum(-1) > 0).sum())
-        name = objective.correction_name
-        out = global_mean(
-            {f"{name}/{k}": float(v) for k, v in corr.metrics.items()},
-            {f"{name}/{k}": seqs if "_seq_" in k else tokens for k in corr.metrics},
-        )
+        if loglinear:  # the correction runs per micro-batch inside the loss; its metrics come back with it
+            out, mask_all, weights = {}, padded.loss_mask, None
+            seen = {"logprobs": torch.zeros(padded.loss_mask.shape), "entropy": torch.zeros(padded.loss_mask.shape)}
+        else:
+            corr = objective.correct(old["logprobs"], padded.rollout_logprobs, padded.loss_mask)
+            # correction metrics: token means, or sequence shares (`*_seq_*`), over the data-parallel ranks
+            tokens, seqs = float(padded.loss_mask.sum()), float((padded.loss_mask.sum(-1) > 0).sum())
+            name = objective.correction_name
+            out = global_mean(
+                {f"{name}/{k}": float(v) for k, v in corr.metrics.items()},
+                {f"{name}/{k}": seqs if "_seq_" in k else tokens for k in corr.metrics},
+            )
+            mask_all = corr.mask
+            weights = corr.weights if corr.weights is not None else torch.ones_like(corr.mask)
         out["actor/skipped_steps"] = 0.0
-        weights = corr.weights if corr.weights is not None else torch.ones_like(corr.mask)
         norms = []
         for i in range(a.mini_batches):
             rows = slice(i * per, (i + 1) * per)
-            mask = corr.mask[rows]
+            mask = mask_all[rows]
             batch = {
                 "input_ids": padded.input_ids[rows],
                 "attention_mask": padded.attention_mask[rows],
-                "old_logprobs": old["logprobs"][rows],
                 "rollout_logprobs": padded.rollout_logprobs[rows],
                 "loss_mask": mask,
                 "advantages": advantages[rows],
-                "weights": weights[rows],
             }
+            if loglinear:
+                batch |= {"prox_alpha": old["alpha"][rows], "sample": torch.arange(b)[rows]}
+            else:
+                batch |= {"old_logprobs": old["logprobs"][rows], "weights": weights[rows]}
             if routes is not None:
                 batch["routes"] = routes[rows]
             if ref_logprobs is not None:
                 batch["ref_logprobs"] = ref_logprobs[rows]
             counts = {"num_tokens": global_count(mask.sum()), "num_seqs": global_count((mask.sum(-1) > 0).sum())}
             loss = functools.partial(objective.loss, **counts)
+            if loglinear:
+                loss = functools.partial(_recording, loss, seen)
             replay = self.replay if routes is not None else None
             m = train_minibatch(
                 self.chunks,
@@ -172,7 +207,7 @@ class Actor:
                 a.micro_batch_size,
                 replay,
                 a.fused_logprob,
-                with_entropy=objective.entropy_coef > 0,
+                with_entropy=loglinear or objective.entropy_coef > 0,
                 pack=None if plan is None else plan.group(i, i * per),
             )
             if i == 0:  # pi_theta == pi_old before the first optimizer step
@@ -189,6 +224,8 @@ class Actor:
                 out[key] = out.get(key, 0.0) + v / a.mini_batches
         applied = [x for x in norms if math.isfinite(x)]
         out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
+        if loglinear:
+            old |= _from_last_stage_tensors(seen)
         return out | self._pass_shape(padded, plan)
 
     def _pass_shape(self, padded: PaddedBatch, plan) -> dict[str, float]:

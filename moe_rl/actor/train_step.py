@@ -150,14 +150,14 @@ TOKENS, SEQS = "_tokens", "_sequences"
 
 def _weighted_means(results: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Each loss metric over the global mini-batch: the micro-batches' values of every data-parallel rank
-    weighted by their loss tokens (by their sequences for `seq_*` metrics), so a token mean (ppo_kl,
-    clipfrac, kl_ref) or a sequence mean (seq_ratio_mean) depends neither on how the samples were split or
+    weighted by their loss tokens (by their sequences for `seq_*` and `*_seq_*` metrics), so a token mean
+    (ppo_kl, clipfrac, kl_ref) or a sequence mean (seq_ratio_mean) depends neither on how the samples were split or
     packed nor on which rank holds them (0 where there are none). Collective over the data-parallel group
     (last stage only)."""
     keys = [k for k in (results[0] if results else ()) if k not in (TOKENS, SEQS)]
     if not keys:
         return {}
-    by = {k: SEQS if k.startswith("seq_") else TOKENS for k in keys}
+    by = {k: SEQS if k.startswith("seq_") or "_seq_" in k else TOKENS for k in keys}
     weights = {k: sum(float(r[by[k]]) for r in results) for k in keys}
     sums = {k: sum(float(r[k]) * float(r[by[k]]) for r in results) for k in keys}
     return global_mean({k: sums[k] / weights[k] if weights[k] > 0 else 0.0 for k in keys}, weights)

@@ -36,7 +36,7 @@ class StepDiagnostics:
         if agree_now:
             metrics["router/agreement"] = self.router_agreement(padded, views["routes_live"])
         if dump_now:
-            self.write_dump(step, padded, rewards, views)
+            self.write_dump(step, padded, rewards, views, rollout.policy_version)
         return metrics
 
     def routing_views(self, padded, old) -> dict[str, torch.Tensor | None]:
@@ -51,7 +51,7 @@ class StepDiagnostics:
             a.cfg.micro_batch_size,
             a.replay,
             padded.routes,
-            replayed=old["logprobs"] if mode == "r3" else None,
+            replayed=old.get("logprobs") if mode == "r3" else None,  # none under prox_logp=loglinear
             live=old if mode == "r2" else None,
             fused=a.cfg.fused_logprob,
             pack=a.pack_plan(padded),
@@ -68,7 +68,7 @@ class StepDiagnostics:
         differ, _ = route_sets_differ(live_routes[:, :, cols][valid], padded.routes[:, :, cols][valid])
         return float((~differ).float().mean())
 
-    def write_dump(self, step: int, padded, rewards, views) -> None:
+    def write_dump(self, step: int, padded, rewards, views, policy_version: torch.Tensor | None = None) -> None:
         from moe_rl.rollout import dump
 
         a, cfg = self.actor, self.cfg
@@ -85,4 +85,5 @@ class StepDiagnostics:
             router_replay=a.cfg.router_replay,
             n=cfg.sampling.n,
             rewards=rewards,
+            policy_version=policy_version,
         )

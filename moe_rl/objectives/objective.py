@@ -10,6 +10,7 @@ from moe_rl.objectives.aggregation import masked_mean
 from moe_rl.objectives.corrections import Correction, IcePopConfig
 from moe_rl.objectives.kl import kl_penalty
 from moe_rl.objectives.policy_loss import LossInputs
+from moe_rl.objectives.proximal import PROX_LOGP, loglinear_prox_logp
 from moe_rl.objectives.registry import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 
 
@@ -39,6 +40,9 @@ class Objective:
         self.icepop_band = self.correction_cfg if isinstance(self.correction_cfg, IcePopConfig) else IcePopConfig()
         self.kl_coef, self.kl_type, self.kl_in_reward = algorithm.kl_coef, algorithm.kl_type, algorithm.kl_in_reward
         self.entropy_coef = algorithm.entropy_coef
+        if algorithm.prox_logp not in PROX_LOGP:
+            raise ValueError(f"algorithm.prox_logp={algorithm.prox_logp!r}: choose one of {', '.join(PROX_LOGP)}")
+        self.prox_logp = algorithm.prox_logp
 
     @property
     def needs_reference(self) -> bool:
@@ -61,18 +65,29 @@ class Objective:
     def loss(self, logp: torch.Tensor, mb: dict, num_tokens: float, num_seqs: float):
         """The loss of one micro-batch (`mb`: its per-token tensors, see Actor.train): the policy loss,
         plus kl_coef * KL(pi_theta || ref) and minus entropy_coef * entropy, both token means over the
-        mini-batch's `num_tokens` (so their share does not depend on the micro-batch split)."""
+        mini-batch's `num_tokens` (so their share does not depend on the micro-batch split).
+
+        pi_prox is `mb["old_logprobs"]` with the correction's `weights` and mask already applied, or, when
+        `mb` carries `prox_alpha` (algorithm.prox_logp=loglinear), interpolated here from mu and pi_theta
+        and corrected here; the correction's metrics then come back with the loss's."""
+        old, mask, weights, extra = mb.get("old_logprobs"), mb["loss_mask"], mb.get("weights"), {}
+        if "prox_alpha" in mb:
+            old = loglinear_prox_logp(mb["rollout_logprobs"], logp, mb["prox_alpha"])
+            corr = self.correct(old, mb["rollout_logprobs"].to(old.dtype), mask.to(old.dtype))
+            mask, weights = corr.mask, corr.weights
+            extra = {f"{self.correction_name}/{k}": v for k, v in corr.metrics.items()}
         x = LossInputs(
             logp=logp,
-            old_logp=mb["old_logprobs"],
+            old_logp=old,
             rollout_logp=mb["rollout_logprobs"],
             advantages=mb["advantages"],
-            mask=mb["loss_mask"],
-            weights=mb["weights"],
+            mask=mask,
+            weights=weights,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
         )
         loss, metrics = self._loss(x, self.loss_cfg)
+        metrics |= extra
         m = x.mask.to(logp.dtype)
         if "ref_logprobs" in mb:
             kl = kl_penalty(logp, mb["ref_logprobs"], self.kl_type)

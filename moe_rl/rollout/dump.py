@@ -65,11 +65,13 @@ def write_rank(
     views: dict[str, torch.Tensor | None],
     replay_check: tuple[int, int],
     rewards: torch.Tensor | None = None,
+    policy_version: torch.Tensor | None = None,
     **meta,
 ) -> Path:
     """This rank's dump of one step: a PaddedBatch, the routing views of
-    `moe_rl.actor.forward.routing_views`, RouteReplay.dispatch_check() and metadata (model_path,
-    model fingerprint, actor/rollout dtypes, router_replay, n)."""
+    `moe_rl.actor.forward.routing_views`, RouteReplay.dispatch_check(), the policy version that sampled
+    each sample ([B], trainer.max_staleness) and metadata (model_path, model fingerprint, actor/rollout
+    dtypes, router_replay, n)."""
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -86,6 +88,7 @@ def write_rank(
         "loss_mask": padded.loss_mask,
         "rollout_logprobs": padded.rollout_logprobs,
         "rewards": rewards,
+        "policy_version": policy_version,
         "routes": padded.routes,
         **views,
     }
@@ -114,8 +117,9 @@ def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     for k in PER_TOKEN:
         if k in tensors and tuple(tensors[k].shape) != (b, t):
             raise DumpError(f"{path}: {k} has shape {tuple(tensors[k].shape)}, input_ids has {(b, t)}")
-    if "rewards" in tensors and tuple(tensors["rewards"].shape) != (b,):
-        raise DumpError(f"{path}: rewards has shape {tuple(tensors['rewards'].shape)}, expected ({b},)")
+    for k in ("rewards", "policy_version"):
+        if k in tensors and tuple(tensors[k].shape) != (b,):
+            raise DumpError(f"{path}: {k} has shape {tuple(tensors[k].shape)}, expected ({b},)")
     m = meta["model"]
     for k in ("routes", "routes_live"):
         if k in tensors and tuple(tensors[k].shape) != (b, t, len(m["moe_layers"]), m["topk"]):

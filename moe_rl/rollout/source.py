@@ -162,7 +162,8 @@ class DumpSource:
         )
         return Rollout(
             padded,
-            policy_version=torch.full((b,), int(meta["step"]), dtype=torch.long),
+            # dumps before policy versions were written: the step's own (synchronous) version
+            policy_version=tensors.get("policy_version", torch.full((b,), int(meta["step"]), dtype=torch.long)),
             response_lengths=padded.loss_mask.sum(-1).long(),
             rewards=tensors["rewards"],
         )

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import TrainConfig, validate
+from moe_rl.objectives.proximal import loglinear_alpha
 from moe_rl.rollout.ahead import AheadSource
 from moe_rl.rollout.source import StepAbandoned
 from moe_rl.trainer.health import HealthMonitor, SkipCounter
@@ -229,8 +230,11 @@ class Trainer:
                 rollout, balance = self.balance(rollout)
         with timer("reward"):
             rewards = self.reward(rollout)
-        with timer("old_logprobs"):
-            old = self.actor.old_logprobs(rollout.padded)
+        if self.objective.prox_logp == "loglinear":  # no pi_prox pass: the update interpolates it and fills `old`
+            old = {"alpha": loglinear_alpha(rollout.policy_version, self.step_index)}
+        else:
+            with timer("old_logprobs"):
+                old = self.actor.old_logprobs(rollout.padded)
         ref, penalty = None, torch.zeros_like(rewards)
         if self.objective.needs_reference:
             with timer("ref_logprobs"):

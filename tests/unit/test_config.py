@@ -164,6 +164,17 @@ def test_schema_errors_name_the_key(override, match):
         (["data.val_path=/no/val.jsonl"], 1, "config data.val_path: '/no/val.jsonl' does not exist"),
         (["val.n=4"], 1, "config val.n: 4: greedy validation .* use val.n=1"),
         (["data.max_prompt_tokens=0"], 1, "config data.max_prompt_tokens: 0: must be >= 1"),
+        (["algorithm.prox_logp=approx"], 1, "config algorithm.prox_logp: 'approx': choose one of recompute, log"),
+        (
+            ["algorithm.prox_logp=loglinear", "actor.router_replay=r2"],
+            1,
+            "config algorithm.prox_logp: loglinear skips the old-log-prob pass that actor.router_replay=r2 needs",
+        ),
+        (
+            ["algorithm.prox_logp=loglinear", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"],
+            1,
+            "config algorithm.prox_logp: loglinear skips the old-log-prob pass that algorithm.kl_in_reward=true",
+        ),
     ],
 )
 def test_inconsistent_configs_fail_before_heavy_work(overrides, world, match):

@@ -70,3 +70,90 @@ def test_decoupled_objective_equals_the_three_policy_formula(loss, fused):
     # the ratio is taken against pi_prox, not mu: with mu in its place the loss differs
     stale = _direct(loss, mu, mu, theta, adv, mask, cfg)
     assert not torch.allclose(stale, want, rtol=1e-3)
+
+
+# ---- algorithm.prox_logp=loglinear (A-3PO): pi_prox interpolated from mu and pi_theta by versions ----------
+
+
+def test_loglinear_alpha_follows_the_versions():
+    from moe_rl.objectives.proximal import loglinear_alpha
+
+    step = 7  # the actor's version before this update; pi_theta is version 8
+    got = loglinear_alpha(torch.tensor([7, 6, 5, 2]), step)
+    want = torch.tensor([0 / 1, 1 / 2, 2 / 3, 5 / 6])  # (v_prox - v_mu) / (v_theta - v_mu)
+    assert torch.allclose(got, want)
+    with pytest.raises(ValueError, match="sample 1 was sampled by policy version 9, newer than the actor's 7"):
+        loglinear_alpha(torch.tensor([7, 9]), step)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("loss", ["gspo", "ppo"])
+def test_loglinear_objective_equals_the_a3po_formula(loss, fused):
+    """The loss with pi_prox = mu + alpha (sg[pi_theta] - mu) (log space) and the correction on that pi_prox,
+    against the three-policy formula with that pi_prox written out: value and gradient."""
+    cfg = GSPOConfig(clip_low=0.01, clip_high=0.02) if loss == "gspo" else PPOConfig(dual_clip=None)
+    algorithm = AlgorithmConfig(loss=cfg, correction=IcePopConfig(), fused_loss=fused, prox_logp="loglinear")
+    objective = Objective(algorithm, group_size=2)
+    mu, _, _, adv, mask = _policies()
+    theta = mu + 2.0 * torch.randn(mu.shape, dtype=torch.float64) * mask  # pi_theta far from mu: IcePop bites
+    alpha = 0.3 + 0.7 * torch.rand(mu.shape[0], dtype=torch.float64)
+    logp = theta.clone().requires_grad_(True)
+    batch = {"rollout_logprobs": mu, "advantages": adv, "loss_mask": mask, "prox_alpha": alpha}
+    got, metrics = objective.loss(logp, batch, num_tokens=float(mask.sum()), num_seqs=float((mask.sum(-1) > 0).sum()))
+    got.backward()
+    ref_logp = theta.clone().requires_grad_(True)
+    prox = (mu + alpha[:, None] * (theta - mu)) * mask  # a constant: no gradient through pi_prox
+    want = _direct(loss, mu, prox, ref_logp, adv, mask, cfg)
+    want.backward()
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-9), (float(got), float(want))
+    assert torch.allclose(logp.grad.double(), ref_logp.grad, rtol=1e-5, atol=1e-9)
+    k = (prox - mu).exp()[mask.bool()]
+    dropped = float(((k < 0.5) | (k > 5.0)).double().mean())
+    assert 0 < dropped < 0.9 and metrics["icepop/masked_fraction"].item() == pytest.approx(dropped)
+    # pi_theta itself as pi_prox (alpha = 1) is another loss
+    assert not torch.allclose(got.double(), _direct(loss, mu, theta.detach(), theta, adv, mask, cfg), rtol=1e-3)
+
+
+def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, world1):
+    """On-policy samples (alpha = 0): the loglinear update is the recompute update with mu in pi_prox's place,
+    on a real Megatron actor (same weights after two mini-batches); the update reports its own forward's
+    log-probs, which for the first mini-batch are the actor's before the update."""
+    from moe_rl.actor.actor import Actor
+    from moe_rl.config import TrainConfig
+    from moe_rl.rollout.batch import PaddedBatch
+    from tests.reference import random_batch
+
+    cfg = TrainConfig()
+    cfg.actor.router_replay, cfg.actor.mini_batches, cfg.actor.lr = "off", 2, 3e-2
+    seed = int(torch.randint(0, 2**31, ()).item())
+    adv, noise = torch.randn(8), 0.3 * torch.randn(8, 14)
+    weights, seen = [], {}
+    for prox_logp in ("recompute", "loglinear"):
+        cfg.algorithm.prox_logp = prox_logp
+        actor = Actor(cfg, tiny_models["qwen3_moe"], record_routes=False)
+        ids, attn = random_batch(actor.hf_config.vocab_size, batch=8, length=14, seed=seed, min_len=8)
+        loss_mask = attn.float().clone()
+        loss_mask[:, :4] = 0
+        padded = PaddedBatch(ids, attn, loss_mask, torch.zeros(ids.shape), None)
+        initial = [p.detach().clone() for c in actor.chunks for p in c.parameters()]
+        before = actor.old_logprobs(padded)
+        padded.rollout_logprobs = (before["logprobs"] + noise) * loss_mask  # mu != pi_old
+        objective = Objective(cfg.algorithm, group_size=4)
+        if prox_logp == "recompute":
+            old = {"logprobs": padded.rollout_logprobs, "entropy": before["entropy"]}
+        else:
+            old = {"alpha": torch.zeros(8)}
+        m = actor.train(padded, old, adv, objective, lambda skipped, i: skipped)
+        # pi_prox = mu: every token's IcePop ratio is 1
+        assert m["actor/skipped_steps"] == 0 and m["icepop/weight_mean"] == pytest.approx(1.0), m
+        weights.append([p.detach().clone() for c in actor.chunks for p in c.parameters()])
+        seen[prox_logp] = (before, old, m)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(*weights, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(weights[1], initial, strict=True))  # the update moved
+    before, old, m = seen["loglinear"]
+    assert m["actor/ppo_kl"] == pytest.approx(seen["recompute"][2]["actor/ppo_kl"], rel=1e-5)
+    first, real = slice(0, 4), loss_mask.bool()
+    assert torch.allclose(old["logprobs"][first][real[first]], before["logprobs"][first][real[first]], atol=1e-5)
+    assert torch.allclose(old["entropy"][first][real[first]], before["entropy"][first][real[first]], atol=1e-5)
+    # the second mini-batch ran after an optimizer step: pi_theta there is no longer the actor before the update
+    assert not torch.allclose(old["logprobs"][4:][real[4:]], before["logprobs"][4:][real[4:]], atol=1e-5)
