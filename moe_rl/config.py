@@ -219,6 +219,34 @@ class LoggingConfig:
 
 
 @dataclass
+class BufferConfig:
+    """A replay buffer between rollout and training (rollout/buffer.py): each step's scored groups enter it and
+    the step trains data.prompts_per_step groups drawn from it by priority."""
+
+    enable: bool = False
+    """Train from the buffer instead of straight from each step's batch."""
+    capacity: int = 64
+    """Groups kept at most (per data-parallel rank); the oldest go first. >= data.prompts_per_step."""
+    max_age: int = 4
+    """Groups whose oldest sample is more than this many policy versions old are evicted. This bound, not
+    trainer.max_staleness, limits how stale a replayed sample is (staleness/max reports it; nothing is dropped)."""
+    priority: str = "uniform"
+    """uniform | recency ((1 + age)^-alpha) | advantage (mean |A|^alpha + eps) | rarity (prompts rarely trained
+    or with a pass rate far from 0.5) | mixed (the mean of those three distributions); rollout/buffer.py."""
+    alpha: float = 1.0
+    """Priority exponent (0 = uniform)."""
+    eps: float = 1e-3
+    """Added to advantage and rarity priorities so every group can be drawn."""
+    fresh_fraction: float = 0.5
+    """At least this share of each batch is groups never trained before (where the buffer has them)."""
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (no GRPO signal) before they enter the buffer; the engine then
+    samples more batches until the buffer can fill the step, at most buffer.max_gen_batches."""
+    max_gen_batches: int = 4
+    """Generation batches a step may run to fill itself; then it trains what it has and says so."""
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -230,6 +258,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     val: ValConfig = field(default_factory=ValConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -409,6 +438,32 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         )
     if t.max_staleness and t.mode != "train":
         bad("trainer.max_staleness", f"{t.max_staleness}: off-policy rollouts need trainer.mode=train, not {t.mode}")
+    b = cfg.buffer
+    if b.enable:
+        from moe_rl.rollout.buffer import PRIORITIES
+
+        if b.priority not in PRIORITIES:
+            bad("buffer.priority", f"{b.priority!r}: choose one of {', '.join(PRIORITIES)}")
+        if b.capacity < cfg.data.prompts_per_step:
+            bad(
+                "buffer.capacity",
+                f"{b.capacity} groups cannot hold one step's data.prompts_per_step={cfg.data.prompts_per_step}",
+            )
+        for key, low in (("max_age", 0), ("alpha", 0), ("eps", 0), ("max_gen_batches", 1)):
+            if getattr(b, key) < low:
+                bad(f"buffer.{key}", f"{getattr(b, key)}: must be >= {low}")
+        if not 0 <= b.fresh_fraction <= 1:
+            bad("buffer.fresh_fraction", f"{b.fresh_fraction}: must be in [0, 1]")
+        if t.mode != "train":
+            bad("buffer.enable", f"the buffer trains on engine samples: trainer.mode=train, not {t.mode}")
+        if t.max_staleness:
+            bad("buffer.enable", "with trainer.max_staleness >= 1 (sampling ahead into the buffer) is not built yet")
+        if cfg.data.prompts_per_step % cfg.actor.mini_batches:
+            bad(
+                "buffer.enable",
+                f"needs data.prompts_per_step={cfg.data.prompts_per_step} to be a multiple of "
+                f"actor.mini_batches={cfg.actor.mini_batches} (a short batch keeps whole groups per mini-batch)",
+            )
     from moe_rl.weight_sync import TRANSPORTS
 
     if r.weight_transport not in TRANSPORTS:

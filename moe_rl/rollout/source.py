@@ -1,7 +1,7 @@
 """Where a step's samples come from: the vLLM engine (`EngineSource`; sampling one batch ahead under
 trainer.max_staleness: `rollout/ahead.py`) or the dumps of an earlier run (`DumpSource`,
-trainer.mode=from_dump). Chosen once when the trainer is built; a replay buffer will be one more
-implementation of `next`."""
+trainer.mode=from_dump), or a replay buffer over the engine's batches (`rollout/buffer.py`). Chosen once
+when the trainer is built."""
 
 from __future__ import annotations
 

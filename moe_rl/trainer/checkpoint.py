@@ -160,9 +160,10 @@ def _rng_object():
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
-def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, keep: int = 0) -> Path:
+def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, keep: int = 0, extra=None) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder. keep > 0: afterwards delete
-    all but the newest `keep` complete checkpoints."""
+    all but the newest `keep` complete checkpoints. `extra(folder)`: every rank writes its own further
+    files (the replay buffer) into the folder before it is complete."""
     from megatron.core import dist_checkpointing
 
     from moe_rl.compat.megatron_checkpoint import drop_dead_results_queue
@@ -187,6 +188,8 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
     )
     if rank == 0:
         (partial / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
+    if extra is not None:
+        extra(partial)
     if dist.is_initialized():
         dist.barrier()
     write_manifest(partial)  # after every rank's files, before `latest`

@@ -76,6 +76,8 @@ class Trainer:
             self.weight_sync = WeightSync(self.actor, engine, leaders, r.weight_sync_bucket_mb, r.weight_transport)
         self.updates = t.mode != "rollout_only"
         self.validator = self._build_validator(engine) if t.val_every or t.val_before_train else None
+        if resumed and cfg.buffer.enable:
+            self.source.buffer.load(self._buffer_file(self.resume_path))
         if resumed:
             if self.weight_sync is not None:  # the engine starts from the HF weights; give it the resumed actor's
                 self.weight_sync()
@@ -166,7 +168,40 @@ class Trainer:
         )
         if cfg.trainer.max_staleness:
             source = AheadSource(source, cfg.trainer.max_staleness, cfg.trainer.steps, engine_cores)
+        if cfg.buffer.enable:
+            source = self._buffer_source(source)
         return source, engine
+
+    def _buffer_source(self, inner):
+        """The replay buffer over the engine's batches (buffer.*); its draws seeded per data-parallel rank, so
+        ranks that share samples (TP, PP) draw alike."""
+        import numpy as np
+        from megatron.core import parallel_state as ps
+
+        from moe_rl.rollout.buffer import BufferSource, ReplayBuffer
+        from moe_rl.routing.records import filler_row, route_dtype
+
+        cfg, b, layout = self.cfg, self.cfg.buffer, self.actor.layout
+        seed = cfg.trainer.seed + 7919 * (1 + ps.get_data_parallel_rank())
+        buffer = ReplayBuffer(b.capacity, b.max_age, b.priority, b.alpha, b.eps, b.fresh_fraction, seed)
+        filler = filler_row(len(layout.moe_layers), layout.topk, route_dtype(layout.num_experts))
+        return BufferSource(
+            inner,
+            buffer,
+            b,
+            self.reward,
+            self.objective.advantages,
+            group_size=cfg.sampling.n,
+            prompts_per_step=cfg.data.prompts_per_step,
+            mini_batches=cfg.actor.mini_batches,
+            pad_id=self.tokenizer.pad_token_id or 0,
+            pad_multiple=cfg.parallel.tp,
+            filler=torch.from_numpy(np.ascontiguousarray(filler)),
+            warn=self.logger.warn,
+        )
+
+    def _buffer_file(self, checkpoint_path: Path) -> Path:
+        return checkpoint_path / "buffer" / f"rank_{self.rank:05d}.safetensors"
 
     def _build_validator(self, engine):
         from moe_rl.trainer.validation import Validator
@@ -202,7 +237,9 @@ class Trainer:
             )
         state = {"data_position": self.data_position, "wandb_run_id": self.logger.run_id, "model_path": self.model_path}
         a, keep = self.actor, self.cfg.trainer.checkpoint_keep
-        path = checkpoint.save(self.checkpoint_dir, self.step_index, a.chunks, a.optimizer, state, keep)
+        buffer = getattr(self.source, "buffer", None)
+        extra = None if buffer is None else (lambda partial: buffer.save(self._buffer_file(partial)))
+        path = checkpoint.save(self.checkpoint_dir, self.step_index, a.chunks, a.optimizer, state, keep, extra)
         if self.rank == 0:
             print(f"[moe-rl] checkpoint step {self.step_index} -> {path}", flush=True)
         return path
@@ -244,6 +281,7 @@ class Trainer:
         advantages = self.objective.advantages(rewards - penalty)
         with timer("diagnostics"):  # dumps and router agreement, before the update changes the actor
             metrics = self.diagnostics(self.step_index, rollout, old, rewards)
+        metrics |= getattr(self.source, "step_metrics", {})  # the replay buffer's (buffer/*)
         if self.objective.kl_in_reward:
             metrics["reward/kl_penalty_mean"] = float(penalty.mean())
         if self.updates:

@@ -164,6 +164,12 @@ def test_schema_errors_name_the_key(override, match):
         (["data.val_path=/no/val.jsonl"], 1, "config data.val_path: '/no/val.jsonl' does not exist"),
         (["val.n=4"], 1, "config val.n: 4: greedy validation .* use val.n=1"),
         (["data.max_prompt_tokens=0"], 1, "config data.max_prompt_tokens: 0: must be >= 1"),
+        (["buffer.enable=true", "buffer.priority=fifo"], 1, "config buffer.priority: 'fifo': choose one of uniform"),
+        (["buffer.enable=true", "buffer.capacity=2"], 1, "config buffer.capacity: 2 groups cannot hold one step's"),
+        (["buffer.enable=true", "buffer.fresh_fraction=1.5"], 1, "config buffer.fresh_fraction: 1.5: must be in"),
+        (["buffer.enable=true", "buffer.max_gen_batches=0"], 1, "config buffer.max_gen_batches: 0: must be >= 1"),
+        (["buffer.enable=true", "trainer.max_staleness=1"], 1, "config buffer.enable: with trainer.max_staleness"),
+        (["buffer.enable=true", "data.prompts_per_step=3"], 1, "config buffer.enable: needs data.prompts_per_step=3"),
         (["algorithm.prox_logp=approx"], 1, "config algorithm.prox_logp: 'approx': choose one of recompute, log"),
         (
             ["algorithm.prox_logp=loglinear", "actor.router_replay=r2"],
