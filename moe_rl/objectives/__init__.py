@@ -24,6 +24,7 @@ from moe_rl.objectives.metrics import MISMATCH_KEYS, mismatch_metrics
 from moe_rl.objectives.objective import Objective
 from moe_rl.objectives.policy_loss import LossInputs, gspo_loss, gspo_sequence_log_ratio, ppo_loss
 from moe_rl.objectives.registry import ADVANTAGES, CORRECTIONS, POLICY_LOSSES, Registry
+from moe_rl.objectives.value import explained_variance, gae_advantages, masked_whiten, value_loss
 
 __all__ = [
     "ADVANTAGES",
@@ -37,6 +38,8 @@ __all__ = [
     "Registry",
     "aggregate",
     "drgrpo_advantages",
+    "explained_variance",
+    "gae_advantages",
     "grpo_advantages",
     "gspo_loss",
     "gspo_sequence_log_ratio",
@@ -46,6 +49,7 @@ __all__ = [
     "kl_shaped_token_rewards",
     "masked_mean",
     "masked_sum",
+    "masked_whiten",
     "mismatch_metrics",
     "ppo_loss",
     "reinforce_advantages",
@@ -54,4 +58,5 @@ __all__ = [
     "seq_tis_weights",
     "sequence_log_ratio",
     "tis_weights",
+    "value_loss",
 ]
