@@ -66,6 +66,15 @@ class AlgorithmConfig:
     is subtracted from each sample's reward before the advantages (no loss term)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss subtracts entropy_coef * token-mean entropy of pi_theta (0 = off)."""
+    gamma: float = 1.0
+    """Discount of GAE (algorithm.advantage=gae)."""
+    lam: float = 1.0
+    """GAE's lambda: 1 = Monte Carlo returns minus the value baseline, 0 = one-step TD."""
+    whiten_advantages: bool = True
+    """Whiten GAE advantages over the global batch's response tokens (mean 0, variance 1; gae only)."""
+    policy_loss: str = ""
+    """The policy loss by name (gspo | ppo), with that loss's defaults: the same as the group choice
+    `algorithm/loss=<name>` (use that one to also set the loss's keys). Empty: the preset's loss."""
     prox_logp: str = "recompute"
     """The proximal policy pi_prox the loss clips against and the correction weighs mu with: recompute (the
     old-log-prob pass: the actor before the update, mu's routes replayed) | loglinear (A-3PO: interpolated
@@ -247,6 +256,28 @@ class BufferConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of algorithm.advantage=gae (moe_rl/critic): the actor's architecture with a scalar
+    value head, colocated with the actor in its parallel layout."""
+
+    model_path: str = ""
+    """HF folder to start from (its LM head is dropped); empty = the actor's initial weights, fresh head."""
+    lr: float = 3e-3
+    """Adam learning rate of the critic (its own optimizer; clipping and weight decay as the actor's)."""
+    value_clip: float | None = 0.5
+    """Clip of the value loss around the values before the update (verl's cliprange_value); null = off."""
+    router_replay: str = "r2"
+    """r2: the critic's update replays the routes of its own values pass (the values the clip compares are
+    then one network's) | off: its router stays live."""
+    mini_batches: int = 2
+    """Optimizer steps of the critic per epoch; must divide the samples per rank."""
+    epochs: int = 1
+    """Passes of the critic over each batch."""
+    warmup_steps: int = 0
+    """First steps in which only the critic updates (the actor and the engine's weights stay)."""
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -259,10 +290,30 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     val: ValConfig = field(default_factory=ValConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+
+
+def resolve_aliases(cfg: TrainConfig) -> None:
+    """algorithm.policy_loss=<name> (in place): the loss chosen by name with that loss's defaults, as the group
+    choice algorithm/loss=<name> would. Refused when the composed loss has settings of its own changed."""
+    alg = cfg.algorithm
+    if not alg.policy_loss or POLICY_LOSSES.name_of(alg.loss) == alg.policy_loss:
+        return
+    if alg.policy_loss not in POLICY_LOSSES.names():
+        raise ValueError(f"config algorithm.policy_loss: {alg.policy_loss!r}: choose one of {POLICY_LOSSES.names()}")
+    if alg.loss != type(alg.loss)():
+        raise ValueError(
+            f"config algorithm.policy_loss: {alg.policy_loss!r} would drop the algorithm.loss.* settings of "
+            f"{POLICY_LOSSES.name_of(alg.loss)!r}; choose the loss with algorithm/loss={alg.policy_loss} to set "
+            "its keys"
+        )
+    alg.loss = POLICY_LOSSES.configs()[alg.policy_loss]()
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need no model, run before anything is built: one clear error naming the key."""
+    """Checks that need no model, run before anything is built: one clear error naming the key. Resolves
+    the aliases first (resolve_aliases)."""
+    resolve_aliases(cfg)
     from moe_rl.data.prompts import OVERLONG_POLICIES
     from moe_rl.data.rewards import load_reward
     from moe_rl.objectives import ADVANTAGES
@@ -276,8 +327,31 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             registry.name_of(value)
         except ValueError as e:
             bad(f"algorithm.{key}", f"{e}; choose one with algorithm/{key}=<name>")
-    if alg.advantage not in ADVANTAGES:
-        bad("algorithm.advantage", f"{alg.advantage!r} is not one of {ADVANTAGES.names()}")
+    if alg.advantage not in ADVANTAGES and alg.advantage != "gae":
+        bad("algorithm.advantage", f"{alg.advantage!r} is not one of {[*ADVANTAGES.names(), 'gae']}")
+    if alg.advantage == "gae":
+        c = cfg.critic
+        if POLICY_LOSSES.name_of(alg.loss) != "ppo":
+            bad(
+                "algorithm.advantage",
+                "gae gives every token its own advantage: it needs the token-level PPO loss "
+                "(algorithm.policy_loss=ppo or algorithm/loss=ppo); GSPO's sequence ratio takes one per sequence",
+            )
+        if c.router_replay not in ("r2", "off"):
+            bad("critic.router_replay", f"{c.router_replay!r}: choose r2 or off")
+        if c.value_clip is not None and not c.value_clip > 0:
+            bad("critic.value_clip", f"{c.value_clip}: must be > 0 (or null for no clipping)")
+        for key in ("mini_batches", "epochs"):
+            if getattr(c, key) < 1:
+                bad(f"critic.{key}", f"{getattr(c, key)}: must be >= 1")
+        if (cfg.sampling.n * cfg.data.prompts_per_step) % c.mini_batches:
+            bad("critic.mini_batches", f"{c.mini_batches} does not divide the samples per step")
+        if c.warmup_steps < 0:
+            bad("critic.warmup_steps", f"{c.warmup_steps}: must be >= 0")
+        if c.model_path and not os.path.exists(c.model_path):
+            bad("critic.model_path", f"{c.model_path!r} does not exist")
+        if not (0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1):
+            bad("algorithm.gamma", f"gamma={alg.gamma}, lam={alg.lam}: both must be in [0, 1]")
     if getattr(alg.loss, "agg", AGG_MODES[0]) not in AGG_MODES:
         bad("algorithm.loss.agg", f"{alg.loss.agg!r} is not one of {AGG_MODES}")
     if cfg.rollout.model:
@@ -358,7 +432,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("data.prompts_per_step", "must be >= 1")
     if cfg.sampling.n < 1:
         bad("sampling.n", "must be >= 1")
-    if cfg.sampling.n < 2 and ADVANTAGES.meta(alg.advantage).get("needs_groups"):
+    if cfg.sampling.n < 2 and alg.advantage in ADVANTAGES and ADVANTAGES.meta(alg.advantage).get("needs_groups"):
         bad(
             "sampling.n",
             f"{cfg.sampling.n}: algorithm.advantage={alg.advantage} compares samples within a "

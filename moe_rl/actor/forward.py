@@ -267,6 +267,7 @@ def compute_logprobs(
     record: bool = False,
     fused: bool | str = True,
     pack: PackPlan | None = None,
+    head=None,
 ) -> dict[str, torch.Tensor]:
     """Per-token log pi(y_t | y_<t) and entropy for a right-padded batch.
 
@@ -279,6 +280,7 @@ def compute_logprobs(
     Routing (`replay`: a `moe_rl.actor.replay.RouteReplay` bound to these chunks):
       routes=[B, T, L_moe, K] -> replay them (R3, or the update passes of R2);
       record=True             -> record this pass's routes, returned as out["routes"] (R2).
+    `head`: scores other than log-probs from the model output, under the same key (the critic's values).
     """
     from contextlib import nullcontext
 
@@ -306,7 +308,7 @@ def compute_logprobs(
     else:
         routing = nullcontext({})
 
-    head = LogprobHead(chunks, fused)
+    head = LogprobHead(chunks, fused) if head is None else head
 
     def step(output, mb: MicroBatch):
         lp, ent = head(output, mb.input_ids, with_entropy, temperature)

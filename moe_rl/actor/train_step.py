@@ -82,6 +82,7 @@ def train_minibatch(
     fused_logprob: bool | str = True,
     with_entropy: bool = False,
     pack: PackPlan | None = None,
+    head=None,
 ) -> dict[str, float]:
     """Forward+backward over one mini-batch and one optimizer step (`optimizer`: a megatron
     optimizer from `moe_rl.actor.optimizer.build_optimizer`).
@@ -92,6 +93,7 @@ def train_minibatch(
     fused_logprob: log-probs through the fused linear -> log-prob kernel (`LogprobHead`).
     with_entropy: the loss also gets pi_theta's per-token entropy (differentiable) as extra "entropy".
     pack: run the plan's bins as packed micro-batches (actor.packing); the loss still sees per-sample rows.
+    head: per-token scores other than log-probs for loss_fn (the critic's values); default LogprobHead.
     """
     from contextlib import nullcontext
 
@@ -112,7 +114,7 @@ def train_minibatch(
     t = batch["input_ids"].shape[1]
     n_mb = len(mbs)
     losses = []
-    head = LogprobHead(chunks, fused_logprob)
+    head = LogprobHead(chunks, fused_logprob) if head is None else head
 
     def step(output, mb):
         if len(mb.index) == 0:  # a bin left empty so that every rank runs as many forwards

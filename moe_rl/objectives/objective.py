@@ -34,7 +34,8 @@ class Objective:
         if self.fused:
             self._loss = fused
         self._correction = CORRECTIONS.get(self.correction_name)
-        self._advantages = ADVANTAGES.get(algorithm.advantage)
+        # gae: token-level advantages from the critic's values (the trainer's _gae), not from rewards alone
+        self._advantages = None if algorithm.advantage == "gae" else ADVANTAGES.get(algorithm.advantage)
         self.group_size = group_size
         # the band mismatch/k_outside_icepop_fraction reports: the run's own under IcePop
         self.icepop_band = self.correction_cfg if isinstance(self.correction_cfg, IcePopConfig) else IcePopConfig()
@@ -56,6 +57,8 @@ class Objective:
         return self.kl_coef * (kl_penalty(logp, ref_logp, self.kl_type) * mask).sum(-1)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        if self._advantages is None:
+            raise ValueError("algorithm.advantage=gae needs the critic's values: objectives.value.gae_advantages")
         return self._advantages(rewards, self.group_size)
 
     def correct(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> Correction:

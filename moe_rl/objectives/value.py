@@ -65,7 +65,7 @@ def value_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0.5 * aggregate(max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)) (PPO's clipped value
     loss; `clip` None: unclipped). metrics: vf_clipfrac (masked share of tokens where the clipped error is
-    the larger), values_mean, returns_mean (detached)."""
+    the larger), value_loss (its token mean), values_mean, returns_mean (detached)."""
     if not values.shape == old_values.shape == returns.shape == mask.shape:
         raise ValueError(
             f"shape mismatch: values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, returns "
@@ -82,6 +82,7 @@ def value_loss(
         worst, clipped_larger = torch.maximum(unclipped, clipped), (clipped > unclipped).to(values.dtype)
     loss = 0.5 * aggregate(worst, m, agg, **agg_kwargs)
     metrics = {
+        "value_loss": 0.5 * masked_mean(worst.detach(), m),  # token mean, whatever `agg`
         "vf_clipfrac": masked_mean(clipped_larger, m).detach(),
         "values_mean": masked_mean(values.detach(), m),
         "returns_mean": masked_mean(returns, m),

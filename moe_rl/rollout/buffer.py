@@ -36,6 +36,11 @@ SAMPLE_KEYS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs", "
 GROUP_KEYS = ("response_lengths", "policy_version", "rewards", "advantages", "truncated")
 
 
+def fresh_count(fraction: float, k: int) -> int:
+    """ceil(fraction * k) never-trained groups, without float noise (0.14 * 50 is 7, not 8)."""
+    return math.ceil(round(fraction * k, 9))
+
+
 @dataclass
 class Group:
     """One prompt's samples, trimmed to the group's longest sample."""
@@ -82,6 +87,8 @@ class ReplayBuffer:
         b = rollout.padded.input_ids.shape[0]
         if b % group_size:
             raise ValueError(f"buffer: {b} samples are not whole groups of {group_size}")
+        if advantages.shape != (b,):
+            raise ValueError(f"buffer: advantages {tuple(advantages.shape)} must be one per sample ({b},)")
         added = []
         for g in range(b // group_size):
             rows = slice(g * group_size, (g + 1) * group_size)
@@ -141,7 +148,7 @@ class ReplayBuffer:
         if k > len(self.groups):
             raise ValueError(f"buffer: {k} groups asked of {len(self.groups)}")
         fresh = [i for i, g in enumerate(self.groups) if g.trained == 0]
-        first = self._draw(fresh, min(math.ceil(self.fresh_fraction * k), len(fresh)), version)
+        first = self._draw(fresh, min(fresh_count(self.fresh_fraction, k), len(fresh)), version)
         rest = [i for i in range(len(self.groups)) if i not in set(first)]
         chosen = [self.groups[i] for i in first + self._draw(rest, k - len(first), version)]
         for g in chosen:
@@ -294,7 +301,7 @@ class BufferSource:
         from moe_rl.actor.parallel import world_max
 
         want = self.prompts_per_step
-        fresh_wanted = math.ceil(self.buffer.fresh_fraction * want)
+        fresh_wanted = fresh_count(self.buffer.fresh_fraction, want)
         dropped = generated = 0
         fresh_rewards = []
         while True:

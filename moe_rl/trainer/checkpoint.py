@@ -183,9 +183,7 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
         dist.barrier()
     drop_dead_results_queue()
     dist_checkpointing.save({**model_sharded_state_dict(chunks), "rng_state": _rng_object()}, str(partial / "model"))
-    dist_checkpointing.save(
-        {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks))}, str(partial / "optimizer")
-    )
+    _save_optimizer(partial / "optimizer", chunks, optimizer)
     if rank == 0:
         (partial / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
     if extra is not None:
@@ -230,7 +228,6 @@ def load_model(path: str | Path, chunks, extra: dict | None = None) -> dict:
 
 def load(path: str | Path, chunks, optimizer) -> dict:
     """Restore model, optimizer, this rank's RNG; returns trainer.json. Refuses partial checkpoints."""
-    from megatron.core import dist_checkpointing
 
     path = Path(path)
     for piece, what in (("optimizer/metadata.json", "optimizer state"), ("trainer.json", "trainer state")):
@@ -242,6 +239,46 @@ def load(path: str | Path, chunks, optimizer) -> dict:
     rng = load_model(path, chunks, {"rng_state": _rng_object()})["rng_state"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    sharded = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True)}
-    optimizer.load_state_dict(dist_checkpointing.load(sharded, str(path / "optimizer"))["optimizer"])
+    _load_optimizer(path / "optimizer", chunks, optimizer)
     return json.loads((path / "trainer.json").read_text())
+
+
+def _save_optimizer(folder: Path, chunks, optimizer) -> None:
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save({"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks))}, str(folder))
+
+
+def _load_optimizer(folder: Path, chunks, optimizer) -> None:
+    from megatron.core import dist_checkpointing
+
+    sharded = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True)}
+    optimizer.load_state_dict(dist_checkpointing.load(sharded, str(folder))["optimizer"])
+
+
+def save_part(folder: str | Path, chunks, optimizer) -> None:
+    """Collective: one more model's weights and optimizer state (the critic) in `folder`/{model,optimizer},
+    inside a checkpoint being written (checkpoint.save's `extra`)."""
+    from megatron.core import dist_checkpointing
+
+    folder = Path(folder)
+    if _rank_world()[0] == 0:
+        (folder / "model").mkdir(parents=True)
+        (folder / "optimizer").mkdir()
+    if dist.is_initialized():
+        dist.barrier()
+    dist_checkpointing.save(model_sharded_state_dict(chunks), str(folder / "model"))
+    _save_optimizer(folder / "optimizer", chunks, optimizer)
+
+
+def load_part(folder: str | Path, chunks, optimizer) -> None:
+    """Restore what `save_part` wrote; a checkpoint without it is named with what to do."""
+    folder = Path(folder)
+    if not (folder / "optimizer" / "metadata.json").is_file():
+        raise CheckpointError(
+            f"cannot resume from {folder.parent}: it has no {folder.name} state ({folder.name}/optimizer missing; "
+            f"saved by a run without the {folder.name}?). Start a fresh run (trainer.resume=off) or resume with "
+            "the settings it was saved with."
+        )
+    load_model(folder, chunks)
+    _load_optimizer(folder / "optimizer", chunks, optimizer)

@@ -62,6 +62,7 @@ class Trainer:
             print(f"[moe-rl] {note}", flush=True)
         self.actor = Actor(cfg, self.model_path, record_routes=t.dump_every > 0 or t.mode == "rollout_only")
         self.diagnostics = StepDiagnostics(cfg, self.actor, Path(t.dump_dir or run_dir / "dumps"))
+        self.critic = self._build_critic() if cfg.algorithm.advantage == "gae" else None
         self.step_index = 0
         self.skips = SkipCounter(t.max_skipped_steps)
         self.health = HealthMonitor(t.first_minibatch_tolerance)
@@ -223,6 +224,8 @@ class Trainer:
         if self.resume_path is None:
             return None
         state = checkpoint.load(self.resume_path, self.actor.chunks, self.actor.optimizer)
+        if self.critic is not None:
+            checkpoint.load_part(self.resume_path / "critic", self.critic.chunks, self.critic.optimizer)
         self.step_index = state["step"]
         if self.rank == 0:
             print(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}", flush=True)
@@ -238,7 +241,13 @@ class Trainer:
         state = {"data_position": self.data_position, "wandb_run_id": self.logger.run_id, "model_path": self.model_path}
         a, keep = self.actor, self.cfg.trainer.checkpoint_keep
         buffer = getattr(self.source, "buffer", None)
-        extra = None if buffer is None else (lambda partial: buffer.save(self._buffer_file(partial)))
+
+        def extra(partial: Path) -> None:  # every rank: the parts beside the actor
+            if buffer is not None:
+                buffer.save(self._buffer_file(partial))
+            if self.critic is not None:
+                checkpoint.save_part(partial / "critic", self.critic.chunks, self.critic.optimizer)
+
         path = checkpoint.save(self.checkpoint_dir, self.step_index, a.chunks, a.optimizer, state, keep, extra)
         if self.rank == 0:
             print(f"[moe-rl] checkpoint step {self.step_index} -> {path}", flush=True)
@@ -278,16 +287,26 @@ class Trainer:
                 ref = self.actor.ref_logprobs(rollout.padded, old)
         if self.objective.kl_in_reward:
             penalty = self.objective.reward_kl(old["logprobs"], ref, rollout.padded.loss_mask)
-        advantages = self.objective.advantages(rewards - penalty)
+        if self.critic is not None:  # PPO with a critic: token-level GAE on the values before the update
+            with timer("values"):
+                values = self.critic.values(rollout.padded)
+            advantages, returns = self._gae(rollout.padded.loss_mask, rewards - penalty, values["values"])
+        else:
+            advantages = self.objective.advantages(rewards - penalty)
         with timer("diagnostics"):  # dumps and router agreement, before the update changes the actor
             metrics = self.diagnostics(self.step_index, rollout, old, rewards)
         metrics |= getattr(self.source, "step_metrics", {})  # the replay buffer's (buffer/*)
         if self.objective.kl_in_reward:
             metrics["reward/kl_penalty_mean"] = float(penalty.mean())
-        if self.updates:
+        warming = self.critic is not None and self.step_index < self.cfg.critic.warmup_steps
+        actor_updates = self.updates and not warming  # critic warm-up: the actor (and the engine) stay
+        if actor_updates:
             with timer("update"):
                 metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip, ref)
-        if self.updates and self.weight_sync is not None:
+        if self.updates and self.critic is not None:
+            with timer("critic_update"):
+                metrics |= self._train_critic(rollout.padded, values, returns)
+        if actor_updates and self.weight_sync is not None:
             if isinstance(self.source, AheadSource):  # the next step's sampling ends before weights change
                 self.source.wait_idle()
             with timer("weight_sync"), self._engine_may_stop():
@@ -307,6 +326,79 @@ class Trainer:
         for warning in self.health(metrics):
             self.logger.warn(self.step_index, warning)
         return metrics
+
+    def _build_critic(self):
+        from moe_rl.critic.critic import Critic
+
+        c = self.cfg.critic
+        return Critic(self.cfg, c.model_path or self.model_path, c.lr, c.router_replay)
+
+    def _gae(self, mask: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor):
+        """(advantages, returns), [B, T]: each sample's reward on its last response token, GAE over the response
+        (algorithm.gamma, algorithm.lam), advantages whitened over the global batch (algorithm.whiten_advantages)."""
+        from moe_rl.actor.parallel import global_mean
+        from moe_rl.objectives.aggregation import masked_mean
+        from moe_rl.objectives.value import gae_advantages, masked_whiten
+
+        a = self.cfg.algorithm
+        last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # each sample's last response token
+        token_rewards = torch.zeros_like(values)
+        token_rewards[torch.arange(len(rewards)), last] = rewards.to(values.dtype) * (mask.sum(-1) > 0)
+        advantages, returns = gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
+        if a.whiten_advantages:
+            n = {"x": float(mask.sum())}
+            mean = global_mean({"x": float(masked_mean(advantages, mask))}, n)["x"]
+            var = global_mean({"x": float(masked_mean((advantages - mean) ** 2, mask))}, n)["x"]
+            advantages = masked_whiten(advantages, mask, mean, var)
+        return advantages, returns
+
+    def _train_critic(self, padded, values: dict[str, torch.Tensor], returns: torch.Tensor) -> dict[str, float]:
+        """The critic's epochs on this batch, and its metrics: the values before the update against the returns
+        (critic/explained_variance, values_mean, returns_mean; over the global batch), the update's loss,
+        clip fraction and gradient norm, and its routing (the replay check against its own values pass, and
+        agreement with the engine's routes)."""
+        from moe_rl.actor.parallel import global_mean
+        from moe_rl.objectives.aggregation import masked_mean
+
+        c, critic = self.cfg.critic, self.critic
+        mask, v = padded.loss_mask, values["values"]
+        n = float(mask.sum())
+        stats = {
+            "returns": masked_mean(returns, mask),
+            "returns_sq": masked_mean(returns**2, mask),
+            "values": masked_mean(v, mask),
+            "residual": masked_mean(returns - v, mask),
+            "residual_sq": masked_mean((returns - v) ** 2, mask),
+        }
+        g = global_mean({k: float(x) for k, x in stats.items()}, dict.fromkeys(stats, n))
+        var_returns = g["returns_sq"] - g["returns"] ** 2
+        var_residual = g["residual_sq"] - g["residual"] ** 2
+        out = {
+            "critic/explained_variance": 1 - var_residual / var_returns if var_returns > 0 else float("nan"),
+            "critic/values_mean": g["values"],
+            "critic/returns_mean": g["returns"],
+        }
+        if critic.replay is not None:
+            critic.replay.dispatch_check(reset=True)
+        epochs = [critic.train(padded, values, returns, c.value_clip, c.mini_batches) for _ in range(c.epochs)]
+        for k in epochs[0]:
+            if k not in out:
+                out[k] = sum(e[k] for e in epochs) / len(epochs)
+        if critic.replay is not None:
+            checked, mismatched = critic.replay.dispatch_check()
+            out["critic/replay_mismatches"] = float(mismatched)
+            out["critic/router_agreement"] = 1 - mismatched / checked if checked else 1.0
+            if padded.routes is not None:
+                out["critic/engine_router_agreement"] = self._route_agreement(padded, values["routes"])
+        return out
+
+    def _route_agreement(self, padded, routes: torch.Tensor) -> float:
+        """Share of (token, MoE layer) pairs where `routes` pick the engine's expert set (real tokens but the last)."""
+        from moe_rl.routing.compare import route_sets_differ, routed_positions
+
+        valid = routed_positions(padded.attention_mask)
+        differ, _ = route_sets_differ(routes[valid], padded.routes[valid])
+        return float((~differ).float().mean())
 
     def _staleness(self, rollout) -> dict[str, float]:
         """How many actor versions the step's samples lag the actor that trains on them (every rank's samples

@@ -170,6 +170,15 @@ def test_schema_errors_name_the_key(override, match):
         (["buffer.enable=true", "buffer.max_gen_batches=0"], 1, "config buffer.max_gen_batches: 0: must be >= 1"),
         (["buffer.enable=true", "trainer.max_staleness=1"], 1, "config buffer.enable: with trainer.max_staleness"),
         (["buffer.enable=true", "data.prompts_per_step=3"], 1, "config buffer.enable: needs data.prompts_per_step=3"),
+        (["algorithm.advantage=gae"], 1, "config algorithm.advantage: gae gives every token its own advantage"),
+        (["algorithm.policy_loss=sgd"], 1, "config algorithm.policy_loss: 'sgd': choose one of \\['gspo', 'ppo'\\]"),
+        (
+            ["algorithm.policy_loss=ppo", "algorithm.loss.clip_high=0.1"],
+            1,
+            "config algorithm.policy_loss: 'ppo' would drop the algorithm.loss.\\* settings of 'gspo'",
+        ),
+        (["algorithm.advantage=gae", "algorithm/loss=ppo", "critic.value_clip=0"], 1, "config critic.value_clip: 0"),
+        (["algorithm.advantage=gae", "algorithm/loss=ppo", "critic.mini_batches=5"], 1, "config critic.mini_batches"),
         (["algorithm.prox_logp=approx"], 1, "config algorithm.prox_logp: 'approx': choose one of recompute, log"),
         (
             ["algorithm.prox_logp=loglinear", "actor.router_replay=r2"],
@@ -235,3 +244,10 @@ def test_settings_that_cannot_learn_fail_fast_before_any_engine(override, key, t
     assert out.returncode != 0 and f"config {key}" in text, text[-3000:]
     assert "vLLM" not in text and not (tmp_path / "tiny_model").exists()  # nothing was built
     assert seconds < 60, seconds
+
+
+def test_policy_loss_by_name_is_the_group_choice():
+    by_name = OmegaConf.to_object(_compose(["algorithm.advantage=gae", "algorithm.policy_loss=ppo"]))
+    validate(by_name, world_size=2)
+    by_group = OmegaConf.to_object(_compose(["algorithm.advantage=gae", "algorithm/loss=ppo"]))
+    assert by_name.algorithm.loss == by_group.algorithm.loss == PPOConfig()

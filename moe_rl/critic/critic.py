@@ -1,0 +1,147 @@
+"""A Megatron-core MoE critic: the actor's architecture (and, by default, its initial weights) with the
+output layer replaced by a scalar value head, its own optimizer and routing replay.
+
+Values are aligned like log-probs: entry t of `values` is V(tokens < t), the value of the state in which
+token t is sampled. The head is a plain fp32 Linear(hidden, 1) replicated over tensor-parallel ranks (they
+see the same hidden states, gathered over sequence parallel, so they compute the same values and gradients;
+data-parallel ranks sum its gradient like any dense weight). A fresh head starts at zero (V = 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_rl.rollout.batch import PaddedBatch
+
+
+class ValueOutput(torch.nn.Module):
+    """Stands in for GPTModel.output_layer on the last stage: [s, b, H] hidden states -> [s, b, 1] values."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool, tp_group):
+        super().__init__()
+        # `weight` / `bias` under the output layer's own names: megatron's checkpoint code expects them
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+        self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):  # GPTModel's output-layer call
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if self.sequence_parallel:  # every TP rank computes the full values; the backward only splits
+            input_ = gather_from_sequence_parallel_region(input_, False, group=self.tp_group)
+        return torch.nn.functional.linear(input_.float(), self.weight, self.bias), None
+
+
+class ValueHead:
+    """The critic's per-token scores for moe_rl.actor.forward's passes (in place of LogprobHead): the value
+    of each position that predicts a next token ([b, s-1])."""
+
+    def __enter__(self) -> ValueHead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def __call__(self, output: torch.Tensor, ids: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0):
+        return output[:, :-1, 0], None
+
+
+class Critic:
+    def __init__(self, cfg, model_path: str, lr: float, router_replay: str = "r2"):
+        """`cfg`: moe_rl.config.TrainConfig (model, parallel, actor: clipping, micro-batches, packing);
+        `model_path`: an HF folder of the actor's architecture (its LM head is dropped). Call after
+        `init_distributed`."""
+        from megatron.core import parallel_state as ps
+
+        from moe_rl.actor.model import ModelOptions, load_model
+        from moe_rl.actor.optimizer import build_optimizer
+        from moe_rl.actor.replay import RouteReplay
+
+        if router_replay not in ("r2", "off"):
+            raise ValueError(f"critic.router_replay={router_replay!r}: choose r2 (its own values pass) or off")
+        self.cfg, self.router_replay = cfg.actor, router_replay
+        opts = ModelOptions(dtype=cfg.model.dtype, use_te=cfg.model.transformer_engine, recompute=cfg.model.recompute)
+        m = load_model(model_path, cfg.parallel, opts)
+        self.chunks, self.layout = m.chunks, m.layout
+        for c in self.chunks:
+            if getattr(c, "post_process", False):
+                if c.share_embeddings_and_output_weights:
+                    raise ValueError(f"{model_path}: a critic of a model with tied embeddings is not supported yet")
+                old = c.output_layer
+                c.output_layer = ValueOutput(
+                    c.config.hidden_size, old.sequence_parallel, ps.get_tensor_model_parallel_group()
+                )
+        self.replay = (
+            RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if router_replay == "r2" else None
+        )
+        self.optimizer = build_optimizer(self.chunks, lr, cfg.actor.weight_decay, cfg.actor.grad_clip)
+
+    def values(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
+        """{"values": [B, T] V before token t (0 at column 0 and padding)} and, under R2, the "routes" this
+        pass took (the update replays them). Available on every pipeline stage."""
+        from moe_rl.actor.forward import compute_logprobs
+
+        out = compute_logprobs(
+            self.chunks,
+            padded.input_ids,
+            padded.attention_mask,
+            self.cfg.micro_batch_size,
+            with_entropy=False,
+            replay=self.replay,
+            record=self.replay is not None,
+            head=ValueHead(),
+        )
+        return {"values": out.pop("logprobs"), **out}
+
+    def train(
+        self,
+        padded: PaddedBatch,
+        old: dict[str, torch.Tensor],
+        returns: torch.Tensor,
+        clip: float | None,
+        mini_batches: int,
+        agg: str = "token-mean",
+    ) -> dict[str, float]:
+        """`mini_batches` optimizer steps of the clipped value loss against `returns` ([B, T], 0 off the
+        response), starting from the values pass `old` (its routes replayed under R2). Returns critic/*
+        metrics (means over the mini-batches)."""
+        from moe_rl.actor.actor import global_count
+        from moe_rl.actor.train_step import train_minibatch
+        from moe_rl.objectives.value import value_loss
+
+        b = padded.input_ids.shape[0]
+        if b % mini_batches:
+            raise ValueError(f"critic mini_batches={mini_batches} does not divide this rank's {b} samples")
+        per, out, norms = b // mini_batches, {}, []
+        for i in range(mini_batches):
+            rows = slice(i * per, (i + 1) * per)
+            mask = padded.loss_mask[rows]
+            batch = {
+                "input_ids": padded.input_ids[rows],
+                "attention_mask": padded.attention_mask[rows],
+                "loss_mask": mask,
+                "old_values": old["values"][rows],
+                "returns": returns[rows],
+            }
+            if self.replay is not None:
+                batch["routes"] = old["routes"][rows]
+            counts = {"num_tokens": global_count(mask.sum()), "num_seqs": global_count((mask.sum(-1) > 0).sum())}
+
+            def loss_fn(values, mb, counts=counts):
+                return value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"], clip, agg, **counts)
+
+            m = train_minibatch(
+                self.chunks,
+                self.optimizer,
+                batch,
+                loss_fn,
+                self.cfg.micro_batch_size,
+                self.replay,
+                head=ValueHead(),
+            )
+            m.pop("skipped")
+            norms.append(m.pop("actor/grad_norm"))
+            for k, v in m.items():
+                out[f"critic/{k}"] = out.get(f"critic/{k}", 0.0) + v / mini_batches
+        out["critic/grad_norm"] = sum(norms) / len(norms)
+        return out
