@@ -60,13 +60,7 @@ class StepDiagnostics:
     def router_agreement(self, padded, live_routes: torch.Tensor) -> float:
         """Fraction of (token, MoE layer) pairs where the actor's own routing picks the same expert
         set as the rollout engine (this rank's layers; real tokens except the last)."""
-        from moe_rl.routing.compare import route_sets_differ, routed_positions
-
-        replay = self.actor.replay
-        cols = sorted({replay.col[h.layer] for h in replay.hooks})
-        valid = routed_positions(padded.attention_mask)
-        differ, _ = route_sets_differ(live_routes[:, :, cols][valid], padded.routes[:, :, cols][valid])
-        return float((~differ).float().mean())
+        return router_agreement(self.actor.replay, padded, live_routes)
 
     def write_dump(self, step: int, padded, rewards, views, policy_version: torch.Tensor | None = None) -> None:
         from moe_rl.rollout import dump
@@ -87,3 +81,14 @@ class StepDiagnostics:
             rewards=rewards,
             policy_version=policy_version,
         )
+
+
+def router_agreement(replay, padded, routes: torch.Tensor) -> float:
+    """Fraction of (token, MoE layer) pairs where `routes` (recorded by `replay`, a RouteReplay: the layers
+    of this rank) pick the same expert set as the rollout engine's `padded.routes` (real tokens but the last)."""
+    from moe_rl.routing.compare import route_sets_differ, routed_positions
+
+    cols = sorted({replay.col[h.layer] for h in replay.hooks})
+    valid = routed_positions(padded.attention_mask)
+    differ, _ = route_sets_differ(routes[:, :, cols][valid], padded.routes[:, :, cols][valid])
+    return float((~differ).float().mean())

@@ -358,6 +358,7 @@ class Trainer:
         clip fraction and gradient norm, and its routing (the replay check against its own values pass, and
         agreement with the engine's routes)."""
         from moe_rl.actor.parallel import global_mean
+        from moe_rl.diagnostics.step_hooks import router_agreement
         from moe_rl.objectives.aggregation import masked_mean
 
         c, critic = self.cfg.critic, self.critic
@@ -389,16 +390,8 @@ class Trainer:
             out["critic/replay_mismatches"] = float(mismatched)
             out["critic/router_agreement"] = 1 - mismatched / checked if checked else 1.0
             if padded.routes is not None:
-                out["critic/engine_router_agreement"] = self._route_agreement(padded, values["routes"])
+                out["critic/engine_router_agreement"] = router_agreement(critic.replay, padded, values["routes"])
         return out
-
-    def _route_agreement(self, padded, routes: torch.Tensor) -> float:
-        """Share of (token, MoE layer) pairs where `routes` pick the engine's expert set (real tokens but the last)."""
-        from moe_rl.routing.compare import route_sets_differ, routed_positions
-
-        valid = routed_positions(padded.attention_mask)
-        differ, _ = route_sets_differ(routes[valid], padded.routes[valid])
-        return float((~differ).float().mean())
 
     def _staleness(self, rollout) -> dict[str, float]:
         """How many actor versions the step's samples lag the actor that trains on them (every rank's samples

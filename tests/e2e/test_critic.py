@@ -75,7 +75,15 @@ def test_a_resumed_critic_equals_the_uninterrupted_one(tmp_path, straight):
     assert (tmp_path / "checkpoints" / "step_000004" / "critic" / "optimizer" / "metadata.json").is_file()
 
 
-def test_critic_under_expert_parallelism(tmp_path):
-    history = _train(tmp_path, ["trainer.steps=3", "parallel.ep=2", "trainer.checkpoint_every=0"])
+def test_critic_under_expert_parallelism_with_warmup(tmp_path):
+    """EP=2, and critic.warmup_steps=2: the first two steps train only the critic (no actor update, no weight
+    sync), the third both."""
+    overrides = ["trainer.steps=3", "parallel.ep=2", "trainer.checkpoint_every=0", "critic.warmup_steps=2"]
+    history = _train(tmp_path, overrides)
     assert [h["step"] for h in history] == [1, 2, 3]
     assert all(h["critic/replay_mismatches"] == 0 and math.isfinite(h["critic/value_loss"]) for h in history)
+    assert [("time/update" in h, "time/weight_sync" in h, "time/critic_update" in h) for h in history] == [
+        (False, False, True),
+        (False, False, True),
+        (True, True, True),
+    ]
