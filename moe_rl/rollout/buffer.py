@@ -311,8 +311,8 @@ class BufferSource:
             fresh_rewards.append(rollout.rewards)
             added = self.buffer.add(rollout, self.advantages(rollout.rewards), self.group_size, step)
             if self.cfg.filter_zero_variance:
-                flat = [g for g in added if g.zero_variance]
-                self.buffer.groups = [g for g in self.buffer.groups if not any(g is f for f in flat)]
+                flat = {id(g) for g in added if g.zero_variance}
+                self.buffer.groups = [g for g in self.buffer.groups if id(g) not in flat]
                 dropped += len(flat)
             fresh = sum(g.trained == 0 for g in self.buffer.groups)
             short = len(self.buffer.groups) < want or fresh < fresh_wanted

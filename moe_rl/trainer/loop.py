@@ -77,9 +77,9 @@ class Trainer:
             self.weight_sync = WeightSync(self.actor, engine, leaders, r.weight_sync_bucket_mb, r.weight_transport)
         self.updates = t.mode != "rollout_only"
         self.validator = self._build_validator(engine) if t.val_every or t.val_before_train else None
-        if resumed and cfg.buffer.enable:
-            self.source.buffer.load(self._buffer_file(self.resume_path))
         if resumed:
+            if cfg.buffer.enable:
+                self.source.buffer.load(self._buffer_file(self.resume_path))
             if self.weight_sync is not None:  # the engine starts from the HF weights; give it the resumed actor's
                 self.weight_sync()
             self.data.skip(resumed["data_position"])
