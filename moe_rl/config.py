@@ -310,6 +310,45 @@ def resolve_aliases(cfg: TrainConfig) -> None:
     alg.loss = POLICY_LOSSES.configs()[alg.policy_loss]()
 
 
+def _validate_multi_turn(cfg: TrainConfig, bad) -> None:
+    """rollout.multi_turn.*: the environment loads, the limits make sense, and what multi-turn rollouts do not
+    combine with yet is refused."""
+    mt = cfg.rollout.multi_turn
+    if mt.env == "none":
+        return
+    from moe_rl.rollout.multi_turn.builtin_envs import env_class
+
+    try:
+        env_class(mt.env)
+    except ValueError as e:
+        bad("rollout.multi_turn.env", str(e).partition(": ")[2])
+    if mt.max_turns < 1:
+        bad("rollout.multi_turn.max_turns", f"{mt.max_turns}: must be >= 1")
+    if mt.max_observation_tokens < 1:
+        bad("rollout.multi_turn.max_observation_tokens", f"{mt.max_observation_tokens}: must be >= 1")
+    if mt.max_context_tokens < 0:
+        bad("rollout.multi_turn.max_context_tokens", f"{mt.max_context_tokens}: must be >= 0 (0 = the engine's)")
+    if not mt.env_timeout_s > 0:
+        bad("rollout.multi_turn.env_timeout_s", f"{mt.env_timeout_s}: must be > 0")
+    if mt.missing_routes != "error":
+        bad("rollout.multi_turn.missing_routes", f"{mt.missing_routes!r}: error is the only setting")
+    refused = {
+        "trainer.mode=from_dump (a dump already holds its trajectories; set rollout.multi_turn.env=none)": (
+            cfg.trainer.mode == "from_dump"
+        ),
+        "buffer.enable=true (the replay buffer stores single-turn samples)": cfg.buffer.enable,
+        "algorithm.advantage=gae (GAE over a response with observation gaps is not written)": (
+            cfg.algorithm.advantage == "gae"
+        ),
+        "trainer.val_every / val_before_train (validation samples single-turn)": bool(
+            cfg.trainer.val_every or cfg.trainer.val_before_train
+        ),
+    }
+    for what, used in refused.items():
+        if used:
+            bad("rollout.multi_turn.env", f"{mt.env}: multi-turn rollouts do not combine with {what}")
+
+
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need no model, run before anything is built: one clear error naming the key. Resolves
     the aliases first (resolve_aliases)."""
@@ -412,6 +451,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         for what, used in needs.items():
             if used:
                 bad("algorithm.prox_logp", f"loglinear skips the old-log-prob pass that {what} needs; use recompute")
+    _validate_multi_turn(cfg, bad)
     if t.val_every < 0:
         bad("trainer.val_every", "must be >= 0")
     if (t.val_every or t.val_before_train) and not cfg.data.val_path:

@@ -101,6 +101,7 @@ class WeightSync:
                 stats["tensors"] += len(manifest)
                 stats["buckets"] += 1
         engine_call(self.engine and self.engine.rpc, "moe_rl_finish_weight_update")
+        engine_call(self.engine and self.engine.reset_prefix_cache)  # (multi-turn) no KV of the old weights
         if failed is not None:
             raise failed
         return {**stats, "seconds": time.perf_counter() - t0}

@@ -36,7 +36,7 @@ class StepDiagnostics:
         if agree_now:
             metrics["router/agreement"] = self.router_agreement(padded, views["routes_live"])
         if dump_now:
-            self.write_dump(step, padded, rewards, views, rollout.policy_version)
+            self.write_dump(step, padded, rewards, views, rollout.policy_version, rollout.turn_index)
         return metrics
 
     def routing_views(self, padded, old) -> dict[str, torch.Tensor | None]:
@@ -62,7 +62,9 @@ class StepDiagnostics:
         set as the rollout engine (this rank's layers; real tokens except the last)."""
         return router_agreement(self.actor.replay, padded, live_routes)
 
-    def write_dump(self, step: int, padded, rewards, views, policy_version: torch.Tensor | None = None) -> None:
+    def write_dump(
+        self, step: int, padded, rewards, views, policy_version: torch.Tensor | None = None, turn_index=None
+    ) -> None:
         from moe_rl.rollout import dump
 
         a, cfg = self.actor, self.cfg
@@ -80,6 +82,7 @@ class StepDiagnostics:
             n=cfg.sampling.n,
             rewards=rewards,
             policy_version=policy_version,
+            turn_index=turn_index,
         )
 
 

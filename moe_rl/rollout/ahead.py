@@ -102,15 +102,14 @@ class AheadSource:
 
     def _launch(self, step: int, version: int) -> None:
         prompts = self.inner.data.next(self.inner.prompts_per_step)
-        ids = [p.ids for p in prompts]
         now = time.perf_counter()
         self._idle["time/rollout_idle"] += now - self._engine_free_since
-        future = self._pool.submit(self._sample, step, ids)
+        future = self._pool.submit(self._sample, step, prompts)
         self.pending = _Pending(step, version, prompts, self.inner.data.position, future)
 
-    def _sample(self, step: int, ids: list[list[int]]):
+    def _sample(self, step: int, prompts: list):
         try:
-            return self.inner._sample(step, ids)
+            return self.inner._sample(step, prompts)
         finally:
             self._engine_free_since = time.perf_counter()
 

@@ -107,6 +107,7 @@ def _take(r: Rollout, groups: list[int], group_size: int) -> Rollout:
         response_ids=None if r.response_ids is None else [r.response_ids[i] for i in rows],
         rewards=None if r.rewards is None else r.rewards[idx],
         truncated=None if r.truncated is None else r.truncated[idx],
+        turn_index=None if r.turn_index is None else r.turn_index[idx],
     )
 
 
@@ -139,6 +140,8 @@ def _concat(parts: list[Rollout]) -> Rollout:
         response_ids=join(lambda p: p.response_ids),
         rewards=cat(lambda p: p.rewards),
         truncated=cat(lambda p: p.truncated),
+        turn_index=cat(lambda p: p.turn_index),
+        metrics=parts[0].metrics,  # computed over every rank before balancing
     )
 
 

@@ -17,6 +17,13 @@ class RolloutBatch:
     Per sample i, T_i = len(prompt_ids[i]) + len(response_ids[i]):
       rollout_logprobs[i]: [len(response)] float32, log mu of each response token (vLLM sampler)
       routes[i]:           [T_i, L_moe, K] (contract dtype), row T_i - 1 filled with 0..K-1
+
+    Multi-turn rollouts (rollout/multi_turn/) put every token after the first prompt in `response_ids` (the
+    model's turns and the observations between them) and say which the model sampled:
+      response_masks[i]:   [len(response)] float32, 1 on sampled tokens, 0 on observation tokens
+      turn_index[i]:       [len(response)] int, the turn (0-based) that sampled each token, -1 on observations
+      rewards:             [B] the environment's rewards (the reward plugin is not called)
+      info:                per-sample arrays ([B]) the step's multi_turn/* and routes/* metrics come from
     """
 
     prompt_ids: list[list[int]]
@@ -29,6 +36,10 @@ class RolloutBatch:
     moe_layers: list[int] = field(default_factory=list)
     num_experts: int = 0
     topk: int = 0
+    response_masks: list[np.ndarray] | None = None
+    turn_index: list[np.ndarray] | None = None
+    rewards: np.ndarray | None = None
+    info: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -40,18 +51,26 @@ class RolloutBatch:
         out = []
         for p in range(parts):
             rows = np.nonzero(self.prompt_index // prompts_per_part == p)[0]
+
+            def pick(values, rows=rows):
+                return None if values is None else [values[i] for i in rows]
+
             out.append(
                 RolloutBatch(
-                    [self.prompt_ids[i] for i in rows],
-                    [self.response_ids[i] for i in rows],
-                    [self.rollout_logprobs[i] for i in rows],
-                    [self.finish_reasons[i] for i in rows],
+                    pick(self.prompt_ids),
+                    pick(self.response_ids),
+                    pick(self.rollout_logprobs),
+                    pick(self.finish_reasons),
                     self.prompt_index[rows] - p * prompts_per_part,
                     self.sample_index[rows],
-                    None if self.routes is None else [self.routes[i] for i in rows],
+                    pick(self.routes),
                     self.moe_layers,
                     self.num_experts,
                     self.topk,
+                    pick(self.response_masks),
+                    pick(self.turn_index),
+                    None if self.rewards is None else self.rewards[rows],
+                    {k: v[rows] for k, v in self.info.items()},
                 )
             )
         return out
@@ -79,7 +98,7 @@ class RolloutBatch:
             n = len(p) + len(r)
             ids[i, :n] = torch.tensor(p + r)
             attn[i, :n] = 1
-            loss_mask[i, len(p) : n] = 1
+            loss_mask[i, len(p) : n] = 1 if self.response_masks is None else torch.from_numpy(self.response_masks[i])
             roll[i, len(p) : n] = torch.from_numpy(np.asarray(self.rollout_logprobs[i], dtype=np.float32))
             if routes is not None:
                 routes[i, :n] = self.routes[i]

@@ -10,6 +10,10 @@ One safetensors file per rank and step, `<dir>/step_000003/rank_00001.safetensor
   logprobs_live                          [B, T]  pi_old with the actor's own routing
   routes                                 [B, T, L_moe, K]  the engine's routes (when captured)
   routes_live                            [B, T, L_moe, K]  the actor's own routes
+  policy_version                         [B]     the actor step whose weights sampled each sample
+  turn_index                             [B, T]  multi-turn: the turn that sampled each token, -1 on the
+                                                 prompt, observations and padding (loss_mask is 1 on
+                                                 sampled tokens only)
   (log-prob entry t scores token t given tokens < t)
 
 Metadata (strings): `meta` = JSON with step, rank, world_size, model path, `model` fingerprint
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 
 REQUIRED = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")
-PER_TOKEN = ("attention_mask", "loss_mask", "rollout_logprobs", "logprobs_replay", "logprobs_live")
+PER_TOKEN = ("attention_mask", "loss_mask", "rollout_logprobs", "logprobs_replay", "logprobs_live", "turn_index")
 
 
 class DumpError(ValueError):
@@ -66,6 +70,7 @@ def write_rank(
     replay_check: tuple[int, int],
     rewards: torch.Tensor | None = None,
     policy_version: torch.Tensor | None = None,
+    turn_index: torch.Tensor | None = None,
     **meta,
 ) -> Path:
     """This rank's dump of one step: a PaddedBatch, the routing views of
@@ -89,6 +94,7 @@ def write_rank(
         "rollout_logprobs": padded.rollout_logprobs,
         "rewards": rewards,
         "policy_version": policy_version,
+        "turn_index": turn_index,
         "routes": padded.routes,
         **views,
     }

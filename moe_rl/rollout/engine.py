@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from moe_rl.rollout.batch import RolloutBatch
+from moe_rl.rollout.multi_turn.config import MultiTurnConfig
 from moe_rl.rollout.route_capture import HookRouteCapture, NativeRouteCapture, RouteCapture
 from moe_rl.routing.records import route_dtype, validate_routes
 
@@ -87,6 +88,11 @@ class RolloutConfig:
     (a safetensors blob through collective_rpc). GPU transports (CUDA IPC, NCCL) are not written yet."""
     seed: int | None = None
     """Engine seed; None = 0. The trainer sets it from trainer.seed (setting it there is an error)."""
+    block_size: int | None = None
+    """KV-cache block size in tokens (the prefix cache reuses whole blocks); None: the engine's default (128 on
+    CPU, 16 on GPUs)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn (agentic) rollouts; rollout.multi_turn.env=none keeps single-turn rollouts."""
 
 
 def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
@@ -95,6 +101,19 @@ def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@dataclass
+class TurnOutput:
+    """One sample of one multi-turn turn (RolloutEngine.generate_turn)."""
+
+    prompt_ids: list[int]  # as the engine saw them
+    response_ids: list[int]
+    logprobs: np.ndarray  # [len(response)] float32
+    finish_reason: str
+    routes: np.ndarray | None  # [len(prompt) + len(response) - 1, L_moe, K]; rows not computed are 0
+    computed: np.ndarray | None  # [len(prompt) + len(response) - 1] bool: rows the engine computed this turn
+    cached_tokens: int  # prompt tokens served from the prefix cache
 
 
 class RolloutEngine:
@@ -107,6 +126,8 @@ class RolloutEngine:
             raise FileNotFoundError(f"rollout.model={cfg.model!r}: config.json not found")
         self.cfg = cfg
         self.moe_layers, self.num_experts, self.topk = list(moe_layers), num_experts, topk
+        # multi-turn: later turns reuse the KV of earlier ones where the capture can record around cache hits
+        self.prefix_caching = cfg.multi_turn.env != "none" and cfg.multi_turn.prefix_caching
         self.capture = self._make_capture(cfg.capture)
         _set_vllm_cpu_env(cfg)
         from vllm import LLM
@@ -125,8 +146,12 @@ class RolloutEngine:
             kwargs.update(
                 tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="external_launcher"
             )
+        if cfg.block_size is not None:
+            kwargs["block_size"] = cfg.block_size
         if self.capture is not None:
             kwargs.update(self.capture.engine_kwargs())
+        elif self.prefix_caching:
+            kwargs["enable_prefix_caching"] = True
         import psutil
 
         from moe_rl.rollout.reaper import Reaper
@@ -153,8 +178,15 @@ class RolloutEngine:
         if mode == "auto":
             mode = "native" if torch.cuda.is_available() else "hook"
         if mode == "hook":
-            return HookRouteCapture(self.moe_layers, self.topk, route_dtype(self.num_experts))
+            return HookRouteCapture(self.moe_layers, self.topk, route_dtype(self.num_experts), self.prefix_caching)
         if mode == "native":
+            if self.prefix_caching:
+                print(
+                    "[moe-rl] rollout.multi_turn.prefix_caching: off (native route capture records whole sequences "
+                    "only; every turn prefills the conversation again)",
+                    flush=True,
+                )
+                self.prefix_caching = False
             return NativeRouteCapture(self.moe_layers)
         if mode == "none":
             return None
@@ -284,6 +316,60 @@ class RolloutEngine:
         )
         routes = self._guard("route capture", self.capture.collect, self.llm, outputs) if self.capture else None
         return self._to_batch(outputs, routes)
+
+    def generate_turn(
+        self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: list[int], seeds: list[int | None]
+    ) -> list[TurnOutput]:
+        """One turn of multi-turn rollouts: one sample per token-id prompt, each with its own token budget and
+        seed, and the routes of the positions the engine computed for it (prefix-cache hits are not).
+        `sampling.n` is not used (each trajectory is its own prompt)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        self._require_alive("generate_turn")
+        limit = self.llm.llm_engine.model_config.max_model_len
+        for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+            if not p or m < 1 or len(p) + m > limit:
+                raise ValueError(f"generate_turn: prompt {i} has {len(p)} tokens + {m} to sample (limit {limit})")
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=m,
+                stop=list(sampling.stop) or None,
+                logprobs=0,
+                seed=seed,
+            )
+            for m, seed in zip(max_tokens, seeds, strict=True)
+        ]
+        outputs = self._guard(
+            "generate", self.llm.generate, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        routes = self._guard("route capture", self.capture.collect_partial, self.llm, outputs) if self.capture else {}
+        turns = []
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            resp = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(resp):
+                raise RolloutEngineError(f"prompt {i}: the engine's log-probs do not match its {len(resp)} tokens")
+            rows, computed = routes.get((i, 0), (None, None))
+            turns.append(
+                TurnOutput(
+                    list(out.prompt_token_ids),
+                    resp,
+                    np.array([step[tok].logprob for step, tok in zip(c.logprobs, resp, strict=True)], dtype=np.float32),
+                    str(c.finish_reason),
+                    rows,
+                    computed,
+                    int(out.num_cached_tokens or 0),
+                )
+            )
+        return turns
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached KV (after a weight update: blocks computed with the old weights must not be reused)."""
+        if self.prefix_caching:
+            self._guard("reset_prefix_cache", self.llm.reset_prefix_cache)
 
     def _to_batch(self, outputs, routes) -> RolloutBatch:
         prompt_ids, response_ids, logps, reasons, pidx, sidx, recs = [], [], [], [], [], [], []

@@ -8,7 +8,9 @@ decoder order):
   logical, before EPLB mapping) and wraps the model runner's `_prepare_inputs`
   (`moe_rl.compat.vllm.on_prepare_inputs`) to learn each step's request order, token counts
   and start positions. `RouteAssembler` places every captured row at its request and
-  position. Prefix caching must be off (cached prompt tokens produce no rows).
+  position. Cached prompt tokens produce no rows: single-turn rollouts run with prefix caching off;
+  multi-turn rollouts keep it on and take each turn's computed rows with their mask
+  (`take_partial`), stitched append-only by `rollout/multi_turn/routes.py`.
 - `NativeRouteCapture` (GPU builds with `enable_return_routed_experts=True`, model runner
   V2): reads `CompletionOutput.routed_experts` and drops dense layers (`from_native`).
 """
@@ -85,6 +87,26 @@ class RouteAssembler:
             )
         return rows[:num_rows].copy()
 
+    def take_partial(self, req_id: str, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows [num_rows, L_moe, K], computed [num_rows] bool) of a request (removed): the positions the
+        engine computed for it, on every MoE layer; prefix-cache hits stay uncomputed."""
+        rows = self.rows.pop(req_id, None)
+        filled = self.filled.pop(req_id, None)
+        if rows is None:  # every position was a cache hit except ones never captured: nothing computed
+            rows = np.zeros((0, len(self.moe_layers), self.topk), dtype=self.dtype)
+            filled = np.zeros((0, len(self.moe_layers)), dtype=bool)
+        part = filled[:num_rows].any(-1) & ~filled[:num_rows].all(-1)
+        if part.any():
+            raise RouteError(
+                f"request {req_id}: position {int(np.argmax(part))} was captured on some MoE layers only "
+                "(a forward bypassed the router hook?)"
+            )
+        out = np.zeros((num_rows, len(self.moe_layers), self.topk), dtype=self.dtype)
+        mask = np.zeros(num_rows, dtype=bool)
+        n = min(num_rows, rows.shape[0])
+        out[:n], mask[:n] = rows[:n], filled[:n].all(-1)
+        return out, mask
+
     def clear(self) -> None:
         self.rows.clear()
         self.filled.clear()
@@ -121,13 +143,19 @@ class RouteCapture(Protocol):
         """{(output index, sample index): routes [T - 1, L_moe, K]} for `LLM.generate` outputs."""
         ...
 
+    def collect_partial(self, llm: Any, outputs: list[Any]) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+        """Like `collect`, for an engine with prefix caching on: (routes [T - 1, L_moe, K], computed [T - 1]
+        bool); rows of positions served from the prefix cache are zero and not computed."""
+        ...
+
 
 class HookRouteCapture:
-    def __init__(self, moe_layers: list[int], topk: int, dtype: np.dtype):
+    def __init__(self, moe_layers: list[int], topk: int, dtype: np.dtype, prefix_caching: bool = False):
         self.moe_layers, self.topk, self.dtype = moe_layers, topk, np.dtype(dtype)
+        self.prefix_caching = prefix_caching
 
     def engine_kwargs(self) -> dict[str, Any]:
-        return {"enable_prefix_caching": False}
+        return {"enable_prefix_caching": self.prefix_caching}
 
     def install(self, llm: Any) -> None:
         bound = llm.collective_rpc("moe_rl_install_capture", args=(self.moe_layers, self.topk, self.dtype.str))
@@ -138,17 +166,25 @@ class HookRouteCapture:
                 )
 
     def collect(self, llm: Any, outputs: list[Any]) -> dict[tuple[int, int], np.ndarray]:
+        return {k: rows for k, (rows, _) in self._take(llm, outputs, partial=False).items()}
+
+    def collect_partial(self, llm: Any, outputs: list[Any]) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+        return self._take(llm, outputs, partial=True)
+
+    def _take(self, llm: Any, outputs: list[Any], partial: bool) -> dict[tuple[int, int], tuple[np.ndarray, Any]]:
         wanted: dict[str, tuple[int, int, int]] = {}
         worker_ids = llm.collective_rpc("moe_rl_capture_request_ids")[0]
         for i, out in enumerate(outputs):
             ids = child_request_ids(out.request_id, len(out.outputs), worker_ids)
             for c in out.outputs:
                 wanted[ids[c.index]] = (i, c.index, len(out.prompt_token_ids) + len(c.token_ids) - 1)
-        got = llm.collective_rpc("moe_rl_take_routes", args=({k: v[2] for k, v in wanted.items()},))[0]
+        rows = {k: v[2] for k, v in wanted.items()}
+        got = llm.collective_rpc("moe_rl_take_routes", args=(rows, partial))[0]
         result = {}
-        for req, (i, j, _rows) in wanted.items():
-            raw, shape = got[req]
-            result[(i, j)] = np.frombuffer(raw, dtype=self.dtype).reshape(shape)
+        for req, (i, j, n) in wanted.items():
+            raw, shape, computed = got[req]
+            mask = None if computed is None else np.frombuffer(computed, dtype=bool).reshape(n)
+            result[(i, j)] = (np.frombuffer(raw, dtype=self.dtype).reshape(shape), mask)
         return result
 
 
@@ -170,3 +206,7 @@ class NativeRouteCapture:
                     raise RouteError(f"output {i} sample {c.index}: the engine returned no routed_experts")
                 result[(i, c.index)] = from_native(c.routed_experts, self.moe_layers, sample=f"{i}/{c.index}")
         return result
+
+    def collect_partial(self, llm: Any, outputs: list[Any]) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+        # the engine runs with prefix caching off under native capture: every position is computed
+        return {k: (rows, np.ones(rows.shape[0], dtype=bool)) for k, rows in self.collect(llm, outputs).items()}

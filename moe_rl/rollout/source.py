@@ -5,7 +5,7 @@ when the trainer is built."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -33,6 +33,8 @@ class Rollout:
     response_ids: list[list[int]] | None = None
     rewards: torch.Tensor | None = None
     truncated: torch.Tensor | None = None  # [B] bool: stopped by sampling.max_tokens (engine source)
+    turn_index: torch.Tensor | None = None  # [B, T] multi-turn: the turn that sampled each token, -1 elsewhere
+    metrics: dict[str, float] = field(default_factory=dict)  # the source's own (multi_turn/*, routes/*)
 
 
 class RolloutSource(Protocol):
@@ -49,19 +51,22 @@ class EngineSource:
 
     phase = "rollout"
 
-    def __init__(self, engine, groups, data, tokenizer, sampling, prompts_per_step: int, pad_multiple: int, may_stop):
+    def __init__(
+        self, engine, groups, data, tokenizer, sampling, prompts_per_step: int, pad_multiple: int, may_stop, agent=None
+    ):
         """`engine`: the RolloutEngine on an engine leader, None elsewhere; `groups`: EngineGroups;
         `may_stop`: context manager under which an engine failure during a stop signal ends the step
-        instead of the run (Trainer._engine_may_stop)."""
+        instead of the run (Trainer._engine_may_stop); `agent`: the multi-turn AgentLoop on a leader
+        (rollout.multi_turn.env), which then samples instead of `engine.generate`."""
         if groups.is_leader != (engine is not None):
             raise ValueError(f"rank {dist.get_rank()}: an engine belongs on the engine leaders only ({groups})")
         self.engine, self.groups, self.data, self.tokenizer = engine, groups, data, tokenizer
         self.sampling, self.prompts_per_step, self.pad_multiple = sampling, prompts_per_step, pad_multiple
-        self.may_stop = may_stop
+        self.may_stop, self.agent = may_stop, agent
 
     def next(self, step: int) -> Rollout:
         prompts = self.data.next(self.prompts_per_step)
-        return self.finish(step, prompts, self._sample(step, [p.ids for p in prompts]), version=step)
+        return self.finish(step, prompts, self._sample(step, prompts), version=step)
 
     def finish(self, step: int, prompts: list, batch, version: int) -> Rollout:
         """The Rollout of `prompts`' sampled `batch` (None: the engine stopped with a signal) by the engine
@@ -75,25 +80,37 @@ class EngineSource:
         padded = batch.to_padded(
             pad_id=self.tokenizer.pad_token_id or 0, pad_to_multiple=self.pad_multiple, min_length=longest
         )
+        turn_index, metrics = None, {}
+        if batch.turn_index is not None:  # multi-turn
+            from moe_rl.rollout.multi_turn.metrics import multi_turn_metrics
+
+            turn_index = torch.full(padded.input_ids.shape, -1, dtype=torch.long)
+            for i, (p, t) in enumerate(zip(batch.prompt_ids, batch.turn_index, strict=True)):
+                turn_index[i, len(p) : len(p) + len(t)] = torch.from_numpy(t)
+            metrics = multi_turn_metrics(batch.info)
         return Rollout(
             padded,
             policy_version=torch.full((len(batch),), version, dtype=torch.long),
-            response_lengths=torch.tensor([len(r) for r in batch.response_ids], dtype=torch.long),
+            response_lengths=padded.loss_mask.sum(-1).long(),  # sampled tokens (multi-turn: without observations)
             prompts=prompts,
             prompt_index=[int(i) for i in batch.prompt_index],
             response_ids=batch.response_ids,
             truncated=torch.tensor([r == "length" for r in batch.finish_reasons]),
+            rewards=None if batch.rewards is None else torch.from_numpy(batch.rewards),
+            turn_index=turn_index,
+            metrics=metrics,
         )
 
-    def _sample(self, step: int, ids: list[list[int]]):  # ids: tokenized once by the PromptSource
+    def _sample(self, step: int, prompts: list):  # data.prompts.Prompt, tokenized once by the PromptSource
         """This data-parallel rank's samples (None if the engine stopped with a signal): the leader
         gathers the prompts of every data-parallel rank it serves, samples them in one call and
         sends each rank its data-parallel rank's share."""
         g = self.groups
-        asked = [(g.dp_rank, ids)]
+        mine = prompts if self.agent is not None else [p.ids for p in prompts]  # environments need the answers
+        asked = [(g.dp_rank, mine)]
         if g.group is not None:
             asked = [None] * len(g.group_ranks) if g.is_leader else None
-            dist.gather_object((g.dp_rank, ids), asked, dst=g.leader, group=g.group)
+            dist.gather_object((g.dp_rank, mine), asked, dst=g.leader, group=g.group)
         shares = None
         if g.is_leader:
             by_dp = dict(asked)
@@ -104,7 +121,7 @@ class EngineSource:
                 sampling = type(sampling)(**{**sampling.__dict__, "seed": seed})
             full = None
             with self.may_stop():
-                full = self.engine.generate(prompts, sampling)
+                full = self.engine.generate(prompts, sampling) if self.agent is None else self.agent(prompts, sampling)
             parts = (
                 None if full is None else dict(zip(g.served, full.split_by_prompt(self.prompts_per_step), strict=True))
             )

@@ -65,14 +65,21 @@ class MoeRLWorkerExtension(WeightReceiver):
     def moe_rl_capture_request_ids(self) -> list[str]:
         return list(self._moe_rl_assembler.rows)
 
-    def moe_rl_take_routes(self, rows_per_request: dict[str, int]) -> dict[str, tuple[bytes, tuple[int, ...]]]:
-        """Routes of the given requests as (bytes, shape); everything else captured is dropped."""
+    def moe_rl_take_routes(
+        self, rows_per_request: dict[str, int], partial: bool = False
+    ) -> dict[str, tuple[bytes, tuple[int, ...], bytes | None]]:
+        """Routes of the given requests as (bytes, shape, computed-mask bytes or None); everything else
+        captured is dropped. `partial`: positions served from the prefix cache are allowed (and masked)."""
         a = self._moe_rl_assembler
         out = {}
         try:
             for req, rows in rows_per_request.items():
-                arr = a.take(req, rows)
-                out[req] = (arr.tobytes(), arr.shape)
+                if partial:
+                    arr, computed = a.take_partial(req, rows)
+                    out[req] = (arr.tobytes(), arr.shape, computed.tobytes())
+                else:
+                    arr = a.take(req, rows)
+                    out[req] = (arr.tobytes(), arr.shape, None)
         finally:
             a.clear()
         return out

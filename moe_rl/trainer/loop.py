@@ -153,6 +153,13 @@ class Trainer:
                 trainer_cores, engine_cores = placement.split_cores(*local)
                 placement.bind_engine(engine_cores)
             engine = RolloutEngine(rollout_cfg, a.layout.moe_layers, a.layout.num_experts, a.layout.topk)
+        agent = None
+        if engine is not None and cfg.rollout.multi_turn.env != "none":
+            from moe_rl.actor.model import load_hf_config
+            from moe_rl.rollout.multi_turn.loop import AgentLoop
+
+            context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
+            agent = AgentLoop(engine, cfg.rollout.multi_turn, self.tokenizer, context)
         if trainer_cores is not None:  # after the engine's processes started
             placement.pin(trainer_cores, engine_cores)
             if self.rank == 0:
@@ -166,6 +173,7 @@ class Trainer:
             cfg.data.prompts_per_step,
             cfg.parallel.tp,
             self._engine_may_stop,
+            agent,
         )
         if cfg.trainer.max_staleness:
             source = AheadSource(source, cfg.trainer.max_staleness, cfg.trainer.steps, engine_cores)
@@ -295,7 +303,7 @@ class Trainer:
             advantages = self.objective.advantages(rewards - penalty)
         with timer("diagnostics"):  # dumps and router agreement, before the update changes the actor
             metrics = self.diagnostics(self.step_index, rollout, old, rewards)
-        metrics |= getattr(self.source, "step_metrics", {})  # the replay buffer's (buffer/*)
+        metrics |= getattr(self.source, "step_metrics", {}) | rollout.metrics  # buffer/*; multi_turn/*, routes/*
         if self.objective.kl_in_reward:
             metrics["reward/kl_penalty_mean"] = float(penalty.mean())
         warming = self.critic is not None and self.step_index < self.cfg.critic.warmup_steps
@@ -311,6 +319,10 @@ class Trainer:
                 self.source.wait_idle()
             with timer("weight_sync"), self._engine_may_stop():
                 self.weight_sync()
+        if self.actor.replay is not None:  # the replay check over every position this step's passes replayed
+            counts = torch.tensor(self.actor.replay.dispatch_check(), dtype=torch.long)
+            dist.all_reduce(counts)
+            metrics["router/replay_checked"], metrics["router/replay_mismatches"] = map(float, counts.tolist())
         val, every = {}, self.cfg.trainer.val_every
         if self.validator is not None and every and (self.step_index + 1) % every == 0:
             with timer("validation"):
