@@ -247,3 +247,34 @@ def test_env_loader_and_config_checks():
         validate(cfg, 2)
     cfg.buffer.enable = False
     validate(cfg, 2)
+
+
+def test_padded_batch_trains_only_the_sampled_tokens_of_a_fixed_trajectory():
+    """prompt [5, 6] | turn 0 samples [7, 8] | observation [9] | turn 1 samples [10]: the loss mask is 1 on 7, 8
+    and 10, mu sits at those positions, and a split by prompt keeps the multi-turn fields with their samples."""
+    from moe_rl.rollout.batch import RolloutBatch
+
+    lp = np.array([-0.5, -0.25, 0.0, -1.0], dtype=np.float32)
+    routes = np.zeros((6, L, K), dtype=np.uint8)
+    batch = RolloutBatch(
+        [[5, 6], [5, 6]],
+        [[7, 8, 9, 10], [11]],
+        [lp, np.array([-2.0], dtype=np.float32)],
+        ["stop", "length"],
+        np.array([0, 1]),
+        np.array([0, 0]),
+        [routes, routes[:3]],
+        [0, 1, 2],
+        E,
+        K,
+        response_masks=[np.array([1, 1, 0, 1], dtype=np.float32), np.array([1], dtype=np.float32)],
+        turn_index=[np.array([0, 0, -1, 1]), np.array([0])],
+        rewards=np.array([0.5, 1.0], dtype=np.float32),
+        info={"turns": np.array([2.0, 1.0])},
+    )
+    p = batch.to_padded(pad_id=0)
+    assert p.loss_mask.tolist() == [[0, 0, 1, 1, 0, 1], [0, 0, 1, 0, 0, 0]]
+    assert p.rollout_logprobs[0].tolist() == [0, 0, -0.5, -0.25, 0, -1.0]
+    second = batch.split_by_prompt(1)[1]
+    assert second.response_masks[0].tolist() == [1] and second.turn_index[0].tolist() == [0]
+    assert second.rewards.tolist() == [1.0] and second.info["turns"].tolist() == [1.0]

@@ -152,21 +152,19 @@ class AgentLoop:
             for j in range(n)
         ]
         base = 0 if sampling.seed is None else sampling.seed
-        env_wall = self._envs(
-            trajs,
-            lambda k, t: t.env.reset(
-                EnvSample(
-                    prompts[t.prompt_index].text,
-                    prompts[t.prompt_index].answer,
-                    t.prompt_index,
-                    t.sample_index,
-                    base * 1_000_003 + k,
-                    self.cfg.max_turns,
-                    self.tokenizer,
-                )
-            ),
-            create=True,
-        )
+        samples = [
+            EnvSample(
+                prompts[t.prompt_index].text,
+                prompts[t.prompt_index].answer,
+                t.prompt_index,
+                t.sample_index,
+                base * 1_000_003 + t.k,
+                self.cfg.max_turns,
+                self.tokenizer,
+            )
+            for t in trajs
+        ]
+        env_wall = self._envs(trajs, [lambda t=t, s=s: self._reset(t, s) for t, s in zip(trajs, samples, strict=True)])
         for turn in range(self.cfg.max_turns):
             live = [t for t in trajs if not t.end]
             if not live:
@@ -178,7 +176,13 @@ class AgentLoop:
             for t in live:
                 t.end = t.failed
             stepping = [t for t in live if not t.end]
-            env_wall += self._envs(stepping, lambda k, t, turn=turn: self._step(t, turn))
+            turns = [
+                Turn(self.tokenizer.decode(t.last_turn, skip_special_tokens=True), t.last_turn, turn, t.finish_reason)
+                for t in stepping
+            ]
+            env_wall += self._envs(
+                stepping, [lambda t=t, x=x: t.env.step(x) for t, x in zip(stepping, turns, strict=True)], turn
+            )
         failed = [t for t in trajs if t.end in ("env_error", "env_timeout")]
         if failed and len(failed) == len(trajs):
             raise RuntimeError(f"every trajectory's environment failed this step; the first: {failed[0].env_error}")
@@ -230,11 +234,12 @@ class AgentLoop:
                     )
                 t.routes.fill(p, donor.routes.rows[p])
 
-    def _step(self, t: Trajectory, turn: int) -> None:
+    def _reset(self, t: Trajectory, sample: EnvSample) -> None:
+        t.env = self.env_cls()
+        t.env.reset(sample)
+
+    def _apply(self, t: Trajectory, turn: int, result: StepResult) -> None:
         """The environment's answer to turn `turn`: reward, end, or the observation appended."""
-        ids = t.last_turn
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        result = t.env.step(Turn(text, ids, turn, t.finish_reason))
         if not isinstance(result, StepResult):
             raise TypeError(f"{type(t.env).__name__}.step returned {type(result).__name__}, not a StepResult")
         t.reward += float(result.reward)
@@ -245,7 +250,7 @@ class AgentLoop:
             t.end = "max_turns"
             return
         eos = self.tokenizer.eos_token_id
-        obs, cut = self.encode(result.observation, result.role, bool(ids) and ids[-1] == eos)
+        obs, cut = self.encode(result.observation, result.role, bool(t.last_turn) and t.last_turn[-1] == eos)
         if len(t.tokens) + len(obs) + 1 > self.limit:  # no room to answer the observation
             t.end = "context_limit"
             return
@@ -255,23 +260,28 @@ class AgentLoop:
         t.mask += [0.0] * len(obs)
         t.turn_ids += [-1] * len(obs)
 
-    def _envs(self, trajs: list[Trajectory], fn, create: bool = False) -> float:
-        """Run `fn(k, trajectory)` for each trajectory under the timeout; failures end their trajectory."""
+    def _envs(self, trajs: list[Trajectory], calls: list, turn: int | None = None) -> float:
+        """Run each trajectory's environment call (reset when `turn` is None, else that turn's step) under the
+        timeout, on worker threads; apply the results here (a call that overran cannot touch its trajectory).
+        A failure ends its trajectory: after its first turn for reset, at once for a step."""
         t0 = time.perf_counter()
-        if create:
-            for t in trajs:
-                t.env = self.env_cls()
-        results = _call_with_timeout([lambda k=k, t=t: fn(k, t) for k, t in enumerate(trajs)], self.cfg.env_timeout_s)
+        results = _call_with_timeout(calls, self.cfg.env_timeout_s)
         reported = 0
         for t, (status, value) in zip(trajs, results, strict=True):
+            if status == "ok" and turn is not None:
+                try:
+                    self._apply(t, turn, value)
+                    continue
+                except (TypeError, ValueError) as e:  # a bad StepResult or an observation that cannot fit
+                    status, value = "error", e
             if status == "ok":
                 continue
             reason = "env_timeout" if status == "timeout" else "env_error"
-            if create:
+            if turn is None:
                 t.failed = reason
             else:
                 t.end = reason
-            what = "reset" if create else f"step of turn {t.turns - 1}"
+            what = "reset" if turn is None else f"step of turn {turn}"
             t.env_error = f"sample {t.name}: the environment's {what} " + (
                 f"took over {self.cfg.env_timeout_s} s" if status == "timeout" else f"raised {value!r}"
             )
