@@ -330,8 +330,8 @@ def _validate_multi_turn(cfg: TrainConfig, bad) -> None:
         bad("rollout.multi_turn.max_context_tokens", f"{mt.max_context_tokens}: must be >= 0 (0 = the engine's)")
     if not mt.env_timeout_s > 0:
         bad("rollout.multi_turn.env_timeout_s", f"{mt.env_timeout_s}: must be > 0")
-    if mt.missing_routes != "error":
-        bad("rollout.multi_turn.missing_routes", f"{mt.missing_routes!r}: error is the only setting")
+    if mt.missing_routes not in ("error", "live"):
+        bad("rollout.multi_turn.missing_routes", f"{mt.missing_routes!r}: choose error or live")
     refused = {
         "trainer.mode=from_dump (a dump already holds its trajectories; set rollout.multi_turn.env=none)": (
             cfg.trainer.mode == "from_dump"

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from moe_rl.actor.forward import MicroBatch
 from moe_rl.actor.routers import model_routers
 from moe_rl.routing.layout import rank_positions, slice_sequence, to_router_order
-from moe_rl.routing.records import RouteError, filler_row
+from moe_rl.routing.records import RouteError, filler_row, missing_rows
 
 REPLAY_MODES = ("r3", "r2", "off")
 
@@ -95,6 +95,10 @@ class RouterHook:
                 f"{scores.shape[0]} tokens x top-{topk} at this router"
             )
         idx = target.to(scores.device)
+        live = missing_rows(idx)  # positions without a recorded route (multi-turn missing_routes=live)
+        if live.any():
+            _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            idx = torch.where(live[:, None], own, idx)
         self.last_target = idx
         return scores.gather(1, idx), idx
 

@@ -100,3 +100,14 @@ def quiet_cache_only_reload_warning(model) -> None:
     log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if not any(isinstance(f, _CacheOnlyReloadFilter) for f in log.filters):
         log.addFilter(_CacheOnlyReloadFilter(cache_only_layers(model)))
+
+
+def mark_engine_stopping(llm) -> None:
+    """Tell vLLM's client that its engine core is about to go away on purpose: `RolloutEngine.shutdown` kills the
+    engine's processes itself (vLLM's graceful stop waits a 5-second grace period for an engine core that outlives
+    its workers), and the client's liveness monitor would otherwise log "engine core exited unexpectedly" at the
+    end of every run. Sets the private `MPClient.resources.engine_dead` (the flag the monitor sets itself). Delete
+    when vLLM's shutdown no longer waits out the grace period."""
+    resources = getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None)
+    if resources is not None and hasattr(resources, "engine_dead"):
+        resources.engine_dead = True

@@ -90,8 +90,12 @@ def router_agreement(replay, padded, routes: torch.Tensor) -> float:
     """Fraction of (token, MoE layer) pairs where `routes` (recorded by `replay`, a RouteReplay: the layers
     of this rank) pick the same expert set as the rollout engine's `padded.routes` (real tokens but the last)."""
     from moe_rl.routing.compare import route_sets_differ, routed_positions
+    from moe_rl.routing.records import missing_rows
 
     cols = sorted({replay.col[h.layer] for h in replay.hooks})
     valid = routed_positions(padded.attention_mask)
-    differ, _ = route_sets_differ(routes[:, :, cols][valid], padded.routes[:, :, cols][valid])
-    return float((~differ).float().mean())
+    engine = padded.routes[:, :, cols][valid]
+    differ, _ = route_sets_differ(routes[:, :, cols][valid], engine)
+    recorded = ~missing_rows(engine)  # rows without an engine route (multi-turn missing_routes=live) do not count
+    agree = ~differ if recorded.all() else (~differ)[recorded]
+    return float(agree.float().mean()) if agree.numel() else 1.0

@@ -204,27 +204,32 @@ class RolloutEngine:
         self._rpc("moe_rl_ping", timeout=timeout_s)
 
     def shutdown(self) -> None:
-        """Stop the engine core and its workers (idempotent), also after the engine died."""
+        """Stop the engine core and its workers (idempotent), also after the engine died. Its processes are
+        killed first: a rollout engine holds nothing to flush, and vLLM's graceful stop waits seconds for an
+        engine core that outlives its workers; the reaper then removes their shared memory and sockets."""
         if not hasattr(self, "llm"):
             return
+        import gc
+
+        import psutil
+
+        from moe_rl.compat.vllm import mark_engine_stopping
+
         self._alive = False
+        mark_engine_stopping(self.llm)
+        for p in self._procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(self._procs, timeout=10)
         try:
-            self.llm.llm_engine.engine_core.shutdown()
-        except Exception:  # a dead engine may fail to shut down cleanly; its processes go below
+            self.llm.llm_engine.engine_core.shutdown()  # the client side: sockets, threads
+        except Exception:  # with its processes gone a client may fail to close cleanly; nothing is left to stop
             pass
         finally:
-            import gc
-
-            import psutil
-
             del self.llm
             gc.collect()
-            for p in self._procs:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            psutil.wait_procs(self._procs, timeout=10)
             self._reaper.close()  # the engine's shared-memory segments and socket files
 
     def _require_alive(self, what: str) -> None:

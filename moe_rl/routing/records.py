@@ -35,12 +35,36 @@ def filler_row(num_moe_layers: int, topk: int, dtype: np.dtype) -> np.ndarray:
     return np.broadcast_to(np.arange(topk, dtype=dtype), (num_moe_layers, topk)).copy()
 
 
+def missing_row(num_moe_layers: int, topk: int, dtype: np.dtype) -> np.ndarray:
+    """[L_moe, K] row for a position with no recorded route that the actor's live router is to route
+    (rollout.multi_turn.missing_routes=live): every slot expert 0, a row no router can produce (K >= 2)."""
+    if topk < 2:
+        raise RouteError("a route row without a recorded route needs top-k >= 2 (it is marked by repeated ids)")
+    return np.zeros((num_moe_layers, topk), dtype=dtype)
+
+
+def missing_rows(routes):
+    """[...] bool over [..., K] expert ids (numpy or torch): rows marked as having no recorded route
+    (`missing_row`); none when K = 1."""
+    if routes.shape[-1] < 2:
+        return routes[..., 0] != routes[..., 0]
+    return (routes == routes[..., :1]).all(-1)
+
+
 def validate_routes(
-    routes: np.ndarray, *, num_tokens: int, num_experts: int, num_moe_layers: int, topk: int, sample: int | str = "?"
+    routes: np.ndarray,
+    *,
+    num_tokens: int,
+    num_experts: int,
+    num_moe_layers: int,
+    topk: int,
+    sample: int | str = "?",
+    allow_missing: bool = False,
 ) -> np.ndarray:
     """Check one sample's record and return it with exactly `num_tokens` rows in the contract dtype.
 
-    Accepts T - 1 rows (engine output; the last row is filled) or T rows.
+    Accepts T - 1 rows (engine output; the last row is filled) or T rows. `allow_missing`: positions whose
+    every layer is a `missing_row` pass (the actor routes them live).
     """
     where = f"sample {sample}"
     r = np.asarray(routes)
@@ -68,6 +92,8 @@ def validate_routes(
             )
         srt = np.sort(r, axis=-1)
         dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
+        if allow_missing:
+            dup &= ~missing_rows(r).all(-1, keepdims=True)
         if dup.any():
             t, layer = np.argwhere(dup)[0]
             raise RouteError(

@@ -233,7 +233,7 @@ def test_env_loader_and_config_checks():
     for key, value, match in [
         ("max_turns", 0, "max_turns"),
         ("env_timeout_s", 0.0, "env_timeout_s"),
-        ("missing_routes", "live", "missing_routes"),
+        ("missing_routes", "skip", "missing_routes"),
     ]:
         cfg = TrainConfig()
         cfg.rollout.multi_turn.env = "toy"

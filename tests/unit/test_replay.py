@@ -161,3 +161,29 @@ def test_only_this_ranks_slice_reaches_the_device(actor, monkeypatch, tp, cp):
                 want = routes[:, pos, col].transpose(0, 1).reshape(-1, lay.topk).long()  # token s_i * b + b_i
                 assert torch.equal(got, want), (tp, cp, t, c, layer)
     assert sorted(seen) == list(range(s))
+
+
+def test_rows_without_a_recorded_route_are_routed_live(actor):
+    """rollout.multi_turn.missing_routes=live: a marked row (`missing_row`) takes the live router's top-k, the
+    others replay as given; the dispatch check compares against what was actually used."""
+    from moe_rl.routing.records import missing_row, missing_rows, validate_routes
+
+    cfg, chunks, replay, lay = actor
+    ids, mask = random_batch(cfg.vocab_size, 3, 9, seed=8)
+    live = compute_logprobs(chunks, ids, mask, micro_batch_size=3, replay=replay, record=True)
+    marked = live["routes"].clone()
+    row = torch.from_numpy(missing_row(len(lay.moe_layers), lay.topk, np.uint8))
+    marked[0, 2] = marked[2, 5] = row
+    assert missing_rows(marked).all(-1).sum() == 2
+    out = compute_logprobs(chunks, ids, mask, micro_batch_size=3, replay=replay, routes=marked)
+    assert torch.equal(out["logprobs"], live["logprobs"])  # the marked rows were routed as the live router does
+    other = live["routes"].clone()
+    other[0, 2] = torch.tensor(
+        [[(a + 2) % lay.num_experts, (b + 2) % lay.num_experts] for a, b in other[0, 2].tolist()]
+    )
+    moved = compute_logprobs(chunks, ids, mask, micro_batch_size=3, replay=replay, routes=other)
+    assert not torch.equal(moved["logprobs"][0], live["logprobs"][0])  # a replayed row does change the result
+    rec = marked[0].numpy()
+    with pytest.raises(RouteError, match="duplicate expert ids"):
+        validate_routes(rec, num_tokens=9, num_experts=lay.num_experts, num_moe_layers=4, topk=lay.topk)
+    validate_routes(rec, num_tokens=9, num_experts=lay.num_experts, num_moe_layers=4, topk=lay.topk, allow_missing=True)

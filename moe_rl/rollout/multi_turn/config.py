@@ -34,5 +34,6 @@ class MultiTurnConfig:
     computes; the record is stitched append-only). Turned off with a message where the capture cannot do that
     (native capture)."""
     missing_routes: str = "error"
-    """A position of a trajectory the engine computed in no turn (so it has no route): error (stop, naming the
-    sample, turn and position) is the only setting today."""
+    """A position of a trajectory the engine computed in no turn and no trajectory with the same tokens recorded
+    (so it has no route; not expected with vLLM): error (stop, naming the sample, turn and position) | live (a
+    marked row the actor's live router routes; counted in routes/missing_fraction; needs top-k >= 2)."""

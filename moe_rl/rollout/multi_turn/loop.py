@@ -22,7 +22,7 @@ from moe_rl.rollout.multi_turn.builtin_envs import env_class
 from moe_rl.rollout.multi_turn.config import MultiTurnConfig
 from moe_rl.rollout.multi_turn.environment import EnvSample, StepResult, Turn
 from moe_rl.rollout.multi_turn.routes import StitchedRoutes, check_append_only
-from moe_rl.routing.records import RouteError, route_dtype, validate_routes
+from moe_rl.routing.records import RouteError, missing_row, route_dtype, validate_routes
 
 END_REASONS = ("env_done", "max_turns", "context_limit", "env_error", "env_timeout")
 
@@ -133,6 +133,9 @@ class AgentLoop:
         self.env_cls = env_class(cfg.env)
         self.limit = min(cfg.max_context_tokens or context_limit, context_limit)
         self.encode = ObservationEncoder(tokenizer, cfg.max_observation_tokens)
+        self.missing = None  # the row marking a position without a route (missing_routes=live)
+        if cfg.missing_routes == "live" and engine.capture is not None:
+            self.missing = missing_row(len(engine.moe_layers), engine.topk, route_dtype(engine.num_experts))
 
     def __call__(self, prompts: list, sampling) -> RolloutBatch:
         """`prompts`: data.prompts.Prompt (ids set); `sampling.n` trajectories each, contiguous per prompt."""
@@ -226,6 +229,10 @@ class AgentLoop:
                     (u for u in trajs if u is not t and len(u.routes) > p and u.tokens[: p + 1] == t.tokens[: p + 1]),
                     None,
                 )
+                if donor is None and self.missing is not None:
+                    t.routes.fill(p, self.missing)
+                    t.routes.missing += 1
+                    continue
                 if donor is None:
                     raise RouteError(
                         f"sample {t.name}, turn {turn}: position {p} has no route: the engine computed it in no turn "
@@ -304,6 +311,7 @@ class AgentLoop:
                     num_moe_layers=len(e.moe_layers),
                     topk=e.topk,
                     sample=t.name,
+                    allow_missing=self.missing is not None,
                 )
                 for t in trajs
             ]
@@ -320,7 +328,7 @@ class AgentLoop:
         for reason in END_REASONS:
             info[f"ended_{reason}"] = np.array([t.end == reason for t in trajs], dtype=np.float64)
         if records is not None:
-            for key in ("recomputed", "recomputed_changed", "computed"):
+            for key in ("recomputed", "recomputed_changed", "computed", "missing"):
                 info[key] = np.array([getattr(t.routes, key) for t in trajs], dtype=np.float64)
         return RolloutBatch(
             [t.tokens[: t.prompt_len] for t in trajs],

@@ -13,7 +13,8 @@ from moe_rl.rollout.multi_turn.loop import END_REASONS
 def multi_turn_metrics(info: dict[str, np.ndarray]) -> dict[str, float]:
     """multi_turn/turns_mean, observation_token_fraction, prefix_cache_hit_fraction (prompt tokens of turns after
     the first served from the cache), observations_truncated and ended_<reason> (counts), time/environment (the
-    slowest engine's), routes/recomputed_fraction and routes/recomputed_disagreement (with route capture)."""
+    slowest engine's), routes/recomputed_fraction, routes/recomputed_disagreement and routes/missing_fraction
+    (with route capture)."""
     from megatron.core import parallel_state as ps
 
     keys = [k for k in info if k != "env_wall_s"]
@@ -40,4 +41,5 @@ def multi_turn_metrics(info: dict[str, np.ndarray]) -> dict[str, float]:
     if "computed" in s:
         out["routes/recomputed_fraction"] = ratio(s["recomputed"], s["computed"])
         out["routes/recomputed_disagreement"] = ratio(s["recomputed_changed"], s["recomputed"])
+        out["routes/missing_fraction"] = ratio(s["missing"], s["missing"] + s["computed"] - s["recomputed"])
     return out

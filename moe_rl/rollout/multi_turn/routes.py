@@ -11,7 +11,9 @@ A position computed twice (a partial prefix-cache block, the last prompt token t
 a preemption) keeps its first row; `recomputed` counts such rows and `recomputed_changed` the ones whose
 expert set differed (routes/recomputed_fraction, routes/recomputed_disagreement). A position no turn computed
 for this trajectory (a prefix-cache hit on blocks another trajectory computed) takes the row of that
-trajectory, whose tokens up to it are the same; with none, it is an error naming sample, turn and position.
+trajectory, whose tokens up to it are the same; with none, it is an error naming sample, turn and position,
+or under `rollout.multi_turn.missing_routes=live` a marked row (`routing.records.missing_row`) that the actor's
+live router routes.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class StitchedRoutes:
         self.recomputed = 0  # rows a later turn computed again
         self.recomputed_changed = 0  # ... with a different expert set
         self.computed = 0  # rows computed over all turns (the recomputed fraction's denominator)
+        self.missing = 0  # rows without a route, left to the actor's live router (missing_routes=live)
 
     def __len__(self) -> int:
         return self.rows.shape[0]
