@@ -14,9 +14,10 @@ from pathlib import Path
 
 def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     times = " ".join(f"{k[5:]}={v:.1f}s" for k, v in metrics.items() if k.startswith("time/"))
+    turns = f"turns {metrics['multi_turn/turns_mean']:.2f} " if "multi_turn/turns_mean" in metrics else ""
     return (
         f"step {step}/{total} reward {metrics.get('reward/mean', float('nan')):.3f} "
-        f"len {metrics.get('response/length_mean', 0):.1f} "
+        f"len {metrics.get('response/length_mean', 0):.1f} {turns}"
         f"kl(mu||pi_old) {metrics.get('mismatch/kl', float('nan')):.2e} "
         f"clipfrac {metrics.get('actor/clipfrac', float('nan')):.3f} "
         f"gnorm {metrics.get('actor/grad_norm', float('nan')):.3f} "
