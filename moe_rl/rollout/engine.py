@@ -116,6 +116,30 @@ class TurnOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache
 
 
+def _params(sampling: SamplingConfig, n: int, max_tokens: int, seed: int | None):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=max_tokens,
+        stop=list(sampling.stop) or None,
+        logprobs=0,
+        seed=seed,
+    )
+
+
+def _sampled_logprobs(completion, where: str) -> np.ndarray:
+    """mu's log-prob of each sampled token of a vLLM CompletionOutput, float32."""
+    tokens, steps = list(completion.token_ids), completion.logprobs
+    if steps is None or len(steps) != len(tokens):
+        raise RolloutEngineError(
+            f"{where}: engine returned {0 if steps is None else len(steps)} log-probs for {len(tokens)} tokens"
+        )
+    return np.array([step[tok].logprob for step, tok in zip(steps, tokens, strict=True)], dtype=np.float32)
+
+
 class RolloutEngine:
     """One vLLM engine with route capture. Use as a context manager (or call `shutdown`)."""
 
@@ -295,7 +319,7 @@ class RolloutEngine:
     # ---- sampling -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Sample `sampling.n` responses per prompt (token-id prompts)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         self._require_alive("generate")
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -305,15 +329,7 @@ class RolloutEngine:
         if longest > limit:
             raise ValueError(f"longest prompt + max_tokens = {longest} exceeds the engine's max_model_len={limit}")
         params = [
-            SamplingParams(
-                n=sampling.n,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                max_tokens=sampling.max_tokens,
-                stop=list(sampling.stop) or None,
-                logprobs=0,
-                seed=None if sampling.seed is None else sampling.seed + i,
-            )
+            _params(sampling, sampling.n, sampling.max_tokens, None if sampling.seed is None else sampling.seed + i)
             for i in range(len(prompts))
         ]
         outputs = self._guard(
@@ -328,25 +344,14 @@ class RolloutEngine:
         """One turn of multi-turn rollouts: one sample per token-id prompt, each with its own token budget and
         seed, and the routes of the positions the engine computed for it (prefix-cache hits are not).
         `sampling.n` is not used (each trajectory is its own prompt)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         self._require_alive("generate_turn")
         limit = self.llm.llm_engine.model_config.max_model_len
         for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
             if not p or m < 1 or len(p) + m > limit:
                 raise ValueError(f"generate_turn: prompt {i} has {len(p)} tokens + {m} to sample (limit {limit})")
-        params = [
-            SamplingParams(
-                n=1,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                max_tokens=m,
-                stop=list(sampling.stop) or None,
-                logprobs=0,
-                seed=seed,
-            )
-            for m, seed in zip(max_tokens, seeds, strict=True)
-        ]
+        params = [_params(sampling, 1, m, seed) for m, seed in zip(max_tokens, seeds, strict=True)]
         outputs = self._guard(
             "generate", self.llm.generate, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
@@ -354,15 +359,12 @@ class RolloutEngine:
         turns = []
         for i, out in enumerate(outputs):
             c = out.outputs[0]
-            resp = list(c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(resp):
-                raise RolloutEngineError(f"prompt {i}: the engine's log-probs do not match its {len(resp)} tokens")
             rows, computed = routes.get((i, 0), (None, None))
             turns.append(
                 TurnOutput(
                     list(out.prompt_token_ids),
-                    resp,
-                    np.array([step[tok].logprob for step, tok in zip(c.logprobs, resp, strict=True)], dtype=np.float32),
+                    list(c.token_ids),
+                    _sampled_logprobs(c, f"prompt {i}"),
                     str(c.finish_reason),
                     rows,
                     computed,
@@ -381,13 +383,7 @@ class RolloutEngine:
         for i, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 resp = list(c.token_ids)
-                if c.logprobs is None or len(c.logprobs) != len(resp):
-                    raise RolloutEngineError(
-                        f"prompt {i} sample {c.index}: engine returned "
-                        f"{0 if c.logprobs is None else len(c.logprobs)} log-probs for "
-                        f"{len(resp)} tokens"
-                    )
-                lp = np.array([step[tok].logprob for step, tok in zip(c.logprobs, resp, strict=True)], dtype=np.float32)
+                lp = _sampled_logprobs(c, f"prompt {i} sample {c.index}")
                 prompt_ids.append(list(out.prompt_token_ids))
                 response_ids.append(resp)
                 logps.append(lp)
