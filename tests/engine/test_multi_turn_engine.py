@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from moe_rl.data.prompts import Prompt
 from moe_rl.rollout.engine import SamplingConfig
@@ -59,8 +58,16 @@ def _prompts(tokenizer, n: int = 2) -> list[Prompt]:
     return [Prompt(t, answer="1", ids=tokenizer(t)["input_ids"]) for t in texts]
 
 
-def test_failures_end_their_trajectory_with_a_counted_reason(engine, tiny_models):
-    tok = AutoTokenizer.from_pretrained(tiny_models["qwen3_moe"])
+@pytest.fixture(scope="module")
+def tok(tiny_models):
+    # imported here, not at collection: transformers imports triton, which must come after tests/kernels sets
+    # TRITON_INTERPRET=1
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_models["qwen3_moe"])
+
+
+def test_failures_end_their_trajectory_with_a_counted_reason(engine, tok):
     prompts = _prompts(tok)
     longest = max(len(p.ids) for p in prompts)
     limit = longest + 3 * 16 + 2 * 3  # room for 3 turns with 3-token observations, not for 100 tokens
@@ -90,8 +97,7 @@ def test_failures_end_their_trajectory_with_a_counted_reason(engine, tiny_models
     assert batch.info["cached_tokens"].sum() > 0  # later turns reused earlier turns' blocks
 
 
-def test_a_step_where_every_environment_fails_is_an_error(engine, tiny_models):
-    tok = AutoTokenizer.from_pretrained(tiny_models["qwen3_moe"])
+def test_a_step_where_every_environment_fails_is_an_error(engine, tok):
     loop = AgentLoop(engine, MultiTurnConfig(env=ENV + "Broken"), tok, context_limit=4096)
     with pytest.raises(
         RuntimeError, match=r"every trajectory's environment failed.*reset raised RuntimeError\('no sandbox'\)"
