@@ -95,10 +95,10 @@ class RouterHook:
                 f"{scores.shape[0]} tokens x top-{topk} at this router"
             )
         idx = target.to(scores.device)
-        live = missing_rows(idx)  # positions without a recorded route (multi-turn missing_routes=live)
+        live = missing_rows(target)  # no recorded route (multi-turn missing_routes=live); on the host: no device sync
         if live.any():
             _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-            idx = torch.where(live[:, None], own, idx)
+            idx = torch.where(live.to(scores.device)[:, None], own, idx)
         self.last_target = idx
         return scores.gather(1, idx), idx
 

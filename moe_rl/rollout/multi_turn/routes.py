@@ -19,13 +19,16 @@ live router routes.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from moe_rl.routing.compare import route_sets_differ
 from moe_rl.routing.records import RouteError
 
 
 def expert_sets_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """[N] bool: rows [N, L, K] whose expert set differs on some layer."""
-    return (np.sort(a, axis=-1) != np.sort(b, axis=-1)).any(axis=(-1, -2))
+    """[N] bool: rows [N, L, K] whose expert set differs on some layer (routing.compare.route_sets_differ)."""
+    differ, _ = route_sets_differ(torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(np.ascontiguousarray(b)))
+    return differ.any(-1).numpy()
 
 
 def check_append_only(before: np.ndarray, after: np.ndarray, sample: str, turn: int) -> None:
