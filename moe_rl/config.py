@@ -28,7 +28,7 @@ class ModelConfig:
     path: str = ""
     """HF model folder. Empty: build the tiny model below into the run directory."""
     tiny_arch: str = "qwen3_moe"
-    """Architecture of the built-in tiny model (qwen3_moe | mixtral | olmoe)."""
+    """Architecture of the built-in tiny model (qwen3_moe | mixtral | olmoe | glm4_moe)."""
     dtype: str = "float32"
     """Actor dtype: float32 | bfloat16."""
     recompute: str | None = None
@@ -103,6 +103,11 @@ class ActorConfig:
     max_tokens_per_micro_batch: int = 1024
     """Token budget of a packed forward (actor.packing); a longer sample gets a forward of its own. On CPU
     attention costs S^2 per packed row, so a budget near the longest sample is fastest (bench/packing.py)."""
+    expert_bias_update_rate: float = 0.0
+    """Models with an expert bias (glm4_moe, DeepSeek-V3): step of megatron's aux-loss-free balancing update
+    after each optimizer step. 0 keeps the checkpoint's bias: the bias only selects experts, and moving it
+    for load balance changes routing, hence the policy, for no reward reason (the bias is in every
+    weight sync either way)."""
     fused_logprob: bool = True
     """Log-probs (and entropy) straight from the last hidden states with the fused linear -> log-prob kernel
     (kernels/linear_logprob.py), vocab-parallel under TP: the [tokens, vocab] logits are never held whole.

@@ -17,6 +17,8 @@ TINY = {
     "qwen3_moe": ["--arch", "qwen3_moe", "--dense-layers", "1"],
     "mixtral": ["--arch", "mixtral"],
     "olmoe": ["--arch", "olmoe"],
+    # layer 0 dense (first_k_dense_replace=1), 2 groups of 4 experts, 1 kept, shared expert, gate scale 2.5
+    "glm4_moe": ["--arch", "glm4_moe"],
     "qwen3_moe_tied": ["--arch", "qwen3_moe", "--dense-layers", "1", "--tie-embeddings"],
     "qwen3_moe_320e": [
         "--arch",

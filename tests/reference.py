@@ -11,7 +11,7 @@ def hf_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     hooks = []
     b, t = input_ids.shape
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("TopKRouter"):
+        if _is_router(module):
             layer = int(name.split("layers.")[1].split(".")[0])
 
             def hook(_m, _inp, out, layer=layer):
@@ -48,26 +48,34 @@ def hf_forward_forced(
 ) -> torch.Tensor:
     """HF logits with each MoE layer's top-k ids forced to `forced[layer]` ([B, T, K]).
 
-    The router still computes its own softmax; the forced experts' probabilities are gathered
-    from it (renormalised when the config says `norm_topk_prob`, as HF does for its own top-k).
+    The router still computes its own softmax (sigmoid for DeepSeek-V3-style routers); the forced
+    experts' probabilities are gathered from it (renormalised when the config says `norm_topk_prob`,
+    as HF does for its own top-k, and scaled by `routed_scaling_factor` where the router has one).
     """
     import torch.nn.functional as F
 
     b, t = input_ids.shape
     originals = []
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("TopKRouter"):
+        if _is_router(module):
             layer = int(name.split("layers.")[1].split(".")[0])
             norm = getattr(module, "norm_topk_prob", True)  # Mixtral always renormalises
+            sigmoid = hasattr(module, "e_score_correction_bias")
 
-            def forward(hidden, module=module, layer=layer, norm=norm):
+            def forward(hidden, module=module, layer=layer, norm=norm, sigmoid=sigmoid):
                 hidden = hidden.reshape(-1, module.weight.shape[1])
-                logits = F.linear(hidden, module.weight)
-                probs = torch.softmax(logits.float(), dim=-1)
+                if sigmoid:  # fp32 logits, sigmoid scores; the bias would only have selected
+                    logits = F.linear(hidden.float(), module.weight.float())
+                    probs = logits.sigmoid()
+                else:
+                    logits = F.linear(hidden, module.weight)
+                    probs = torch.softmax(logits.float(), dim=-1)
                 idx = forced[layer].reshape(b * t, -1).to(torch.long)
                 vals = probs.gather(1, idx)
                 if norm:
-                    vals = vals / vals.sum(-1, keepdim=True)
+                    vals = vals / (vals.sum(-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+                if sigmoid:
+                    vals = vals * module.routed_scaling_factor
                 return logits, vals.to(logits.dtype), idx
 
             originals.append((module, module.forward))
@@ -85,3 +93,8 @@ def random_routes(batch: int, length: int, layers: int, topk: int, experts: int,
     g = torch.Generator().manual_seed(seed)
     ids = torch.rand(batch, length, layers, experts, generator=g).argsort(-1)[..., :topk]
     return ids.to(torch.uint8 if experts <= 256 else torch.int16)
+
+
+def _is_router(module) -> bool:
+    """HF top-k router modules (Qwen3MoeTopKRouter, ..., Glm4MoeTopkRouter)."""
+    return type(module).__name__.lower().endswith("topkrouter")

@@ -58,7 +58,12 @@ class Actor:
 
         a = cfg.actor
         self.cfg, self.model_path = a, model_path
-        opts = ModelOptions(dtype=cfg.model.dtype, use_te=cfg.model.transformer_engine, recompute=cfg.model.recompute)
+        opts = ModelOptions(
+            dtype=cfg.model.dtype,
+            use_te=cfg.model.transformer_engine,
+            recompute=cfg.model.recompute,
+            expert_bias_update_rate=a.expert_bias_update_rate,
+        )
         m = load_model(model_path, cfg.parallel, opts)
         self.chunks, self.conv, self.hf_config, self.layout = m.chunks, m.conv, m.hf_config, m.layout
         wants_replay = a.router_replay != "off" or record_routes

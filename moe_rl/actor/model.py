@@ -34,6 +34,8 @@ class ModelOptions:
     """Activation recompute: None | full | selective."""
     max_seq_len: int | None = None
     """RoPE table length; default: the HF config's max_position_embeddings."""
+    expert_bias_update_rate: float = 0.0
+    """Step of the expert-bias update after each optimizer step (models with an expert bias only)."""
 
 
 def load_hf_config(hf_dir: str | Path) -> Any:
@@ -93,8 +95,16 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
         recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"])
     elif opts.recompute is not None:
         raise ValueError(f"model.recompute={opts.recompute!r}: choose null, full or selective")
+    arch = conv.transformer_config_kwargs()
+    if arch.get("moe_router_enable_expert_bias"):
+        arch["moe_router_bias_update_rate"] = opts.expert_bias_update_rate
+    elif opts.expert_bias_update_rate:
+        raise ValueError(
+            f"actor.expert_bias_update_rate={opts.expert_bias_update_rate}: model_type={conv.model_type!r} "
+            "has no expert bias (e_score_correction_bias)"
+        )
     return TransformerConfig(
-        **conv.transformer_config_kwargs(),
+        **arch,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
@@ -119,7 +129,7 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
         gradient_accumulation_fusion=False,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_router_dtype=opts.router_dtype,
+        moe_router_dtype=opts.router_dtype or conv.router_dtype,
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
         # Replay hooks are bound per model by moe_rl.actor.replay, not through megatron's
         # process-global RouterReplay list (which a second model in the process would shift).
@@ -186,7 +196,7 @@ def build_model(hf_config: Any, parallel: ParallelConfig, opts: ModelOptions | N
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=conv.tie,
             position_embedding_type="rope",
-            rotary_percent=1.0,
+            rotary_percent=conv.rotary_percent,
             rotary_base=conv.rope_theta,
             vp_stage=vp_stage,
         )

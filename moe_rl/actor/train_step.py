@@ -143,11 +143,29 @@ def train_minibatch(
     if not ok:  # this rank's or another's loss/gradients are not finite (or megatron found inf)
         for c in chunks:
             c.zero_grad(set_to_none=True)
+    update_expert_bias(chunks, apply=ok)
     out = {"actor/grad_norm": float(norm) if ok else float("nan"), "skipped": 0.0 if ok else 1.0}
     return out | _from_last_stage(_weighted_means([r for r in results if r]))
 
 
 TOKENS, SEQS = "_tokens", "_sequences"
+
+
+def update_expert_bias(chunks: list[torch.nn.Module], apply: bool = True) -> None:
+    """After an optimizer step, move each router's expert bias towards balanced load as megatron's
+    finalize_model_grads does (token counts summed over TP x CP x DP), when
+    `moe_router_bias_update_rate` > 0; the counts restart every mini-batch either way."""
+    config = chunks[0].config
+    if not config.moe_router_enable_expert_bias:
+        return
+    if apply and config.moe_router_bias_update_rate > 0:
+        from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+        _update_router_expert_bias(chunks, config)
+    for c in chunks:
+        for m in c.modules():
+            if getattr(m, "local_tokens_per_expert", None) is not None:
+                m.local_tokens_per_expert.zero_()
 
 
 def _weighted_means(results: list[dict[str, torch.Tensor]]) -> dict[str, float]:

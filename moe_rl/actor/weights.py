@@ -69,7 +69,10 @@ def _shard_rule(name: str, conv: Converter) -> tuple[str, int | None, bool]:
         return group, 0, True
     if name.endswith(("linear_fc2.weight", "linear_proj.weight")):
         return group, 1, False
-    if name.endswith(("linear_qkv.weight", "word_embeddings.weight")) or name == "output_layer.weight":
+    if (
+        name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight"))
+        or name == "output_layer.weight"
+    ):
         return "tp", 0, False
     if conv.qk_norm == "full_width" and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
         return "tp", 0, False
@@ -110,11 +113,15 @@ def global_name(local_name: str, chunk: torch.nn.Module) -> str:
     return name
 
 
-def _local_params(chunks: Iterable[torch.nn.Module]) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(local name, global name, parameter) for every parameter this rank owns."""
+def _local_params(chunks: Iterable[torch.nn.Module]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(local name, global name, tensor) for every parameter this rank owns, and the routers' expert
+    bias: a buffer, but part of the checkpoint and of every weight sync (the engine selects with it)."""
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             yield name, global_name(name, chunk), p
+        for name, b in chunk.named_buffers():
+            if name.endswith("router.expert_bias"):
+                yield name, global_name(name, chunk), b
 
 
 def load_hf_weights(chunks: list[torch.nn.Module], conv: Converter, hf_dir: str | Path) -> None:

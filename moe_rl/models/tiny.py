@@ -13,12 +13,14 @@ Used by the trainer (the default model), the tests and the benchmarks; the comma
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe")
+# Families with sigmoid grouped routing, an expert bias, shared experts and leading dense layers.
+SIGMOID_ARCHS = ("glm4_moe",)
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 # Small corpus for the tokenizer: digits, arithmetic and plain English, so the toy tasks and
@@ -53,7 +55,7 @@ class TinySpec:
     num_experts: int = 8
     topk: int = 2
     layers: int = 4
-    dense_layers: list[int] = field(default_factory=list)
+    dense_layers: list[int] | None = None  # None: the architecture's usual choice ([0] for SIGMOID_ARCHS)
     hidden: int = 128
     heads: int = 4
     kv_heads: int = 2
@@ -65,6 +67,16 @@ class TinySpec:
     seed: int = 0
     norm_topk_prob: bool | None = None  # None: the architecture's usual choice
     tie_embeddings: bool = False  # LM head shares the input embedding (tie_word_embeddings)
+    # SIGMOID_ARCHS only: group-limited routing, shared experts, gate scale, q/k norm.
+    n_group: int = 2
+    topk_group: int = 1
+    shared_experts: int = 1
+    routed_scaling_factor: float = 2.5
+    qk_norm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dense_layers is None:
+            self.dense_layers = [0] if self.arch in SIGMOID_ARCHS else []
 
     def validate(self) -> None:
         if self.arch not in ARCHS:
@@ -85,15 +97,34 @@ class TinySpec:
         bad = [i for i in self.dense_layers if not 0 <= i < self.layers]
         if bad:
             raise ValueError(f"--dense-layers {bad} out of range for --layers={self.layers}")
-        if self.dense_layers and self.arch != "qwen3_moe":
-            raise ValueError("--dense-layers is only supported by --arch qwen3_moe (mlp_only_layers)")
+        if (
+            self.dense_layers
+            and self.arch in SIGMOID_ARCHS
+            and sorted(self.dense_layers) != list(range(len(self.dense_layers)))
+        ):
+            raise ValueError(
+                f"--arch {self.arch}: dense layers are a leading block (first_k_dense_replace); "
+                f"--dense-layers {self.dense_layers} is not 0..k-1"
+            )
+        if self.dense_layers and self.arch not in ("qwen3_moe", *SIGMOID_ARCHS):
+            raise ValueError(f"--dense-layers is not supported by --arch {self.arch}")
+        if self.arch in SIGMOID_ARCHS:
+            if self.n_group < 1 or self.num_experts % self.n_group:
+                raise ValueError(f"--n-group={self.n_group} must divide --num-experts={self.num_experts}")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"--topk-group={self.topk_group} must be in [1, --n-group={self.n_group}]")
+            if self.topk > self.topk_group * (self.num_experts // self.n_group):
+                raise ValueError(
+                    f"--topk={self.topk} is more than the {self.topk_group} kept groups of "
+                    f"{self.num_experts // self.n_group} experts hold"
+                )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype={self.dtype!r}: choose float32 or bfloat16")
 
 
 def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
     """The transformers config object for `spec`."""
-    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -119,6 +150,24 @@ def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
             norm_topk_prob=True if spec.norm_topk_prob is None else spec.norm_topk_prob,
             mlp_only_layers=sorted(spec.dense_layers),
             decoder_sparse_step=1,
+            **common,
+        )
+    elif spec.arch == "glm4_moe":
+        common["rope_parameters"] = {**common["rope_parameters"], "partial_rotary_factor": 0.5}
+        cfg = Glm4MoeConfig(
+            head_dim=spec.head_dim,
+            n_routed_experts=spec.num_experts,
+            n_shared_experts=spec.shared_experts,
+            moe_intermediate_size=spec.moe_intermediate,
+            intermediate_size=spec.intermediate,
+            n_group=spec.n_group,
+            topk_group=spec.topk_group,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            first_k_dense_replace=len(spec.dense_layers),
+            norm_topk_prob=True if spec.norm_topk_prob is None else spec.norm_topk_prob,
+            attention_bias=True,
+            use_qk_norm=spec.qk_norm,
+            num_nextn_predict_layers=0,
             **common,
         )
     elif spec.arch == "mixtral":
@@ -198,6 +247,13 @@ def build_tiny_model(spec: TinySpec, out: str | Path) -> Path:
             if name.endswith("norm.weight") or "layernorm" in name or "_norm" in name:
                 # Norm gains near 1 but not exactly, so a wrong norm mapping is visible.
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))  # attention biases start at zero
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # Zero-initialised in HF; a trained bias moves selection away from the plain scores, so a
+                # mapping that drops it, or gates computed from the biased scores, must show.
+                b.copy_(0.1 * torch.randn_like(b))
     model = model.to(getattr(torch, spec.dtype))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

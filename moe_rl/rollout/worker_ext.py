@@ -46,8 +46,11 @@ class MoeRLWorkerExtension(WeightReceiver):
         self._moe_rl_assembler = RouteAssembler(moe_layers, topk, np.dtype(dtype))
         on_prepare_inputs(runner, lambda *step: self._moe_rl_assembler.begin_step(*step))
         bound = []
+        decoder_layers = runner.model_config.hf_config.num_hidden_layers
         for module in runner.model.modules():
-            if isinstance(module, MoERunner):
+            # Multi-token-prediction layers (DeepSeek num_nextn_predict_layers) are numbered after the
+            # decoder's; they draft tokens and are never captured (their routes overwrote layer 0 for peers).
+            if isinstance(module, MoERunner) and module.layer_id < decoder_layers:
                 if not isinstance(module.router, BaseRouter):
                     raise RuntimeError(
                         f"layer {module.layer_id}: router {type(module.router).__name__} has no "

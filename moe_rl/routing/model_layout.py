@@ -28,8 +28,11 @@ def moe_layout(hf_config: Any) -> MoELayout:
             "(num_experts / num_local_experts missing or 0)"
         )
     dense = set(getattr(c, "mlp_only_layers", None) or [])
+    dense |= set(range(getattr(c, "first_k_dense_replace", None) or 0))  # DeepSeek-V3 / GLM-4.5
     step = getattr(c, "decoder_sparse_step", None) or 1
     moe = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
     if not moe:
-        raise ValueError("config.json: every decoder layer is dense (mlp_only_layers / decoder_sparse_step)")
+        raise ValueError(
+            "config.json: every decoder layer is dense (mlp_only_layers / decoder_sparse_step / first_k_dense_replace)"
+        )
     return MoELayout(moe, num_layers, int(num_experts), int(c.num_experts_per_tok))

@@ -38,6 +38,24 @@ def test_replay_exact_under_layout(layout, tiny_models, tmp_path):
     assert set().union(*(r["layers_on_rank"] for r in results)) == {0, 2, 3}
 
 
+@pytest.mark.parametrize("layout", ["world1", "ep2"])
+def test_replay_exact_with_sigmoid_grouped_router(layout, tiny_models, tmp_path):
+    """GLM-4.5 routing (sigmoid, expert bias, 2 groups with 1 kept, gates scaled by 2.5): replaying
+    random experts, which ignore the groups and the bias, still takes each gate from the live unbiased
+    sigmoid score at the replayed expert, renormalised and scaled, as transformers does when forced."""
+    nproc, args = LAYOUTS[layout]
+    torchrun("tests.distributed.replay_worker", nproc, [str(tiny_models["glm4_moe"]), *args, "--out", str(tmp_path)])
+    results = read_json_results(tmp_path)
+    assert len(results) == nproc
+    for r in results:
+        where = f"{layout} rank {r['rank']}"
+        assert r["record_replay_identical"] and r["recorded_vs_hf_mismatch"] == 0, where
+        assert r["forced_vs_hf"] <= 1e-4 < 1e-2 < r["forced_vs_live"], where
+        assert r["router_grad_min"] > 0, where
+        assert r["recompute_grad_max_diff"] <= 1e-6 and r["selective_recompute_grad_max_diff"] <= 1e-6, where
+    assert set().union(*(r["layers_on_rank"] for r in results)) == {1, 2, 3}
+
+
 def test_sequence_and_context_parallel_slicing_matches_megatron(tmp_path):
     torchrun("tests.distributed.layout_worker", 2, [str(tmp_path)])
     results = read_json_results(tmp_path)

@@ -87,11 +87,12 @@ def _check(report: dict, files: list) -> None:
     )
 
 
-def _run(cmd_prefix: list[str], model, tmp_path, extra: list[str]) -> tuple[dict, list]:
+def _run(cmd_prefix: list[str], model, tmp_path, extra: list[str], dtype: str = "bfloat16") -> tuple[dict, list]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
     out = tmp_path / "diag"
-    args = ["live", "--model", str(model), "--prompts", str(prompts), "--dtype", "bfloat16", "--out", str(out)]
+    args = ["live", "--model", str(model), "--prompts", str(prompts), "--dtype", dtype, "--out", str(out)]
     log = run_job([*cmd_prefix, *args, "--samples", "6", "--max-tokens", "24", *extra], timeout=600)
     assert "router: engine vs actor" in log
     files = sorted((out / "dump").glob("step_*/rank_*.safetensors"))
@@ -116,3 +117,18 @@ def test_live_torchrun_world2_ep2(bf16_model, tmp_path):
     assert len(shapes) == 1 and next(iter(shapes))[0] == 3
     assert torch.equal(dump.read(files[0])[0]["attention_mask"].sum(1) > 0, torch.ones(3, dtype=torch.bool))
     _check(report, files)
+
+
+def test_live_glm4_moe_fp32_routes_agree_and_bf16_replay_closes_the_gap(tiny_models, tmp_path):
+    """GLM-4.5 routing (sigmoid + expert bias, grouped, shared expert): in fp32 the engine's captured
+    routes are the actor's own; in bf16 they differ, and replaying them removes that and lowers k3."""
+    cmd = [sys.executable, "-m", "moe_rl.diagnostics"]
+    report, files = _run(cmd, tiny_models["glm4_moe"], tmp_path / "fp32", [], dtype="float32")
+    r = report["router"]
+    assert r["disagreement"] == 0.0 and r["with_replay_disagreement"] == 0.0
+    assert sorted(int(k) for k in r["disagreement_per_layer"]) == [1, 2, 3]
+    report, files = _run(cmd, tiny_models["glm4_moe"], tmp_path / "bf16", [])
+    _check(report, files)
+    m = report["mismatch"]
+    assert report["router"]["disagreement"] > 0
+    assert abs(m["with_replay"]["k3_kl"]) < abs(m["without_replay"]["k3_kl"])

@@ -33,7 +33,7 @@ def _megatron_logits_and_topk(chunks, ids, mask):
     return out[0], topk
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen3_moe_320e"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_moe_320e"])
 def test_logits_logprobs_and_router_topk_match_transformers(arch, tiny_models, world1):
     path = tiny_models[arch]
     cfg, chunks, conv = _actor(path)
@@ -69,7 +69,7 @@ def test_dense_layers_are_not_moe(tiny_models, world1):
     assert not hasattr(chunks[0].decoder.layers[1].mlp, "router")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe"])
 def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tiny_models, world1):
     path = tiny_models[arch]
     _, chunks, conv = _actor(path)

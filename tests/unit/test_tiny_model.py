@@ -69,7 +69,11 @@ def test_seed_makes_weights_reproducible(tmp_path):
         (TinySpec(arch="mixtral", hidden=96), "hidden == heads \\* head_dim"),
         (TinySpec(topk=9), "--topk=9"),
         (TinySpec(dense_layers=[4]), "--dense-layers \\[4\\] out of range"),
-        (TinySpec(arch="olmoe", dense_layers=[0]), "only supported by --arch qwen3_moe"),
+        (TinySpec(arch="olmoe", dense_layers=[0]), "not supported by --arch olmoe"),
+        (TinySpec(arch="glm4_moe", dense_layers=[1]), "leading block .*first_k_dense_replace"),
+        (TinySpec(arch="glm4_moe", n_group=3), "--n-group=3 must divide --num-experts=8"),
+        (TinySpec(arch="glm4_moe", topk_group=3), "--topk-group=3 must be in \\[1, --n-group=2\\]"),
+        (TinySpec(arch="glm4_moe", num_experts=8, n_group=4, topk=4), "--topk=4 is more than"),
         (TinySpec(arch="gpt2"), "unknown architecture 'gpt2'"),
     ],
 )
@@ -91,7 +95,7 @@ def test_cli_help_has_examples_and_errors_exit_2(tmp_path):
     assert spec["hidden"] % 32 == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe"])
 def test_no_all_zero_row_in_embedding_or_output(arch, tmp_path):
     """transformers zeroes the pad row; an all-zero row makes step 1's gradient norm explode."""
     from transformers import AutoModelForCausalLM

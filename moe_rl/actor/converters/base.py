@@ -29,6 +29,7 @@ class Converter:
     moe_prefix: str = "mlp"  # HF module holding router + experts ("block_sparse_moe" for Mixtral)
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     qk_norm: str | None = None  # None | "per_head" | "full_width"
+    router_dtype: str | None = None  # router logits dtype unless ModelOptions.router_dtype is set (None: model dtype)
 
     def __init__(self, hf_config: Any):
         self.cfg = hf_config
@@ -93,6 +94,12 @@ class Converter:
         rp = getattr(self.cfg, "rope_parameters", None) or {}
         return float(rp.get("rope_theta", getattr(self.cfg, "rope_theta", 10000.0)))
 
+    @property
+    def rotary_percent(self) -> float:
+        """Share of each head's dims that RoPE rotates (GLM-4.5: the first half)."""
+        rp = getattr(self.cfg, "rope_parameters", None) or {}
+        return float(rp.get("partial_rotary_factor", getattr(self.cfg, "partial_rotary_factor", None) or 1.0))
+
     # ---- HF names -----------------------------------------------------------------------
     def _attn(self, layer: int, what: str) -> str:
         return f"model.layers.{layer}.self_attn.{what}.weight"
@@ -127,6 +134,8 @@ class Converter:
         }
         if rest == "self_attention.linear_qkv.weight":
             return [self._attn(layer, p) for p in ("q_proj", "k_proj", "v_proj")]
+        if rest == "self_attention.linear_qkv.bias":
+            return [self._attn(layer, p).removesuffix("weight") + "bias" for p in ("q_proj", "k_proj", "v_proj")]
         if rest == "mlp.linear_fc1.weight":
             return [self._dense(layer, "gate_proj"), self._dense(layer, "up_proj")]
         if rest in simple:
@@ -146,6 +155,8 @@ class Converter:
         tensors = [get(n) for n in names]
         if mcore_name.endswith("linear_qkv.weight"):
             return self._interleave_qkv(*tensors)
+        if mcore_name.endswith("linear_qkv.bias"):
+            return self._interleave_qkv(*(t[:, None] for t in tensors))[:, 0]
         if mcore_name.endswith("linear_fc1.weight"):
             return torch.cat(tensors, dim=0)  # [gate; up]
         (t,) = tensors
@@ -158,6 +169,8 @@ class Converter:
         names = self.hf_names(mcore_name)
         if mcore_name.endswith("linear_qkv.weight"):
             return dict(zip(names, self._split_qkv(full), strict=True))
+        if mcore_name.endswith("linear_qkv.bias"):
+            return dict(zip(names, (t[:, 0] for t in self._split_qkv(full[:, None])), strict=True))
         if mcore_name.endswith("linear_fc1.weight"):
             return dict(zip(names, full.chunk(2, dim=0), strict=True))
         if mcore_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
