@@ -42,6 +42,8 @@ MISMATCH_KEYS = (
     "k_outside_0.5_2_fraction",
     "k_outside_icepop_fraction",
     "ess",
+    "exact_fraction",
+    "logprob_abs_diff_max",
 )
 
 
@@ -89,11 +91,14 @@ def mismatch_sums(
         "rho2": masked_sum((2.0 * log_rho).exp(), seq),
         "outside_0.5_2": masked_sum(outside.float(), m),
         "outside_icepop": masked_sum(outside_icepop.float(), m),
+        # bitwise equal pi_old and mu (true on-policy's target): compared in float32, the precision both arrive in
+        "exact": masked_sum((old == roll).float(), m),
     }
     big = torch.finfo(torch.float32).max
     maxima = {  # the min as the max of the negation
         "log_ppl_diff_max": torch.where(seq.bool(), d, torch.full_like(d, -big)).max(),
         "-log_ppl_diff_min": torch.where(seq.bool(), -d, torch.full_like(d, -big)).max(),
+        "logprob_abs_diff_max": torch.where(mask.bool(), (old - roll).abs(), torch.zeros_like(old)).max(),
     }
     return sums, maxima
 
@@ -119,6 +124,8 @@ def mismatch_from_sums(sums: dict[str, torch.Tensor], maxima: dict[str, torch.Te
             "k_outside_0.5_2_fraction": sums["outside_0.5_2"] / tokens,
             "k_outside_icepop_fraction": sums["outside_icepop"] / tokens,
             "ess": k_mean * k_mean / k2_mean,
+            "exact_fraction": sums["exact"] / tokens,
+            "logprob_abs_diff_max": maxima["logprob_abs_diff_max"],
         }
     )
     return {key: out[key] for key in MISMATCH_KEYS}

@@ -32,6 +32,8 @@ KEYS = [
     "mismatch/k3_kl",
     "mismatch/chi2_token",
     "mismatch/log_ppl_abs_diff",
+    "mismatch/exact_fraction",
+    "mismatch/logprob_abs_diff_max",
     "time/rollout",
     "time/old_logprobs",
     "time/update",

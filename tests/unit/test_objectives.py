@@ -395,6 +395,9 @@ def test_kl_in_reward_takes_the_shaped_total_from_each_reward():
 
 def test_mismatch_metrics_match_definitions():
     _, old, roll, mask, _ = _rand_batch(6, 9, seed=None)
+    same = torch.rand(old.shape) < 0.3
+    roll = torch.where(same, old, roll)  # some tokens bitwise equal
+    roll = torch.where(mask.bool(), roll, roll + 100.0)  # a padding position's difference never counts
     got = {k: float(v) for k, v in O.mismatch_metrics(old, roll, mask).items()}
     assert set(got) == set(O.MISMATCH_KEYS)
     rows = _rows(mask)
@@ -420,7 +423,10 @@ def test_mismatch_metrics_match_definitions():
         "k_outside_0.5_2_fraction": np.mean([not 0.5 <= k[x] <= 2 for x in toks]),
         "k_outside_icepop_fraction": np.mean([not 0.5 <= k[x] <= 5 for x in toks]),
         "ess": np.mean(list(k.values())) ** 2 / np.mean([v * v for v in k.values()]),
+        "exact_fraction": np.mean([old[x].item() == roll[x].item() for x in toks]),
+        "logprob_abs_diff_max": max(abs(old[x].item() - roll[x].item()) for x in toks),
     }
+    assert 0 < ref["exact_fraction"] < 1
     for key, v in ref.items():
         assert got[key] == pytest.approx(v, rel=1e-5, abs=1e-6), key
 
@@ -431,6 +437,7 @@ def test_mismatch_metrics_identical_policies_and_errors():
     for key in ("kl", "k3_kl", "log_ppl_diff", "chi2_token", "chi2_seq", "k_outside_icepop_fraction"):
         assert abs(float(m[key])) < 1e-6, key
     assert float(m["ess"]) == pytest.approx(1.0) and float(m["ppl_ratio"]) == pytest.approx(1.0)
+    assert float(m["exact_fraction"]) == 1.0 and float(m["logprob_abs_diff_max"]) == 0.0
     with pytest.raises(ValueError, match="no response tokens"):
         O.mismatch_metrics(old, old, torch.zeros_like(mask))
     with pytest.raises(ValueError, match="shape mismatch"):
