@@ -19,6 +19,9 @@ TINY = {
     "olmoe": ["--arch", "olmoe"],
     # layer 0 dense (first_k_dense_replace=1), 2 groups of 4 experts, 1 kept, shared expert, gate scale 2.5
     "glm4_moe": ["--arch", "glm4_moe"],
+    # the same router with multi-latent attention (q LoRA 64, latent 512 + rope 64, as vLLM's CPU MLA needs)
+    # and, as released checkpoints have, a multi-token-prediction layer 4 that nothing may load or capture
+    "deepseek_v3": ["--arch", "deepseek_v3", "--mtp-layers", "1"],
     "qwen3_moe_tied": ["--arch", "qwen3_moe", "--dense-layers", "1", "--tie-embeddings"],
     "qwen3_moe_320e": [
         "--arch",
@@ -43,6 +46,7 @@ def pytest_configure(config):
         "kernels": "Triton kernels under the interpreter",
         "slow": "takes more than ~30 s",
         "faults": "fault injection (kill -9, damaged checkpoints)",
+        "isolated": "looks at machine-wide processes, /dev/shm or sockets: launch/test.sh runs it alone",
     }.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     # megatron-core and vLLM deprecation chatter is not ours to fix.

@@ -85,7 +85,7 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
 
 
 def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOptions):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     dtype = DTYPES[opts.dtype]
     recompute = {}
@@ -103,7 +103,8 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
             f"actor.expert_bias_update_rate={opts.expert_bias_update_rate}: model_type={conv.model_type!r} "
             "has no expert bias (e_score_correction_bias)"
         )
-    return TransformerConfig(
+    config_class = MLATransformerConfig if arch.get("multi_latent_attention") else TransformerConfig
+    return config_class(
         **arch,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -151,15 +152,32 @@ def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = Non
     if use_te and conv.qk_norm != "full_width":
         return spec
     spec = copy.deepcopy(spec)
-    q_norm, k_norm = {
-        "per_head": (RMSNorm, RMSNorm),
-        "full_width": (FullWidthQNorm, FullWidthKNorm),
-        None: (IdentityOp, IdentityOp),
-    }[conv.qk_norm]
+    mla = conv.multi_latent_attention
+    if mla:
+        from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
+
+        from moe_rl.compat.megatron_cpu import LocalMLACoreAttention
+    else:
+        q_norm, k_norm = {
+            "per_head": (RMSNorm, RMSNorm),
+            "full_width": (FullWidthQNorm, FullWidthKNorm),
+            None: (IdentityOp, IdentityOp),
+        }[conv.qk_norm]
     for layer in spec.layer_specs:
         sub = layer.submodules
         attn = sub.self_attention.submodules
-        attn.q_layernorm, attn.k_layernorm = q_norm, k_norm
+        if mla:  # q_a_layernorm and kv_a_layernorm
+            attn.q_layernorm, attn.kv_layernorm = RMSNorm, RMSNorm
+            if not use_te:
+                attn.core_attention = LocalMLACoreAttention
+                # The local spec splits the latent down-projections over TP and gathers their output; the
+                # backward then leaves the RoPE key's gradient partial (each rank's heads only, never summed
+                # over TP) and the update wrong. Replicate them, as the TE spec does ("duplicated" TELinear):
+                # each rank projects its sequence slice, megatron gathers the RoPE key over SP (backward:
+                # reduce-scatter) and the weights, marked sequence-parallel, get their gradients summed.
+                attn.linear_q_down_proj = attn.linear_kv_down_proj = ReplicatedLinear
+        else:
+            attn.q_layernorm, attn.k_layernorm = q_norm, k_norm
         if not use_te:
             sub.input_layernorm = RMSNorm
             sub.pre_mlp_layernorm = RMSNorm

@@ -226,20 +226,27 @@ def sample_positions(model: torch.nn.Module, position: torch.Tensor) -> Iterator
     """RoPE at each sample's own positions inside a pack (what THD does with cu_seqlens): attention
     only depends on distances, but fp32 angles at pack offsets of thousands lose ~1e-4 rad, so the
     rotary table is gathered at `position` ([S]: 0.. per sample) instead of the row index."""
-    rope = getattr(model, "rotary_pos_emb", None) or getattr(getattr(model, "module", None), "rotary_pos_emb", None)
-    if rope is None:
-        yield
-        return
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
-        emb = type(rope).forward(rope, int(position.max()) + 1, offset, packed_seq, cp_group)
-        return emb[position.to(emb.device)]
+    # The model's table, or each MLA layer's own (YarnRotaryEmbedding, a subclass, returns (table, mscale)).
+    ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
 
-    rope.forward = forward  # instance attribute: shadows the class's (cached) forward for this pass
+    def at_positions(rope):
+        def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+            out = type(rope).forward(rope, int(position.max()) + 1, offset, packed_seq, cp_group)
+            if isinstance(out, tuple):
+                return (out[0][position.to(out[0].device)], *out[1:])
+            return out[position.to(out.device)]
+
+        return forward
+
+    for rope in ropes:
+        rope.forward = at_positions(rope)  # instance attribute: shadows the class's (cached) forward
     try:
         yield
     finally:
-        del rope.forward
+        for rope in ropes:
+            del rope.forward
 
 
 def thd_params(pack: Pack, device: torch.device | str = "cpu"):

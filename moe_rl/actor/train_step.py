@@ -27,10 +27,11 @@ from moe_rl.actor.parallel import global_mean
 def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
     """How a parameter replicated over TP combines its ranks' gradients (megatron's
     _allreduce_non_tensor_model_parallel_grads): each rank saw only its sequence slice (sequence
-    parallel) or its own attention heads (QK layernorm) -> sum; a module asking for it -> mean."""
+    parallel) or its own attention heads (QK layernorm; MLA's q/kv latent norms) -> sum; a module asking for
+    it -> mean."""
     if getattr(p, "average_gradients_across_tp_domain", False):
         return "mean"
-    if getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name:
+    if getattr(p, "sequence_parallel", False) or any(n in name for n in ("q_layernorm", "k_layernorm", "kv_layernorm")):
         return "sum"
     return None
 

@@ -3,7 +3,8 @@
 Sharding is decided here from parameter names (megatron's `partition_dim` attributes are only
 set when megatron initialises weights itself, which the actor skips):
 
-  TP, dim 0: embedding, output layer, linear_qkv, dense linear_fc1 (gate and up split apart)
+  TP, dim 0: embedding, output layer, linear_qkv, MLA q and kv up projections, dense linear_fc1
+             (gate and up split apart); MLA's latent down projections are replicated
   TP, dim 1: linear_proj, dense linear_fc2
   expert TP: experts' linear_fc1 (dim 0, gated) and linear_fc2 (dim 1)
   EP:        whole experts (local expert j on EP rank r is global expert r * E_local + j)
@@ -61,6 +62,18 @@ class HFCheckpoint:
         return self._handles[self.weight_map[name]].get_tensor(name)
 
 
+# Column-parallel weights split by output rows (MLA: the up projections; the latent down projections are
+# replicated over TP, see model.layer_spec).
+_COLUMN_PARALLEL = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "word_embeddings.weight",
+    "linear_q_proj.weight",
+    "linear_q_up_proj.weight",
+    "linear_kv_up_proj.weight",
+)
+
+
 def _shard_rule(name: str, conv: Converter) -> tuple[str, int | None, bool]:
     """(group kind 'tp'|'etp'|'', partition dim or None, gated) for a local megatron name."""
     expert = ".mlp.experts." in name
@@ -69,10 +82,7 @@ def _shard_rule(name: str, conv: Converter) -> tuple[str, int | None, bool]:
         return group, 0, True
     if name.endswith(("linear_fc2.weight", "linear_proj.weight")):
         return group, 1, False
-    if (
-        name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight"))
-        or name == "output_layer.weight"
-    ):
+    if name.endswith(_COLUMN_PARALLEL) or name == "output_layer.weight":
         return "tp", 0, False
     if conv.qk_norm == "full_width" and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
         return "tp", 0, False

@@ -133,6 +133,16 @@ def apply_cpu_shims() -> bool:
     clip_grads.l2_norm_impl = _l2_norm
     moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
 
+    # multi_latent_attention imports TELinear & co. from megatron.core.extensions.transformer_engine, which
+    # without Transformer Engine defines them as MagicMock placeholders: the import succeeds, HAVE_TE is
+    # True, and MLASelfAttention's `isinstance(self.linear_proj, TELinear)` raises TypeError.
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+
     _APPLIED = True
     return True
 
@@ -172,3 +182,26 @@ def _torch_cuda_as_cpu() -> types.ModuleType:
     cuda.current_device = _cpu_device
     proxy.cuda = cuda
     return proxy
+
+
+def _local_mla_core_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLACoreAttention(DotProductAttention):
+        """megatron-core's local (non-TE) attention for multi-latent attention: MLASelfAttention passes
+        `k_channels` / `v_channels`, which only TEDotProductAttention accepts. The local class needs
+        neither: query/key widths come from the tensors, the output width from `kv_channels`
+        (= v_head_dim), and MLA passes its own softmax scale."""
+
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return LocalMLACoreAttention
+
+
+def __getattr__(name: str):
+    if name == "LocalMLACoreAttention":  # built on first use: importing megatron here would be eager
+        cls = _local_mla_core_attention()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

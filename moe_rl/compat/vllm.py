@@ -111,3 +111,33 @@ def mark_engine_stopping(llm) -> None:
     resources = getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None)
     if resources is not None and hasattr(resources, "engine_dead"):
         resources.engine_dead = True
+
+
+def flatten_cpu_rope_heads(model) -> int:
+    """vLLM 0.32 CPU bug: its in-place rotary op (`ops.rotary_embedding`, csrc/cpu) rotates a
+    [tokens, heads, head_size] query or key with more than one head wrongly (both NeoX and GPT-J
+    style); the same data flattened to [tokens, heads * head_size] comes out right. Models that
+    pass 3-D tensors (DeepSeek-V2/V3 and every MLA model: `q[..., nope:]`) then serve wrong
+    log-probs and routes from the second token on. Re-point each `RotaryEmbedding` whose dispatched
+    forward is the CPU op at a wrapper that flattens the heads first; callers already use the
+    returned tensors (the native forward is not in place either). Call in each engine worker
+    process after the model is built (vLLM binds `_forward_method` at construction). Returns the
+    number of layers wrapped. Delete when the CPU op handles 3-D inputs."""
+    import functools
+
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    wrapped = 0
+    for module in model.modules():
+        forward = getattr(module, "_forward_method", None)
+        if isinstance(module, RotaryEmbedding) and getattr(forward, "__func__", None) is RotaryEmbedding.forward_cpu:
+            module._forward_method = functools.partial(_rope_on_flat_heads, forward)
+            wrapped += 1
+    return wrapped
+
+
+def _rope_on_flat_heads(forward, positions, query, key=None):
+    flat_q = query.reshape(query.shape[0], -1)
+    flat_k = None if key is None else key.reshape(key.shape[0], -1)
+    flat_q, flat_k = forward(positions, flat_q, flat_k)
+    return flat_q.view(query.shape), None if key is None else flat_k.view(key.shape)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe")
+ARCHS = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
 # Families with sigmoid grouped routing, an expert bias, shared experts and leading dense layers.
-SIGMOID_ARCHS = ("glm4_moe",)
+SIGMOID_ARCHS = ("glm4_moe", "deepseek_v3")
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 # Small corpus for the tokenizer: digits, arithmetic and plain English, so the toy tasks and
@@ -67,12 +67,20 @@ class TinySpec:
     seed: int = 0
     norm_topk_prob: bool | None = None  # None: the architecture's usual choice
     tie_embeddings: bool = False  # LM head shares the input embedding (tie_word_embeddings)
-    # SIGMOID_ARCHS only: group-limited routing, shared experts, gate scale, q/k norm.
+    # SIGMOID_ARCHS only: group-limited routing, shared experts, gate scale, q/k norm (glm4_moe).
     n_group: int = 2
     topk_group: int = 1
     shared_experts: int = 1
     routed_scaling_factor: float = 2.5
     qk_norm: bool = True
+    mtp_layers: int = 0  # multi-token-prediction layers after the decoder's (num_nextn_predict_layers)
+    # deepseek_v3 multi-latent attention. vLLM's CPU MLA kernel needs kv_lora_rank 512 + rope dim 64
+    # (a 576-wide latent cache); q_lora_rank 0 means no q LoRA (a plain q_proj).
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
 
     def __post_init__(self) -> None:
         if self.dense_layers is None:
@@ -83,7 +91,7 @@ class TinySpec:
             raise ValueError(f"--arch: unknown architecture {self.arch!r}; choose one of {ARCHS}")
         if self.hidden % 32:
             raise ValueError(f"--hidden={self.hidden}: vLLM's CPU backend needs a multiple of 32")
-        if self.head_dim not in VLLM_CPU_HEAD_DIMS:
+        if self.arch != "deepseek_v3" and self.head_dim not in VLLM_CPU_HEAD_DIMS:
             raise ValueError(f"head dim {self.head_dim} is not one vLLM-CPU supports: {VLLM_CPU_HEAD_DIMS}")
         if self.arch in ("mixtral", "olmoe") and self.heads * self.head_dim != self.hidden:
             raise ValueError(
@@ -118,13 +126,32 @@ class TinySpec:
                     f"--topk={self.topk} is more than the {self.topk_group} kept groups of "
                     f"{self.num_experts // self.n_group} experts hold"
                 )
+        if self.mtp_layers and self.arch not in SIGMOID_ARCHS:
+            raise ValueError(f"--mtp-layers: {self.arch} checkpoints have no multi-token-prediction layers")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype={self.dtype!r}: choose float32 or bfloat16")
 
 
+def _sigmoid_router(spec: TinySpec) -> dict:
+    """The config keys GLM-4.5 and DeepSeek-V3 share: sigmoid grouped router, shared experts, dense first
+    layers, multi-token-prediction layers."""
+    return dict(
+        n_routed_experts=spec.num_experts,
+        n_shared_experts=spec.shared_experts,
+        moe_intermediate_size=spec.moe_intermediate,
+        intermediate_size=spec.intermediate,
+        n_group=spec.n_group,
+        topk_group=spec.topk_group,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        first_k_dense_replace=len(spec.dense_layers),
+        norm_topk_prob=True if spec.norm_topk_prob is None else spec.norm_topk_prob,
+        num_nextn_predict_layers=spec.mtp_layers,
+    )
+
+
 def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
     """The transformers config object for `spec`."""
-    from transformers import Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -155,21 +182,22 @@ def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
     elif spec.arch == "glm4_moe":
         common["rope_parameters"] = {**common["rope_parameters"], "partial_rotary_factor": 0.5}
         cfg = Glm4MoeConfig(
-            head_dim=spec.head_dim,
-            n_routed_experts=spec.num_experts,
-            n_shared_experts=spec.shared_experts,
-            moe_intermediate_size=spec.moe_intermediate,
-            intermediate_size=spec.intermediate,
-            n_group=spec.n_group,
-            topk_group=spec.topk_group,
-            routed_scaling_factor=spec.routed_scaling_factor,
-            first_k_dense_replace=len(spec.dense_layers),
-            norm_topk_prob=True if spec.norm_topk_prob is None else spec.norm_topk_prob,
-            attention_bias=True,
-            use_qk_norm=spec.qk_norm,
-            num_nextn_predict_layers=0,
+            head_dim=spec.head_dim, attention_bias=True, use_qk_norm=spec.qk_norm, **_sigmoid_router(spec), **common
+        )
+    elif spec.arch == "deepseek_v3":
+        common["num_key_value_heads"] = spec.heads
+        cfg = DeepseekV3Config(
+            **_sigmoid_router(spec),
+            q_lora_rank=spec.q_lora_rank or None,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            rope_interleave=True,
             **common,
         )
+        # read by vLLM's DeepSeek model (transformers' class implies them): sigmoid scores, bias-corrected top-k
+        cfg.scoring_func, cfg.topk_method = "sigmoid", "noaux_tc"
     elif spec.arch == "mixtral":
         if spec.norm_topk_prob is False:
             raise ValueError("mixtral always renormalises its top-k probabilities")
@@ -256,6 +284,37 @@ def build_tiny_model(spec: TinySpec, out: str | Path) -> Path:
                 b.copy_(0.1 * torch.randn_like(b))
     model = model.to(getattr(torch, spec.dtype))
     model.save_pretrained(out, safe_serialization=True)
+    if spec.mtp_layers:
+        _append_mtp_layers(spec, vocab_size, out / "model.safetensors")
     tokenizer.save_pretrained(out)
     (out / "moe_rl_tiny_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
     return out
+
+
+def _append_mtp_layers(spec: TinySpec, vocab: int, path: Path) -> None:
+    """Add DeepSeek-style multi-token-prediction layers `model.layers.{L+i}` to the saved weights, named as
+    released checkpoints name them: a full MoE decoder layer (drawn like the last decoder layer, whose
+    checkpoint names it takes) plus enorm, hnorm, eh_proj, shared_head and embed_tokens. transformers
+    builds no MTP modules and skips these tensors on load, as vLLM does without speculative decoding."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    last = f"model.layers.{spec.layers - 1}."
+    hidden, dtype = spec.hidden, getattr(torch, spec.dtype)
+    for i in range(spec.mtp_layers):
+        prefix = f"model.layers.{spec.layers + i}."
+        extra = {
+            k[len(last) :]: v.float() + 0.02 * torch.randn(v.shape) for k, v in tensors.items() if k.startswith(last)
+        }
+        extra.update(
+            {
+                "enorm.weight": torch.ones(hidden),
+                "hnorm.weight": torch.ones(hidden),
+                "eh_proj.weight": torch.randn(hidden, 2 * hidden) * 0.02,
+                "shared_head.norm.weight": torch.ones(hidden),
+                "shared_head.head.weight": torch.randn(vocab, hidden) * 0.02,
+                "embed_tokens.weight": torch.randn(vocab, hidden) * 0.02,
+            }
+        )
+        tensors.update({prefix + k: v.to(dtype).contiguous() for k, v in extra.items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})

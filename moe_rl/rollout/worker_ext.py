@@ -30,8 +30,9 @@ class MoeRLWorkerExtension(WeightReceiver):
 
     def moe_rl_init_worker(self) -> bool:
         """Per-process CPU setup (runs in each worker process, hence a method here)."""
-        from moe_rl.compat.vllm import request_amx_permission
+        from moe_rl.compat.vllm import flatten_cpu_rope_heads, request_amx_permission
 
+        flatten_cpu_rope_heads(self.model_runner.model)
         return request_amx_permission()
 
     def moe_rl_install_capture(self, moe_layers: list[int], topk: int, dtype: str) -> list[int]:

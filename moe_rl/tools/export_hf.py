@@ -3,7 +3,9 @@
 The checkpoint's model/ is a megatron-core sharded checkpoint, so the export runs under any
 parallel layout (world 1 by default) whatever layout trained it. Config, tokenizer and
 generation config come from the HF folder the run started from (trainer.json's model_path, or
---model); weights are written as sharded safetensors with an index.
+--model); weights are written as sharded safetensors with an index. Multi-token-prediction layers
+of that folder (DeepSeek-V3 / GLM-4.5 `num_nextn_predict_layers`), which the actor does not train,
+are copied unchanged so speculative decoding keeps its draft layers.
 
 Examples:
   python -m moe_rl.tools.export_hf runs/2026-11-22_08-00-00/checkpoints/step_000030 --out /tmp/actor-hf
@@ -47,6 +49,20 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
+def untrained_mtp_tensors(model_dir: str | Path, hf_cfg) -> dict[str, torch.Tensor]:
+    """The source checkpoint's multi-token-prediction layers: `model.layers.{i}.*` for the
+    `num_nextn_predict_layers` layers numbered from `num_hidden_layers`."""
+    from moe_rl.actor.weights import HFCheckpoint
+
+    n = int(getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0)
+    if not n:
+        return {}
+    ckpt = HFCheckpoint(model_dir)
+    first = hf_cfg.num_hidden_layers
+    prefixes = tuple(f"model.layers.{i}." for i in range(first, first + n))
+    return {k: ckpt.get(k) for k in ckpt.weight_map if k.startswith(prefixes)}
+
+
 def export(
     ckpt: str | Path, out: str | Path, model: str | None = None, dtype: str | None = None, parallel=None
 ) -> Path:
@@ -76,6 +92,10 @@ def export(
             target = getattr(torch, target)
         out.mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().to(target, copy=True) for k, v in state.items()}  # views share storage
+        mtp = untrained_mtp_tensors(model, hf_cfg)
+        if mtp:
+            weights.update({k: v.to(target) for k, v in mtp.items()})
+            print(f"[moe-rl] copied {len(mtp)} multi-token-prediction tensors unchanged from {model} (not trained)")
         save_torch_state_dict(weights, out, max_shard_size="5GB")
         hf_cfg.dtype = target
         hf_cfg.save_pretrained(out)

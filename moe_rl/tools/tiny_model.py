@@ -6,6 +6,7 @@ Examples:
   python -m moe_rl.tools.tiny_model --arch qwen3_moe --dense-layers 0 --layers 3 --out /tmp/q
   python -m moe_rl.tools.tiny_model --arch olmoe --num-experts 320 --topk 4 --out /tmp/big-e
   python -m moe_rl.tools.tiny_model --arch glm4_moe --n-group 4 --topk-group 2 --topk 4 --out /tmp/glm
+  python -m moe_rl.tools.tiny_model --arch deepseek_v3 --mtp-layers 1 --out /tmp/dsv3
 """
 
 from __future__ import annotations
@@ -35,13 +36,23 @@ def main(argv: list[str] | None = None) -> None:
         "--dense-layers",
         type=_parse_int_list,
         default=None,
-        help="decoder layers with a dense MLP, e.g. '0' or '0,2' (qwen3_moe mlp_only_layers); for glm4_moe a "
+        help="decoder layers with a dense MLP, e.g. '0' or '0,2' (qwen3_moe mlp_only_layers); for glm4_moe and "
+        "deepseek_v3 a "
         "leading block, '0' or '0,1' (first_k_dense_replace; default '0'; '' for none)",
     )
-    p.add_argument("--n-group", type=int, default=d.n_group, help="glm4_moe: expert groups of the router")
-    p.add_argument("--topk-group", type=int, default=d.topk_group, help="glm4_moe: groups each token may use")
-    p.add_argument("--shared-experts", type=int, default=d.shared_experts, help="glm4_moe: shared experts")
-    p.add_argument("--routed-scaling-factor", type=float, default=d.routed_scaling_factor, help="glm4_moe: gate scale")
+    p.add_argument("--n-group", type=int, default=d.n_group, help="glm4_moe/deepseek_v3: expert groups")
+    p.add_argument("--topk-group", type=int, default=d.topk_group, help="glm4_moe/deepseek_v3: groups a token uses")
+    p.add_argument("--shared-experts", type=int, default=d.shared_experts, help="glm4_moe/deepseek_v3: shared experts")
+    p.add_argument(
+        "--routed-scaling-factor", type=float, default=d.routed_scaling_factor, help="glm4_moe/deepseek_v3: gate scale"
+    )
+    p.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=d.mtp_layers,
+        help="glm4_moe/deepseek_v3: multi-token-prediction layers written after the decoder's, as in released "
+        "checkpoints (num_nextn_predict_layers; the actor neither trains nor replays them)",
+    )
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (multiple of 32)")
     p.add_argument("--heads", type=int, default=d.heads, help="attention heads")
     p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads (GQA)")
@@ -75,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         topk_group=a.topk_group,
         shared_experts=a.shared_experts,
         routed_scaling_factor=a.routed_scaling_factor,
+        mtp_layers=a.mtp_layers,
     )
     try:
         out = build_tiny_model(spec, a.out)

@@ -87,7 +87,10 @@ def check_model(path: str, parallel, out_dir: Path, seed: int) -> None:
 
     exported = export_hf_state_dict(chunks, conv)
     ckpt = HFCheckpoint(path)
-    missing = sorted(set(ckpt.weight_map) - set(exported))
+    from moe_rl.tools.export_hf import untrained_mtp_tensors
+
+    trained = set(ckpt.weight_map) - set(untrained_mtp_tensors(path, cfg))  # MTP layers are not the actor's
+    missing = sorted(trained - set(exported))
     extra = sorted(set(exported) - set(ckpt.weight_map))
     unequal = [k for k in exported if k in ckpt.weight_map and not torch.equal(exported[k], ckpt.get(k))]
     result["roundtrip"] = {"missing": missing, "extra": extra, "unequal": unequal, "n": len(exported)}

@@ -38,13 +38,13 @@ def test_replay_exact_under_layout(layout, tiny_models, tmp_path):
     assert set().union(*(r["layers_on_rank"] for r in results)) == {0, 2, 3}
 
 
-@pytest.mark.parametrize("layout", ["world1", "ep2"])
-def test_replay_exact_with_sigmoid_grouped_router(layout, tiny_models, tmp_path):
-    """GLM-4.5 routing (sigmoid, expert bias, 2 groups with 1 kept, gates scaled by 2.5): replaying
-    random experts, which ignore the groups and the bias, still takes each gate from the live unbiased
-    sigmoid score at the replayed expert, renormalised and scaled, as transformers does when forced."""
+@pytest.mark.parametrize("arch, layout", [("glm4_moe", "world1"), ("glm4_moe", "ep2"), ("deepseek_v3", "world1")])
+def test_replay_exact_with_sigmoid_grouped_router(arch, layout, tiny_models, tmp_path):
+    """GLM-4.5 / DeepSeek-V3 routing (sigmoid, expert bias, 2 groups with 1 kept, gates scaled by 2.5):
+    replaying random experts, which ignore the groups and the bias, still takes each gate from the live
+    unbiased sigmoid score at the replayed expert, renormalised and scaled, as transformers does when forced."""
     nproc, args = LAYOUTS[layout]
-    torchrun("tests.distributed.replay_worker", nproc, [str(tiny_models["glm4_moe"]), *args, "--out", str(tmp_path)])
+    torchrun("tests.distributed.replay_worker", nproc, [str(tiny_models[arch]), *args, "--out", str(tmp_path)])
     results = read_json_results(tmp_path)
     assert len(results) == nproc
     for r in results:

@@ -10,17 +10,24 @@ from tests.e2e.test_train_moe import _train
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_glm4_moe_learns_and_exports(tmp_path, world1):
-    """2 processes, GLM-4.5 tiny (dense layer 0, sigmoid router with bias, 2 groups, shared expert)."""
+@pytest.mark.parametrize(
+    "arch, attention_weight",
+    [
+        ("glm4_moe", "model.layers.1.self_attn.q_proj.weight"),  # GQA with qkv bias, partial RoPE
+        ("deepseek_v3", "model.layers.1.self_attn.kv_b_proj.weight"),  # MLA
+    ],
+)
+def test_sigmoid_router_family_learns_and_exports(arch, attention_weight, tmp_path, world1):
+    """2 processes, a tiny model with dense layer 0 and the sigmoid router (expert bias, 2 groups, shared expert)."""
     from safetensors.torch import load_file
 
     from moe_rl.tools.export_hf import export
     from tests.reference import load_hf
 
-    history = _train(tmp_path, ["model.tiny_arch=glm4_moe", "trainer.steps=20", "logging.wandb.mode=disabled"])
+    history = _train(tmp_path, [f"model.tiny_arch={arch}", "trainer.steps=20", "logging.wandb.mode=disabled"])
     first = sum(h["reward/mean"] for h in history[:5]) / 5
     last = sum(h["reward/mean"] for h in history[-5:]) / 5
-    print(f"\nglm4_moe mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    print(f"\n{arch} mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert last >= 2 * first
     assert min(h["router/agreement"] for h in history) > 0.99
     assert all(h["router/replay_mismatches"] == 0 for h in history)
@@ -32,7 +39,5 @@ def test_glm4_moe_learns_and_exports(tmp_path, world1):
     trained = load_hf(str(out)).state_dict()
     bias = [k for k in init if k.endswith("e_score_correction_bias")]
     assert len(bias) == 3 and all(torch.equal(trained[k], init[k]) for k in bias)  # update rate 0
-    assert not torch.equal(
-        trained["model.layers.1.mlp.shared_experts.up_proj.weight"],
-        init["model.layers.1.mlp.shared_experts.up_proj.weight"],
-    )
+    for key in ("model.layers.1.mlp.shared_experts.up_proj.weight", attention_weight):
+        assert not torch.equal(trained[key], init[key]), key

@@ -119,15 +119,17 @@ def test_live_torchrun_world2_ep2(bf16_model, tmp_path):
     _check(report, files)
 
 
-def test_live_glm4_moe_fp32_routes_agree_and_bf16_replay_closes_the_gap(tiny_models, tmp_path):
-    """GLM-4.5 routing (sigmoid + expert bias, grouped, shared expert): in fp32 the engine's captured
-    routes are the actor's own; in bf16 they differ, and replaying them removes that and lowers k3."""
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_live_sigmoid_router_fp32_routes_agree_and_bf16_replay_closes_the_gap(arch, tiny_models, tmp_path):
+    """GLM-4.5 / DeepSeek-V3 routing (sigmoid + expert bias, grouped, shared expert; MLA for DeepSeek): in
+    fp32 the engine's captured routes are the actor's own; in bf16 they differ, and replaying them removes
+    that and lowers k3."""
     cmd = [sys.executable, "-m", "moe_rl.diagnostics"]
-    report, files = _run(cmd, tiny_models["glm4_moe"], tmp_path / "fp32", [], dtype="float32")
+    report, files = _run(cmd, tiny_models[arch], tmp_path / "fp32", [], dtype="float32")
     r = report["router"]
     assert r["disagreement"] == 0.0 and r["with_replay_disagreement"] == 0.0
     assert sorted(int(k) for k in r["disagreement_per_layer"]) == [1, 2, 3]
-    report, files = _run(cmd, tiny_models["glm4_moe"], tmp_path / "bf16", [])
+    report, files = _run(cmd, tiny_models[arch], tmp_path / "bf16", [])
     _check(report, files)
     m = report["mismatch"]
     assert report["router"]["disagreement"] > 0

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from moe_rl.actor.forward import compute_logprobs
-from moe_rl.tools.export_hf import export
+from moe_rl.actor.model import load_hf_config
+from moe_rl.actor.weights import HFCheckpoint
+from moe_rl.tools.export_hf import export, untrained_mtp_tensors
 from moe_rl.trainer import checkpoint
 from tests.engine.conftest import start_engine
 from tests.reference import hf_forward, load_hf
@@ -15,12 +17,19 @@ from tests.unit.test_checkpoint import _actor_and_adam, _adam_step
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-def test_exported_checkpoint_loads_in_vllm(tiny_models, tmp_path, world1):
-    chunks, opt = _actor_and_adam(tiny_models["mixtral"])
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_exported_checkpoint_loads_in_vllm(arch, tiny_models, tmp_path, world1):
+    """deepseek_v3 (MLA) also carries a multi-token-prediction layer the actor does not train: the export
+    copies it unchanged, and vLLM serves the decoder with the trained weights."""
+    chunks, opt = _actor_and_adam(tiny_models[arch])
     _adam_step(chunks, opt, 0)
-    state = {"data_position": 0, "wandb_run_id": None, "model_path": str(tiny_models["mixtral"])}
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": str(tiny_models[arch])}
     checkpoint.save(tmp_path / "ckpt", 1, chunks, opt, state)
     out = export(tmp_path / "ckpt", tmp_path / "hf")
+    mtp = untrained_mtp_tensors(out, load_hf_config(out))
+    assert len(mtp) == (44 if arch == "deepseek_v3" else 0)  # layer 4: attention, router, 8+1 experts, heads
+    source = HFCheckpoint(tiny_models[arch])
+    assert all(torch.equal(t, source.get(k)) for k, t in mtp.items())
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 12, 5)]
@@ -29,7 +38,7 @@ def test_exported_checkpoint_loads_in_vllm(tiny_models, tmp_path, world1):
         served = engine.prompt_logprobs(seqs)
     finally:
         engine.shutdown()
-    init = load_hf(str(tiny_models["mixtral"]))
+    init = load_hf(str(tiny_models[arch]))
     moved = 0.0
     for seq, lp in zip(seqs, served, strict=True):
         ids = torch.tensor([seq])

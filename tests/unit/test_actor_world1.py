@@ -33,7 +33,7 @@ def _megatron_logits_and_topk(chunks, ids, mask):
     return out[0], topk
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_moe_320e"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "qwen3_moe_320e"])
 def test_logits_logprobs_and_router_topk_match_transformers(arch, tiny_models, world1):
     path = tiny_models[arch]
     cfg, chunks, conv = _actor(path)
@@ -69,13 +69,18 @@ def test_dense_layers_are_not_moe(tiny_models, world1):
     assert not hasattr(chunks[0].decoder.layers[1].mlp, "router")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3"])
 def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tiny_models, world1):
     path = tiny_models[arch]
     _, chunks, conv = _actor(path)
     exported = export_hf_state_dict(chunks, conv)
     ckpt = HFCheckpoint(path)
-    assert set(exported) == set(ckpt.weight_map)
+    # every checkpoint tensor but the multi-token-prediction layers (deepseek_v3), which the export copies as is
+    from moe_rl.tools.export_hf import untrained_mtp_tensors
+
+    mtp = untrained_mtp_tensors(path, load_hf_config(path))
+    assert set(exported) == set(ckpt.weight_map) - set(mtp)
+    assert bool(mtp) == (arch == "deepseek_v3")
     for k, v in exported.items():
         assert torch.equal(v, ckpt.get(k)), k
 
@@ -167,3 +172,54 @@ def test_world_size_must_fit_layout():
         ParallelConfig(tp=4).data_parallel_size(2)
     with pytest.raises(ValueError, match="ep\\*etp = 4\\*1 must divide"):
         ParallelConfig(ep=4).data_parallel_size(2)
+
+
+def _assert_logits_and_topk_match_transformers(path, cfg, chunks, length: int) -> None:
+    ids, mask = random_batch(cfg.vocab_size, batch=3, length=length, seed=torch.seed() % 2**31)
+    ref_logits, ref_topk = hf_forward(load_hf(path), ids, mask)
+    logits, topk = _megatron_logits_and_topk(chunks, ids, mask)
+    real = mask.bool()
+    scale = ref_logits[real].abs().max().item()
+    assert (logits[..., : cfg.vocab_size] - ref_logits)[real].abs().max().item() <= 1e-4 * max(1.0, scale)
+    assert sorted(topk) == sorted(ref_topk)
+    assert all(torch.equal(topk[k][real].sort(-1).values, ref_topk[k][real].sort(-1).values) for k in ref_topk)
+
+
+def test_deepseek_v3_yarn_rope_matches_transformers(tiny_models, tmp_path, world1):
+    """DeepSeek-V3 checkpoints use YaRN (factor 40, mscale_all_dim 1: the softmax scale changes too)."""
+    d = _copy(tiny_models["deepseek_v3"], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    hf_cfg, chunks, _ = _actor(d)
+    assert chunks[0].config.rope_type == "yarn"
+    _assert_logits_and_topk_match_transformers(d, hf_cfg, chunks, length=21)
+
+
+def test_deepseek_v3_rope_settings_megatron_cannot_run_are_refused(tiny_models, world1):
+    cfg = load_hf_config(tiny_models["deepseek_v3"])
+    cfg.rope_interleave = False
+    with pytest.raises(ValueError, match="rope_interleave=false"):
+        build_model(cfg, ParallelConfig())
+
+
+def test_deepseek_v3_without_q_lora_matches_transformers_and_round_trips(tmp_path, world1):
+    """q_lora_rank null (DeepSeek-V2-Lite style): a plain q_proj instead of q_a_proj / q_a_layernorm / q_b_proj."""
+    from moe_rl.models.tiny import TinySpec, build_tiny_model
+
+    path = build_tiny_model(TinySpec(arch="deepseek_v3", q_lora_rank=0, seed=3), tmp_path / "m")
+    cfg, chunks, conv = _actor(path)
+    assert cfg.q_lora_rank is None and hasattr(chunks[0].decoder.layers[0].self_attention, "linear_q_proj")
+    _assert_logits_and_topk_match_transformers(path, cfg, chunks, length=15)
+    exported, ckpt = export_hf_state_dict(chunks, conv), HFCheckpoint(path)
+    assert set(exported) == set(ckpt.weight_map) and "model.layers.0.self_attn.q_proj.weight" in exported
+    assert all(torch.equal(v, ckpt.get(k)) for k, v in exported.items())

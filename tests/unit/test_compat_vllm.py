@@ -72,3 +72,32 @@ def test_layerwise_reload_warns_only_for_the_rotary_cache_and_keeps_it(quiet):
         assert [(r.msg, r.args) for r in records] == [("%s: Failed to load weights", ("RotaryEmbedding",))]
     assert model.rotary_emb.cos_sin_cache is cache and torch.equal(cache, value)  # restored untouched
     assert torch.equal(model.o_proj.weight, torch.ones(4, 4))  # the real weight did load
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_cpu_rope_on_multi_head_3d_tensors_matches_the_native_rope(neox):
+    """vLLM's CPU rotary op gets [tokens, heads, dim] inputs with several heads wrong (the DeepSeek MLA
+    call); after `flatten_cpu_rope_heads` the layer agrees with vLLM's own native (PyTorch) rope."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from moe_rl.compat.vllm import flatten_cpu_rope_heads
+
+    eager = VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))  # custom ops on, as in our engines
+    with set_current_vllm_config(eager):
+        rope = get_rope(64, 2048, neox, {"rope_type": "default", "rope_theta": 1e4}, torch.float32)
+        model = nn.ModuleDict({"rope": rope})
+    positions = torch.randint(0, 2048, (7,))
+    q_full, latent = torch.randn(7, 4, 96), torch.randn(7, 1, 576)  # MLA: rope part of q and of the shared key
+    q, k = q_full[..., 32:], latent[..., 512:]
+    want_q, want_k = rope.forward_native(positions, q.clone(), k.clone())
+
+    bug_q, _ = rope(positions, q.clone(), k.clone())
+    assert (bug_q - want_q).abs().max() > 0.1  # the upstream bug this works around; delete the fix when this fails
+    assert flatten_cpu_rope_heads(model) == 1
+    got_q, got_k = rope(positions, q.clone(), k.clone())
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    flat_q = q.contiguous().reshape(7, -1).clone()
+    got_flat, _ = rope(positions, flat_q, k.clone())  # 2-D inputs (most models) are unchanged
+    torch.testing.assert_close(got_flat, want_q.reshape(7, -1), rtol=1e-5, atol=1e-5)

@@ -75,6 +75,7 @@ def test_seed_makes_weights_reproducible(tmp_path):
         (TinySpec(arch="glm4_moe", topk_group=3), "--topk-group=3 must be in \\[1, --n-group=2\\]"),
         (TinySpec(arch="glm4_moe", num_experts=8, n_group=4, topk=4), "--topk=4 is more than"),
         (TinySpec(arch="gpt2"), "unknown architecture 'gpt2'"),
+        (TinySpec(arch="mixtral", mtp_layers=1), "--mtp-layers: mixtral checkpoints have no multi-token"),
     ],
 )
 def test_invalid_specs(spec, msg):
@@ -95,7 +96,7 @@ def test_cli_help_has_examples_and_errors_exit_2(tmp_path):
     assert spec["hidden"] % 32 == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3"])
 def test_no_all_zero_row_in_embedding_or_output(arch, tmp_path):
     """transformers zeroes the pad row; an all-zero row makes step 1's gradient norm explode."""
     from transformers import AutoModelForCausalLM

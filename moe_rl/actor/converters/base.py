@@ -29,6 +29,7 @@ class Converter:
     moe_prefix: str = "mlp"  # HF module holding router + experts ("block_sparse_moe" for Mixtral)
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     qk_norm: str | None = None  # None | "per_head" | "full_width"
+    multi_latent_attention: bool = False  # DeepSeek-V3 MLA (MLATransformerConfig, MLA layer spec)
     router_dtype: str | None = None  # router logits dtype unless ModelOptions.router_dtype is set (None: model dtype)
 
     def __init__(self, hf_config: Any):
