@@ -1,10 +1,12 @@
-"""vLLM engines shared per session (each takes 10-20 s to start on CPU)."""
+"""vLLM engines shared per test module (each takes 10-20 s to start on CPU)."""
 
 from __future__ import annotations
 
 import pytest
 
 from moe_rl.rollout.engine import RolloutConfig, RolloutEngine
+
+MAX_LIVE_ENGINES = 2
 
 
 def start_engine(path, dtype="float32", **kw) -> RolloutEngine:
@@ -16,14 +18,20 @@ def start_engine(path, dtype="float32", **kw) -> RolloutEngine:
     return RolloutEngine(RolloutConfig(model=str(path), dtype=dtype, **kw), lay.moe_layers, lay.num_experts, lay.topk)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engines(tiny_models):
-    """Lazily started fp32 engines by model name; all shut down at session end."""
+    """Lazily started fp32 engines by model name, shared by a test module. At most two are alive at once (the
+    least recently used is shut down first) and the rest at the module's end: each holds ~2.5 GB, and seven kept
+    alive by one module got engine processes killed for memory beside the torchrun jobs of the other lane."""
     started: dict[str, RolloutEngine] = {}
 
     def get(name: str, dtype: str = "float32") -> RolloutEngine:
         key = f"{name}:{dtype}"
-        if key not in started:
+        if key in started:
+            started[key] = started.pop(key)  # most recently used last
+        else:
+            while len(started) >= MAX_LIVE_ENGINES:
+                started.pop(next(iter(started))).shutdown()
             started[key] = start_engine(tiny_models[name], dtype)
         return started[key]
 

@@ -47,7 +47,8 @@ def _compare_with_hf(batch, hf, moe_layers):
     return bad, rows, lp_diff
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe"])
+# ordered so that the engines fixture (two alive at once) reuses mixtral and glm4_moe in the next tests
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "mixtral"])
 def test_fp32_routes_equal_transformers_topk(arch, engines, tiny_models):
     eng = engines(arch)
     prompts = _prompts(seed=int(torch.randint(0, 2**31, ()).item()))
@@ -62,7 +63,7 @@ def test_fp32_routes_equal_transformers_topk(arch, engines, tiny_models):
     assert lp_diff < 1e-4
     if arch == "qwen3_moe":
         assert eng.moe_layers == [0, 2, 3]  # layer 1 is dense and not in the record
-    if arch == "glm4_moe":
+    if arch in ("glm4_moe", "deepseek_v3"):
         assert eng.moe_layers == [1, 2, 3]  # first_k_dense_replace=1
 
 
@@ -80,25 +81,42 @@ def test_seeded_sampling_is_reproducible_and_lengths_are_consistent(engines):
         eng.generate([[1, 2]], SamplingConfig(n=1, max_tokens=10**6))
 
 
-def test_more_than_256_experts_use_int16_routes(engines, tiny_models):
-    eng = engines("qwen3_moe_320e")
-    batch = eng.generate(_prompts(seed=2, count=4), SamplingConfig(n=2, max_tokens=6, seed=1))
-    assert all(r.dtype == np.int16 for r in batch.routes)
-    bad, rows, _ = _compare_with_hf(batch, load_hf(str(tiny_models["qwen3_moe_320e"])), eng.moe_layers)
-    assert bad == 0 and rows > 0
-    assert max(int(r.max()) for r in batch.routes) >= 256
+def test_expert_bias_travels_in_weight_sync(engines, tiny_models, world1):
+    """GLM-4.5: the router's expert bias is a megatron buffer, not a parameter; a sync that changes only
+    the bias must change which experts the engine selects (and so its log-probs) to the actor's."""
+    from moe_rl.actor.forward import compute_logprobs
+    from moe_rl.actor.model import build_model, load_hf_config
+    from moe_rl.actor.parallel import ParallelConfig
+    from moe_rl.actor.weights import HFCheckpoint, iter_hf_tensors, load_hf_weights
 
+    path = tiny_models["glm4_moe"]
+    eng = engines("glm4_moe")
+    chunks, conv = build_model(load_hf_config(path), ParallelConfig())
+    load_hf_weights(chunks, conv, path)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    biases = [b for n, b in chunks[0].named_buffers() if n.endswith("router.expert_bias")]
+    assert len(biases) == 3  # layers 1..3; layer 0 is dense
+    with torch.no_grad():
+        for b in biases:
+            b.add_(torch.randn(b.shape, generator=g))  # larger than the sigmoid scores' spread
+    seqs = [s + s[::-1] for s in _prompts(seed=6, count=5)]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    meg = compute_logprobs(chunks, ids, mask)["logprobs"]
 
-def test_bf16_route_mismatch_is_reported(engines, tiny_models):
-    """bf16 engine vs fp32 transformers on the same tokens: the mismatch replay removes."""
-    eng = engines("qwen3_moe", "bfloat16")
-    batch = eng.generate(_prompts(seed=9, count=8), SamplingConfig(n=4, max_tokens=12, seed=4))
-    bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(tiny_models["qwen3_moe"])), eng.moe_layers)
-    print(
-        f"\nbf16 engine vs fp32 reference: {bad}/{rows} token-layers route to a different expert set "
-        f"({bad / rows:.2%}); max |log mu - log p_fp32| = {lp_diff:.3f}"
-    )
-    assert 0 <= bad <= rows and rows > 0
+    def diff():
+        vl = eng.prompt_logprobs(seqs)
+        return max((torch.from_numpy(v) - meg[i, : len(v)]).abs().max().item() for i, v in enumerate(vl))
+
+    before = diff()
+    stats = push_weights(eng, iter_hf_tensors(chunks, conv))
+    after = diff()
+    assert before > 1e-2 and after < 1e-4, (before, after)
+    assert stats["tensors"] == len(HFCheckpoint(path).weight_map)  # e_score_correction_bias included
+    ckpt = HFCheckpoint(path)
+    push_weights(eng, ((k, ckpt.get(k)) for k in ckpt.weight_map))
 
 
 def test_weight_sync_from_megatron(engines, tiny_models, world1):
@@ -141,42 +159,25 @@ def test_weight_sync_from_megatron(engines, tiny_models, world1):
     push_weights(eng, ((k, ckpt.get(k)) for k in ckpt.weight_map))
 
 
-def test_expert_bias_travels_in_weight_sync(engines, tiny_models, world1):
-    """GLM-4.5: the router's expert bias is a megatron buffer, not a parameter; a sync that changes only
-    the bias must change which experts the engine selects (and so its log-probs) to the actor's."""
-    from moe_rl.actor.forward import compute_logprobs
-    from moe_rl.actor.model import build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig
-    from moe_rl.actor.weights import HFCheckpoint, iter_hf_tensors, load_hf_weights
+def test_bf16_route_mismatch_is_reported(engines, tiny_models):
+    """bf16 engine vs fp32 transformers on the same tokens: the mismatch replay removes."""
+    eng = engines("qwen3_moe", "bfloat16")
+    batch = eng.generate(_prompts(seed=9, count=8), SamplingConfig(n=4, max_tokens=12, seed=4))
+    bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(tiny_models["qwen3_moe"])), eng.moe_layers)
+    print(
+        f"\nbf16 engine vs fp32 reference: {bad}/{rows} token-layers route to a different expert set "
+        f"({bad / rows:.2%}); max |log mu - log p_fp32| = {lp_diff:.3f}"
+    )
+    assert 0 <= bad <= rows and rows > 0
 
-    path = tiny_models["glm4_moe"]
-    eng = engines("glm4_moe")
-    chunks, conv = build_model(load_hf_config(path), ParallelConfig())
-    load_hf_weights(chunks, conv, path)
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
-    biases = [b for n, b in chunks[0].named_buffers() if n.endswith("router.expert_bias")]
-    assert len(biases) == 3  # layers 1..3; layer 0 is dense
-    with torch.no_grad():
-        for b in biases:
-            b.add_(torch.randn(b.shape, generator=g))  # larger than the sigmoid scores' spread
-    seqs = [s + s[::-1] for s in _prompts(seed=6, count=5)]
-    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-    meg = compute_logprobs(chunks, ids, mask)["logprobs"]
 
-    def diff():
-        vl = eng.prompt_logprobs(seqs)
-        return max((torch.from_numpy(v) - meg[i, : len(v)]).abs().max().item() for i, v in enumerate(vl))
-
-    before = diff()
-    stats = push_weights(eng, iter_hf_tensors(chunks, conv))
-    after = diff()
-    assert before > 1e-2 and after < 1e-4, (before, after)
-    assert stats["tensors"] == len(HFCheckpoint(path).weight_map)  # e_score_correction_bias included
-    ckpt = HFCheckpoint(path)
-    push_weights(eng, ((k, ckpt.get(k)) for k in ckpt.weight_map))
+def test_more_than_256_experts_use_int16_routes(engines, tiny_models):
+    eng = engines("qwen3_moe_320e")
+    batch = eng.generate(_prompts(seed=2, count=4), SamplingConfig(n=2, max_tokens=6, seed=1))
+    assert all(r.dtype == np.int16 for r in batch.routes)
+    bad, rows, _ = _compare_with_hf(batch, load_hf(str(tiny_models["qwen3_moe_320e"])), eng.moe_layers)
+    assert bad == 0 and rows > 0
+    assert max(int(r.max()) for r in batch.routes) >= 256
 
 
 def test_small_buckets_and_dead_engine_gives_clear_error(tiny_models):
@@ -206,6 +207,7 @@ def test_small_buckets_and_dead_engine_gives_clear_error(tiny_models):
     assert not alive, f"leaked engine processes: {alive}"
 
 
+@pytest.mark.isolated  # compares machine-wide /dev/shm and socket files before and after
 def test_shutdown_leaves_no_processes(tiny_models):
     import psutil
 

@@ -12,7 +12,7 @@ import pytest
 from moe_rl.trainer import checkpoint
 from tests.faults.harness import Run
 
-pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow, pytest.mark.isolated]
 
 
 def _finish(r: Run, timeout: float = 600) -> int:

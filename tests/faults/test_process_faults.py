@@ -11,7 +11,7 @@ import pytest
 
 from tests.faults.harness import Run
 
-pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow, pytest.mark.isolated]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REPO
 from tests.slurm.local_cluster import LocalSlurm, SlurmUnavailable
 
-pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow, pytest.mark.isolated]
 
 
 @pytest.fixture(scope="module")
