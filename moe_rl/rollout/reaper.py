@@ -85,7 +85,13 @@ def candidate_files() -> set[str]:
 
 def files_in_use(owner=None) -> set[str]:
     """Socket paths someone is bound to, and /dev/shm files some live process maps or has open;
-    `owner` (a psutil.Process): leave out what only it holds."""
+    `owner` (a psutil.Process): leave out what only it holds.
+
+    /dev/shm files are matched by inode, not by path: glibc's sem_open creates a named semaphore under a
+    temporary name, maps it and links it to its real name (sem.mp-*), so /proc/PID/maps shows the deleted
+    temporary path. Matched by path, another process's live semaphore looked unused and was removed, and
+    the child it was spawning failed to open it (vLLM workers of another run: "SemLock._rebuild ...
+    FileNotFoundError")."""
     used = set()
     try:
         with open("/proc/net/unix") as f:
@@ -95,18 +101,31 @@ def files_in_use(owner=None) -> set[str]:
         bound = []
     mine = _socket_inodes(owner.pid) if owner is not None else set()
     used |= {parts[7] for parts in bound if parts[6] not in mine}
+    inodes = set()  # (device, inode) of /dev/shm files some other process maps or has open
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if owner is not None and int(pid) == owner.pid:
             continue
         try:
             with open(f"/proc/{pid}/maps") as f:
-                used |= {line.split(None, 5)[5].strip() for line in f if SHM in line}
+                for line in f:
+                    if SHM in line:
+                        fields = line.split(None, 5)  # address perms offset dev(major:minor, hex) inode path
+                        major, minor = (int(x, 16) for x in fields[3].split(":"))
+                        inodes.add((os.makedev(major, minor), int(fields[4])))
             for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(SHM):
-                    used.add(target)
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SHM):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    inodes.add((st.st_dev, st.st_ino))
         except OSError:
             continue
+    if os.path.isdir(SHM):
+        for name in os.listdir(SHM):
+            try:
+                st = os.stat(os.path.join(SHM, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in inodes:
+                used.add(os.path.join(SHM, name))
     return used
 
 

@@ -1,0 +1,29 @@
+"""The reaper's "in use" test: a file another live process holds is never one of a dead engine's leftovers."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import subprocess
+import sys
+
+import psutil
+
+from moe_rl.rollout.reaper import candidate_files, files_in_use
+
+
+def test_a_live_named_semaphore_is_in_use():
+    """glibc maps a named semaphore under a temporary name: matched by path it looked unused, and a reaper in
+    another run removed it while this process was spawning a child that opens it by name."""
+    before = candidate_files()
+    lock = mp.get_context("spawn").Lock()  # a named semaphore (sem.mp-*) until a spawned child opened it
+    new = candidate_files() - before
+    assert any("sem.mp-" in f for f in new), new
+    # as the reaper of another process sees it: this process is not its owner
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert new <= files_in_use(psutil.Process(other.pid))
+        assert not new & files_in_use(psutil.Process())  # held by the owner alone: the owner's holdings do not count
+    finally:
+        other.kill()
+        other.wait()
+    del lock
