@@ -188,6 +188,15 @@ class TrainerConfig:
     mini-batch, so each rank holds about as many tokens (verl's balance_batch; perf/dp_token_imbalance,
     perf/dp_groups_moved). Changes no result beyond summation order; needs data.prompts_per_step to be a
     multiple of actor.mini_batches. false: each rank trains the samples it generated."""
+    true_on_policy: bool = False
+    """The actor computes log pi_old (and the values of log pi_theta on the first mini-batch) with the rollout
+    engine's own CPU ops (moe_rl/actor/engine_ops.py), so pi_old == mu bit for bit on every response token:
+    mismatch/exact_fraction 1.0, mismatch/k3_kl and mismatch/logprob_abs_diff_max 0.0; gradients still come
+    from megatron's autograd. CPU engines without AMX, Qwen3-MoE models, data and expert parallelism only;
+    sets VLLM_CPU_ATTN_SPLIT_KV=0 for the engine. README "True on-policy" lists what it refuses and costs."""
+    true_on_policy_strict: bool = False
+    """With true_on_policy: a step where some response token's pi_old != mu stops the run with an error naming
+    the first such sample and position (false: a warning)."""
 
 
 @dataclass
@@ -352,6 +361,30 @@ def _validate_multi_turn(cfg: TrainConfig, bad) -> None:
     for what, used in refused.items():
         if used:
             bad("rollout.multi_turn.env", f"{mt.env}: multi-turn rollouts do not combine with {what}")
+
+
+def _validate_true_on_policy(cfg: TrainConfig, bad) -> None:
+    """trainer.true_on_policy: refuse every setting under which pi_old cannot equal mu bit for bit."""
+    t, p = cfg.trainer, cfg.parallel
+    if t.true_on_policy_strict and not t.true_on_policy:
+        bad("trainer.true_on_policy_strict", "true needs trainer.true_on_policy=true")
+    if not t.true_on_policy:
+        return
+    refused = {
+        "parallel.tp/pp/cp/etp > 1 (the engine, TP=1, sums each layer's products in one order; a sharded actor "
+        "in another)": max(p.tp, p.pp, p.cp, p.etp) > 1,
+        f"model.dtype={cfg.model.dtype} with rollout.dtype={cfg.rollout.dtype} (the engine-op pass computes in "
+        "the engine's dtype; set both the same)": cfg.model.dtype != cfg.rollout.dtype,
+        "trainer.mode other than train (dumps were sampled by other weights)": t.mode != "train",
+        "trainer.max_staleness >= 1 (a stale sample's mu comes from older weights than pi_old)": t.max_staleness > 0,
+        "buffer.enable=true (replayed samples come from older weights)": cfg.buffer.enable,
+        "algorithm.prox_logp=loglinear (no old-log-prob pass to make exact)": cfg.algorithm.prox_logp == "loglinear",
+        "rollout.multi_turn.env (multi-turn trajectories are not covered yet)": cfg.rollout.multi_turn.env != "none",
+        "model.transformer_engine=true (the GPU path is not wired yet)": cfg.model.transformer_engine,
+    }
+    for what, used in refused.items():
+        if used:
+            bad("trainer.true_on_policy", f"cannot be exact with {what}")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -583,6 +616,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                 f"needs data.prompts_per_step={cfg.data.prompts_per_step} to be a multiple of "
                 f"actor.mini_batches={cfg.actor.mini_batches} (a short batch keeps whole groups per mini-batch)",
             )
+    _validate_true_on_policy(cfg, bad)
     from moe_rl.weight_sync import TRANSPORTS
 
     if r.weight_transport not in TRANSPORTS:

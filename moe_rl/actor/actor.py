@@ -35,6 +35,16 @@ def _recording(loss_fn, seen: dict[str, torch.Tensor], logp: torch.Tensor, mb: d
     return loss_fn(logp, mb)
 
 
+def _exact_first_values(loss_fn, logp: torch.Tensor, mb: dict):
+    """`loss_fn` on log pi_theta whose response-token values are the engine-op pass's (trainer.true_on_policy:
+    the first mini-batch meets the weights that pass ran with, so these are its values bit for bit) and whose
+    gradients are megatron's."""
+    from moe_rl.actor.engine_ops import exact_values
+
+    exact = mb.pop("exact_logprobs")
+    return loss_fn(exact_values(logp, exact, mb["loss_mask"] > 0), mb)
+
+
 def _from_last_stage_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The last pipeline stage's tensors (only it computes log-probs) on every stage of its pipeline."""
     from megatron.core import parallel_state as ps
@@ -58,6 +68,7 @@ class Actor:
 
         a = cfg.actor
         self.cfg, self.model_path = a, model_path
+        self.version = 0  # optimizer updates so far (the engine-op pass reloads its weights when this moves)
         opts = ModelOptions(
             dtype=cfg.model.dtype,
             use_te=cfg.model.transformer_engine,
@@ -81,6 +92,12 @@ class Actor:
                 c.requires_grad_(False)
             replay = RouteReplay(ref, self.layout.moe_layers, verify="count") if a.router_replay != "off" else None
             self.reference = (ref, replay)
+        self.exact = None  # trainer.true_on_policy: the forward through the engine's own ops
+        if cfg.trainer.true_on_policy:
+            from moe_rl.actor.engine_ops import EngineOpForward, check_machine
+
+            check_machine()
+            self.exact = EngineOpForward(self.hf_config, getattr(torch, cfg.model.dtype))
         if a.packing and cfg.parallel.pp > 1 and not (cfg.parallel.vpp or 1) > 1:
             # Packed rows have their own lengths: pipeline stages send shapes first. (Megatron refuses this
             # flag with the allgather dispatcher at construction; plan_packing gives the ranks that dispatch
@@ -93,8 +110,27 @@ class Actor:
     # ---- passes ----------------------------------------------------------------------------
     def old_logprobs(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
         """log pi_old and entropy per token (and, under R2, the routes this pass took)."""
+        if self.exact is not None:
+            return self._engine_op_logprobs(padded)
         routing = {"r3": {"routes": padded.routes}, "r2": {"record": True}}.get(self.cfg.router_replay, {})
         return self._logprobs(self.chunks, self.replay, padded, with_entropy=True, **routing)
+
+    def _engine_op_logprobs(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
+        """trainer.true_on_policy: log pi_old and entropy through the engine's ops on the current weights (the
+        engine's routes replayed under R3; under R2 and off the engine's own routing, which these ops reproduce,
+        recorded for R2's update). Collective when the weights changed (they are gathered)."""
+        from moe_rl.actor.weights import full_hf_state_dict
+
+        if self.exact.version != self.version:
+            self.exact.load(full_hf_state_dict(self.chunks, self.conv), self.version)
+        replay = self.cfg.router_replay == "r3" and padded.routes is not None
+        out = self.exact.logprobs(padded.input_ids, padded.attention_mask, padded.routes if replay else None)
+        routes = out.pop("routes")
+        if self.cfg.router_replay == "r2":  # in the route record's dtype, as a recording pass returns them
+            from moe_rl.routing.records import route_dtype
+
+            out["routes"] = torch.from_numpy(routes.numpy().astype(route_dtype(self.layout.num_experts)))
+        return out
 
     def ref_logprobs(self, padded: PaddedBatch, old: dict[str, torch.Tensor]) -> torch.Tensor:
         """log pi_ref per token, routed like pi_old and pi_theta: the engine's routes (R3) or the old pass's
@@ -203,6 +239,9 @@ class Actor:
             loss = functools.partial(objective.loss, **counts)
             if loglinear:
                 loss = functools.partial(_recording, loss, seen)
+            if self.exact is not None and i == 0:  # pi_theta == pi_old here: the engine-op values, bit for bit
+                batch["exact_logprobs"] = old["logprobs"][rows]
+                loss = functools.partial(_exact_first_values, loss)
             replay = self.replay if routes is not None else None
             m = train_minibatch(
                 self.chunks,
@@ -227,6 +266,7 @@ class Actor:
             for k, v in m.items():
                 key = k if "/" in k else f"actor/{k}"
                 out[key] = out.get(key, 0.0) + v / a.mini_batches
+        self.version += 1
         applied = [x for x in norms if math.isfinite(x)]
         out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
         if loglinear:

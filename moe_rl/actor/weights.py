@@ -224,6 +224,27 @@ def export_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict
     return out
 
 
+def full_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict[str, torch.Tensor]:
+    """The full HF state dict on every rank: converted locally when no parameter is sharded (pure data
+    parallelism), else gathered (export_hf_state_dict). Collective."""
+    from megatron.core import parallel_state as ps
+
+    sharded = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
+    )
+    if max(sharded) > 1:
+        return export_hf_state_dict(chunks, conv)
+    out: dict[str, torch.Tensor] = {}
+    for _, gname, p in _local_params(chunks):
+        if not (gname == "output_layer.weight" and conv.tie):
+            out.update(conv.to_hf(gname, p.detach()))
+    return out
+
+
 # ---- streaming export: one tensor at a time, from its owner --------------------------------
 
 

@@ -69,6 +69,12 @@ class Trainer:
         self.stop = StopFlag()
         resumed = self._resume()
         self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
+        if t.true_on_policy:  # the engine's side of the mode, before it starts
+            from moe_rl.actor.engine_ops import engine_environment, vllm_version_warning
+
+            os.environ.update(engine_environment())
+            if (note := vllm_version_warning()) and self.rank == 0:
+                print(f"[moe-rl] WARNING: {note}", flush=True)
         self.source, engine = self._build_source()
         self.weight_sync = None
         if cfg.trainer.mode != "from_dump":  # every rank takes part in the sync's gathers; leaders load
@@ -337,7 +343,31 @@ class Trainer:
         self.logger.log(self.step_index, metrics)
         for warning in self.health(metrics):
             self.logger.warn(self.step_index, warning)
+        if self.actor.exact is not None and metrics["mismatch/exact_fraction"] < 1.0:
+            self._not_exact(rollout.padded, old, metrics["mismatch/exact_fraction"])
         return metrics
+
+    def _not_exact(self, padded, old: dict[str, torch.Tensor], fraction: float) -> None:
+        """trainer.true_on_policy and some response token's pi_old != mu: warn (or stop, under
+        true_on_policy_strict) naming the first such token over the ranks. Collective."""
+        from moe_rl.actor.parallel import all_gather_objects
+
+        differ = (old["logprobs"].float() != padded.rollout_logprobs.float()) & (padded.loss_mask > 0)
+        first = None
+        if differ.any():
+            i, j = map(int, differ.nonzero()[0])
+            first = (i, j, float(old["logprobs"][i, j]), float(padded.rollout_logprobs[i, j]))
+        found = [(r, f) for r, f in enumerate(all_gather_objects(first)) if f is not None]
+        if not found:  # the metric's comparison and this one are the same; nothing to name
+            return
+        rank, (i, j, pi_old, mu) = found[0]
+        message = (
+            f"trainer.true_on_policy: pi_old != mu on {1 - fraction:.3%} of response tokens; the first on rank "
+            f"{rank}, sample {i} of its batch, token position {j}: log pi_old {pi_old!r}, log mu {mu!r}"
+        )
+        if self.cfg.trainer.true_on_policy_strict:
+            raise RuntimeError(message + " (trainer.true_on_policy_strict=true)")
+        self.logger.warn(self.step_index, message)
 
     def _build_critic(self):
         from moe_rl.critic.critic import Critic

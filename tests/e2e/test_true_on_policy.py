@@ -1,0 +1,47 @@
+"""trainer.true_on_policy end to end: 2 processes, pi_old == mu bit for bit on every response token of every
+step (after every weight sync), and the run still learns."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_train_moe import _train
+
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
+
+EXACT = ["trainer.true_on_policy=true", "trainer.true_on_policy_strict=true", "logging.wandb.mode=disabled"]
+
+
+def _assert_exact(history: list[dict]) -> None:
+    for h in history:
+        step = h["step"]
+        assert h["mismatch/exact_fraction"] == 1.0, (step, h["mismatch/exact_fraction"])
+        assert h["mismatch/k3_kl"] == 0.0 and h["mismatch/kl"] == 0.0, step
+        assert h["mismatch/logprob_abs_diff_max"] == 0.0, step
+        assert h["actor/first_minibatch_ppo_kl"] == 0.0, step  # pi_theta's values on the first mini-batch too
+
+
+def test_fp32_run_is_exact_on_every_step_and_learns(tmp_path):
+    history = _train(tmp_path, [*EXACT, "trainer.steps=20", "trainer.checkpoint_every=0"])
+    assert len(history) == 20
+    _assert_exact(history)
+    first = sum(h["reward/mean"] for h in history[:5]) / 5
+    last = sum(h["reward/mean"] for h in history[-5:]) / 5
+    print(f"\ntrue on-policy (fp32): mean reward first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    assert last >= 2 * first
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.dtype=bfloat16", "rollout.dtype=bfloat16"],
+        ["actor.router_replay=off"],
+        ["actor.router_replay=r2"],
+        ["parallel.ep=2"],
+    ],
+    ids=["bf16", "replay_off", "r2", "ep2"],
+)
+def test_exact_in_bf16_without_replay_and_under_expert_parallelism(overrides, tmp_path):
+    history = _train(tmp_path, [*EXACT, "trainer.steps=3", "trainer.checkpoint_every=0", *overrides])
+    assert len(history) == 3
+    _assert_exact(history)
