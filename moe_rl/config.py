@@ -381,6 +381,8 @@ def _validate_true_on_policy(cfg: TrainConfig, bad) -> None:
         "algorithm.prox_logp=loglinear (no old-log-prob pass to make exact)": cfg.algorithm.prox_logp == "loglinear",
         "rollout.multi_turn.env (multi-turn trajectories are not covered yet)": cfg.rollout.multi_turn.env != "none",
         "model.transformer_engine=true (the GPU path is not wired yet)": cfg.model.transformer_engine,
+        f"rollout.logprobs_mode={cfg.rollout.logprobs_mode} (the actor reproduces raw_logprobs: the model's "
+        "distribution before temperature and top-p)": cfg.rollout.logprobs_mode != "raw_logprobs",
     }
     for what, used in refused.items():
         if used:

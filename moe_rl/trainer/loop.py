@@ -56,6 +56,11 @@ class Trainer:
         self.memory = PeakMemory()
         self.memory.reset()  # probes whether the peak can be reset per step
         notes = [self.objective.fused_note] if self.objective.fused_note else []
+        if t.true_on_policy and cfg.actor.fused_logprob:
+            notes.append(
+                "trainer.true_on_policy: log-prob values come from the engine-op pass (the engine's full-vocabulary "
+                "log_softmax); actor.fused_logprob computes only the update's gradients"
+            )
         if not self.memory.resettable:
             notes.append("memory/peak_rss_gib is the process's lifetime peak (/proc/self/clear_refs is not writable)")
         for note in notes if self.rank == 0 else []:

@@ -109,6 +109,7 @@ def _cfg(overrides: list[str]):
         (["trainer.max_staleness=1"], "trainer.max_staleness"),
         (["buffer.enable=true"], "buffer.enable"),
         (["algorithm.prox_logp=loglinear"], "loglinear"),
+        (["rollout.logprobs_mode=processed_logprobs"], "rollout.logprobs_mode=processed_logprobs"),
     ],
 )
 def test_settings_that_cannot_be_exact_are_refused(override, words):
