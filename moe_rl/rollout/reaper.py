@@ -41,7 +41,7 @@ class Reaper:
 
     def __init__(self) -> None:
         # Snapshot here, not in the reaper: the engine starts creating files while it boots.
-        before = sorted(candidate_files())
+        self.before = candidate_files()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_rl.rollout.reaper", str(os.getpid())],
             stdin=subprocess.PIPE,
@@ -50,9 +50,11 @@ class Reaper:
             start_new_session=True,
             close_fds=True,
         )
-        self._send(json.dumps(before))
+        self._send(json.dumps(sorted(self.before)))
 
     def watch(self, pids: list[int]) -> None:
+        """The engine has started: its pids, and (snapshot here, synchronously) the files it created."""
+        self._send("started " + json.dumps(sorted(candidate_files() - self.before)))
         self._send("watch " + " ".join(map(str, pids)))
 
     def close(self, timeout: float = 15.0) -> None:
@@ -149,6 +151,7 @@ class _Watch:
         self.engine: dict[int, psutil.Process] = {}  # Process objects keep identity across pid reuse
         self.descendants: dict[int, psutil.Process] = {}
         self.before: set[str] = set()  # engine-kind files that existed before the engine started
+        self.started: set[str] | None = None  # those that appeared while it started (known at "watch")
         self.done = threading.Event()
 
     def owner_alive(self) -> bool:
@@ -196,12 +199,20 @@ class _Watch:
         return [p.pid for p in alive]
 
     def remove_files(self) -> list[str]:
-        """Remove the engine-kind files that appeared since the engine started and that no process
-        but the owner holds."""
+        """Remove the engine-kind files that appeared since the engine started and that no other process
+        holds. The owner's holdings do not count for files that appeared while the engine started (the
+        client ends of its sockets); they do for later ones while the owner lives: another engine the
+        owner started since (its semaphores and sockets, held by the owner alone until the engine's
+        processes open them)."""
         removed = []
         stale = candidate_files() - self.before
         if stale:
-            stale -= files_in_use(self.owner if self.owner_alive() else None)
+            alive = self.owner_alive()
+            in_use = files_in_use(self.owner if alive else None)
+            later = stale - self.started if alive and self.started is not None else set()
+            if later - in_use:
+                in_use |= later & files_in_use(None)
+            stale -= in_use
         for path in sorted(stale):
             try:
                 os.unlink(path)
@@ -222,9 +233,11 @@ def _is_reaper(proc) -> bool:
 
 def _read_commands(watch: _Watch) -> None:
     for line in sys.stdin:
-        word, *args = line.split()
-        if word == "watch":
-            watch.add_engine([int(a) for a in args])
+        word, _, rest = line.strip().partition(" ")
+        if word == "started":
+            watch.started = set(json.loads(rest))
+        elif word == "watch":
+            watch.add_engine([int(a) for a in rest.split()])
             watch.scan()
         elif word == "exit":
             break

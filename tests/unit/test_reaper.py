@@ -27,3 +27,21 @@ def test_a_live_named_semaphore_is_in_use():
         other.kill()
         other.wait()
     del lock
+
+
+def test_a_clean_close_keeps_what_the_owner_started_since():
+    """One process, two engines: closing the first engine's reaper must not remove the semaphore the owner
+    just created to spawn the second (held by the owner alone until the child opens it by name)."""
+    from moe_rl.rollout.reaper import Reaper
+
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for an engine
+    reaper = Reaper()
+    reaper.watch([engine.pid])
+    before = candidate_files()
+    lock = mp.get_context("spawn").Lock()  # the next engine's, created after the first one started
+    mine = candidate_files() - before
+    assert mine
+    reaper.close()
+    assert engine.wait(timeout=10) is not None  # the watched engine was killed
+    assert mine <= candidate_files(), "the reaper removed a file the owner holds for another engine"
+    del lock
