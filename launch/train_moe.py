@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import hydra
 from omegaconf import OmegaConf
@@ -33,6 +34,8 @@ def _check_command_line() -> None:
     except ConfigKeyError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"[moe-rl] {e}", file=sys.stderr, flush=True)
+        else:  # torchrun stops the job at the first rank's exit: let rank 0 say it first
+            time.sleep(10)
         raise SystemExit(2) from None
 
 

@@ -94,11 +94,14 @@ def test_unknown_key_names_the_closest(override, suggestion):
 
 def test_unknown_key_from_torchrun_is_one_message(tmp_path):
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2", "launch/train_moe.py", "trainer.stepz=3"],
+        # --standalone: a free port (the default 29500 may be another job's); the timeout leaves room for
+        # the suite's concurrent lane on 2 cores
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", "launch/train_moe.py"]
+        + ["trainer.stepz=3"],
         capture_output=True,
         text=True,
         cwd=Path(CONF).parent,
-        timeout=120,
+        timeout=600,
     )
     text = out.stdout + out.stderr
     assert out.returncode != 0
