@@ -156,4 +156,5 @@ def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, wor
     assert torch.allclose(old["logprobs"][first][real[first]], before["logprobs"][first][real[first]], atol=1e-5)
     assert torch.allclose(old["entropy"][first][real[first]], before["entropy"][first][real[first]], atol=1e-5)
     # the second mini-batch ran after an optimizer step: pi_theta there is no longer the actor before the update
-    assert not torch.allclose(old["logprobs"][4:][real[4:]], before["logprobs"][4:][real[4:]], atol=1e-5)
+    moved = (old["logprobs"][4:][real[4:]] - before["logprobs"][4:][real[4:]]).abs().max()
+    assert moved > 1e-5, f"seed {seed}: the second mini-batch's log-probs moved only {moved:.2e}"  # seen once in CI
