@@ -27,6 +27,8 @@ def _policies(b: int = 6, t: int = 12):
         mask[i, start : start + int(torch.randint(2, t - start + 1, (), generator=g))] = 1
     mu = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3  # log mu of a stale engine version
     prox = mu + 0.6 * torch.randn(b, t, generator=g, dtype=torch.float64)  # some tokens leave IcePop's band
+    first = int(mask[0].argmax())
+    prox[0, first] = mu[0, first] - 1.5  # and at least one does (k = 0.22): ~1% of draws had none
     theta = prox + 0.05 * torch.randn(b, t, generator=g, dtype=torch.float64)
     adv = torch.randn(b, generator=g, dtype=torch.float64)
     return mu * mask, prox * mask, theta * mask, adv, mask.double()
