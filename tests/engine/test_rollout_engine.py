@@ -47,6 +47,27 @@ def _compare_with_hf(batch, hf, moe_layers):
     return bad, rows, lp_diff
 
 
+def _sync_closes_the_gap(eng, chunks, conv, seqs) -> tuple[float, float, dict]:
+    """Max |log p_vLLM - log p_Megatron| over `seqs` before and after pushing the actor's weights, and the
+    sync's stats."""
+    from moe_rl.actor.forward import compute_logprobs
+    from moe_rl.actor.weights import iter_hf_tensors
+
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    meg = compute_logprobs(chunks, ids, mask)["logprobs"]
+
+    def diff():
+        vl = eng.prompt_logprobs(seqs)
+        return max((torch.from_numpy(v) - meg[i, : len(v)]).abs().max().item() for i, v in enumerate(vl))
+
+    before = diff()
+    stats = push_weights(eng, iter_hf_tensors(chunks, conv))
+    return before, diff(), stats
+
+
 # ordered so that the engines fixture (two alive at once) reuses mixtral and glm4_moe in the next tests
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "mixtral"])
 def test_fp32_routes_equal_transformers_topk(arch, engines, tiny_models):
@@ -84,10 +105,9 @@ def test_seeded_sampling_is_reproducible_and_lengths_are_consistent(engines):
 def test_expert_bias_travels_in_weight_sync(engines, tiny_models, world1):
     """GLM-4.5: the router's expert bias is a megatron buffer, not a parameter; a sync that changes only
     the bias must change which experts the engine selects (and so its log-probs) to the actor's."""
-    from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.model import build_model, load_hf_config
     from moe_rl.actor.parallel import ParallelConfig
-    from moe_rl.actor.weights import HFCheckpoint, iter_hf_tensors, load_hf_weights
+    from moe_rl.actor.weights import HFCheckpoint, load_hf_weights
 
     path = tiny_models["glm4_moe"]
     eng = engines("glm4_moe")
@@ -100,19 +120,7 @@ def test_expert_bias_travels_in_weight_sync(engines, tiny_models, world1):
         for b in biases:
             b.add_(torch.randn(b.shape, generator=g))  # larger than the sigmoid scores' spread
     seqs = [s + s[::-1] for s in _prompts(seed=6, count=5)]
-    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-    meg = compute_logprobs(chunks, ids, mask)["logprobs"]
-
-    def diff():
-        vl = eng.prompt_logprobs(seqs)
-        return max((torch.from_numpy(v) - meg[i, : len(v)]).abs().max().item() for i, v in enumerate(vl))
-
-    before = diff()
-    stats = push_weights(eng, iter_hf_tensors(chunks, conv))
-    after = diff()
+    before, after, stats = _sync_closes_the_gap(eng, chunks, conv, seqs)
     assert before > 1e-2 and after < 1e-4, (before, after)
     assert stats["tensors"] == len(HFCheckpoint(path).weight_map)  # e_score_correction_bias included
     ckpt = HFCheckpoint(path)
@@ -120,10 +128,9 @@ def test_expert_bias_travels_in_weight_sync(engines, tiny_models, world1):
 
 
 def test_weight_sync_from_megatron(engines, tiny_models, world1):
-    from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.model import build_model, load_hf_config
     from moe_rl.actor.parallel import ParallelConfig
-    from moe_rl.actor.weights import iter_hf_tensors, load_hf_weights
+    from moe_rl.actor.weights import load_hf_weights
 
     path = tiny_models["qwen3_moe"]
     eng = engines("qwen3_moe")
@@ -135,20 +142,7 @@ def test_weight_sync_from_megatron(engines, tiny_models, world1):
             p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
     seqs = _prompts(seed=4, count=5)
     seqs = [s + s[::-1] for s in seqs]
-    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    meg = compute_logprobs(chunks, ids, mask)["logprobs"]
-
-    def diff():
-        vl = eng.prompt_logprobs(seqs)
-        return max((torch.from_numpy(v) - meg[i, : len(v)]).abs().max().item() for i, v in enumerate(vl))
-
-    before = diff()
-    stats = push_weights(eng, iter_hf_tensors(chunks, conv))
-    after = diff()
+    before, after, stats = _sync_closes_the_gap(eng, chunks, conv, seqs)
     print(f"\nweight sync: {stats}; max |vLLM - Megatron| logprob before {before:.3f}, after {after:.2e}")
     assert before > 1e-2 and after < 1e-4
     assert stats["tensors"] == 113 and stats["buckets"] >= 1
