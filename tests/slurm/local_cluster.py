@@ -116,6 +116,15 @@ class LocalSlurm:
                 return field.split("=", 1)[1]
         return "UNKNOWN"
 
+    def log_tails(self, lines: int = 30) -> str:
+        """The last lines of the daemons' logs: why a job failed when its own log says nothing."""
+        out = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.root / name
+            text = path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else ["(missing)"]
+            out.append(f"--- {name}\n" + "\n".join(text))
+        return "\n".join(out)
+
     def wait(self, job: int, timeout: float) -> str:
         deadline = time.time() + timeout
         while time.time() < deadline:

@@ -73,11 +73,13 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, monkeypatch, tmp_pa
         restarts = subprocess.run(
             ["scontrol", "show", "job", str(job)], env=slurm.env, capture_output=True, text=True
         ).stdout
-        # Hurry only once the node has finished cleaning up the first attempt: a requeued job started
-        # while it is still completing is killed ("Job credential revoked").
+        # Hurry only once the node has finished cleaning up the first attempt, and start a few seconds
+        # later: slurmd revokes the first attempt's credential at the requeue, with one-second
+        # resolution, and refuses a new one issued in that same second ("Job credential revoked":
+        # the job then fails before its script starts).
         if state == "PENDING" and "Restarts=1" in restarts and not hurried and slurm.node_state() == "idle":
             # Slurm holds a requeued job for ~2 minutes (BeginTime); the test need not wait.
-            cmd = ["scontrol", "update", f"JobId={job}", "StartTime=now"]
+            cmd = ["scontrol", "update", f"JobId={job}", "StartTime=now+5"]
             hurried = subprocess.run(cmd, env=slurm.env, capture_output=True).returncode == 0
         if state == "COMPLETED" and "Restarts=1" in restarts:
             break
@@ -85,7 +87,7 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, monkeypatch, tmp_pa
             break
         time.sleep(2)
     text = _job_log(tmp_path, job)
-    assert state == "COMPLETED", f"{state}\n{text[-6000:]}"
+    assert state == "COMPLETED", f"{state}\n{restarts}\n{text[-6000:]}\n{slurm.log_tails()}"
     assert "Restarts=1" in restarts, f"job was not requeued:\n{text[-6000:]}"
     assert "resumed from" in text and "(restart 1)" in text, text[-6000:]
     assert f"[moe-rl] job {job} on" in text
