@@ -193,7 +193,9 @@ class TrainerConfig:
     engine's own CPU ops (moe_rl/actor/engine_ops.py), so pi_old == mu bit for bit on every response token:
     mismatch/exact_fraction 1.0, mismatch/k3_kl and mismatch/logprob_abs_diff_max 0.0; gradients still come
     from megatron's autograd. CPU engines without AMX, Qwen3-MoE models, data and expert parallelism only;
-    sets VLLM_CPU_ATTN_SPLIT_KV=0 for the engine. README "True on-policy" lists what it refuses and costs."""
+    sets VLLM_CPU_ATTN_SPLIT_KV=0 for the engine. On CUDA (not yet run on a GPU) both sides use batch-invariant
+    kernels instead: VLLM_BATCH_INVARIANT=1 and megatron's batch_invariant_mode (moe_rl/actor/batch_invariant.py;
+    needs model.transformer_engine=true). README "True on-policy" lists what it refuses and costs."""
     true_on_policy_strict: bool = False
     """With true_on_policy: a step where some response token's pi_old != mu stops the run with an error naming
     the first such sample and position (false: a warning)."""
@@ -380,7 +382,8 @@ def _validate_true_on_policy(cfg: TrainConfig, bad) -> None:
         "buffer.enable=true (replayed samples come from older weights)": cfg.buffer.enable,
         "algorithm.prox_logp=loglinear (no old-log-prob pass to make exact)": cfg.algorithm.prox_logp == "loglinear",
         "rollout.multi_turn.env (multi-turn trajectories are not covered yet)": cfg.rollout.multi_turn.env != "none",
-        "model.transformer_engine=true (the GPU path is not wired yet)": cfg.model.transformer_engine,
+        "model.transformer_engine=false on GPU (megatron's batch_invariant_mode needs Transformer Engine "
+        "FlashAttention)": _has_cuda() and not cfg.model.transformer_engine,
         f"rollout.logprobs_mode={cfg.rollout.logprobs_mode} (the actor reproduces raw_logprobs: the model's "
         "distribution before temperature and top-p)": cfg.rollout.logprobs_mode != "raw_logprobs",
     }

@@ -69,12 +69,17 @@ class Actor:
         a = cfg.actor
         self.cfg, self.model_path = a, model_path
         self.version = 0  # optimizer updates so far (the engine-op pass reloads its weights when this moves)
+        # trainer.true_on_policy: on CPU the engine's own ops (engine_ops), on GPU batch-invariant kernels
+        batch_invariant = cfg.trainer.true_on_policy and torch.cuda.is_available()
         opts = ModelOptions(
             dtype=cfg.model.dtype,
             use_te=cfg.model.transformer_engine,
             recompute=cfg.model.recompute,
             expert_bias_update_rate=a.expert_bias_update_rate,
+            batch_invariant=batch_invariant,
         )
+        # log-prob values as the engine computes them (full-vocabulary log_softmax) under the GPU mode
+        self.fused_logprob = False if batch_invariant else a.fused_logprob
         m = load_model(model_path, cfg.parallel, opts)
         self.chunks, self.conv, self.hf_config, self.layout = m.chunks, m.conv, m.hf_config, m.layout
         wants_replay = a.router_replay != "off" or record_routes
@@ -87,13 +92,18 @@ class Actor:
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            ref = load_model(model_path, cfg.parallel, ModelOptions(dtype=cfg.model.dtype, use_te=opts.use_te)).chunks
+            ref_opts = ModelOptions(dtype=cfg.model.dtype, use_te=opts.use_te, batch_invariant=batch_invariant)
+            ref = load_model(model_path, cfg.parallel, ref_opts).chunks
             for c in ref:
                 c.requires_grad_(False)
             replay = RouteReplay(ref, self.layout.moe_layers, verify="count") if a.router_replay != "off" else None
             self.reference = (ref, replay)
-        self.exact = None  # trainer.true_on_policy: the forward through the engine's own ops
-        if cfg.trainer.true_on_policy:
+        self.exact = None  # trainer.true_on_policy on CPU: the forward through the engine's own ops
+        if batch_invariant:
+            from moe_rl.actor import batch_invariant as bik
+
+            bik.enable()
+        elif cfg.trainer.true_on_policy:
             from moe_rl.actor.engine_ops import EngineOpForward, check_machine
 
             check_machine()
@@ -143,7 +153,7 @@ class Actor:
         from moe_rl.actor.forward import compute_logprobs
 
         args = (padded.input_ids, padded.attention_mask, self.cfg.micro_batch_size)
-        kw |= {"fused": self.cfg.fused_logprob, "replay": replay, "pack": self.pack_plan(padded)}
+        kw |= {"fused": self.fused_logprob, "replay": replay, "pack": self.pack_plan(padded)}
         return compute_logprobs(chunks, *args, **kw)
 
     def pack_plan(self, padded: PaddedBatch):
@@ -250,7 +260,7 @@ class Actor:
                 loss,
                 a.micro_batch_size,
                 replay,
-                a.fused_logprob,
+                self.fused_logprob,
                 with_entropy=loglinear or objective.entropy_coef > 0,
                 pack=None if plan is None else plan.group(i, i * per),
             )

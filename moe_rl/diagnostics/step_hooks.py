@@ -53,7 +53,7 @@ class StepDiagnostics:
             padded.routes,
             replayed=old.get("logprobs") if mode == "r3" else None,  # none under prox_logp=loglinear
             live=old if mode == "r2" else None,
-            fused=a.cfg.fused_logprob,
+            fused=a.fused_logprob,
             pack=a.pack_plan(padded),
         )
 

@@ -58,8 +58,11 @@ class Trainer:
         notes = [self.objective.fused_note] if self.objective.fused_note else []
         if t.true_on_policy and cfg.actor.fused_logprob:
             notes.append(
-                "trainer.true_on_policy: log-prob values come from the engine-op pass (the engine's full-vocabulary "
-                "log_softmax); actor.fused_logprob computes only the update's gradients"
+                "trainer.true_on_policy: the fused log-prob kernel is off (log-probs through the full-vocabulary "
+                "log_softmax, as the engine computes them)"
+                if torch.cuda.is_available()
+                else "trainer.true_on_policy: log-prob values come from the engine-op pass (the engine's "
+                "full-vocabulary log_softmax); actor.fused_logprob computes only the update's gradients"
             )
         if not self.memory.resettable:
             notes.append("memory/peak_rss_gib is the process's lifetime peak (/proc/self/clear_refs is not writable)")
@@ -75,10 +78,11 @@ class Trainer:
         resumed = self._resume()
         self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
         if t.true_on_policy:  # the engine's side of the mode, before it starts
-            from moe_rl.actor.engine_ops import engine_environment, vllm_version_warning
+            from moe_rl.actor import batch_invariant, engine_ops
 
-            os.environ.update(engine_environment())
-            if (note := vllm_version_warning()) and self.rank == 0:
+            gpu = torch.cuda.is_available()
+            os.environ.update(batch_invariant.engine_environment() if gpu else engine_ops.engine_environment())
+            if not gpu and (note := engine_ops.vllm_version_warning()) and self.rank == 0:
                 print(f"[moe-rl] WARNING: {note}", flush=True)
         self.source, engine = self._build_source()
         self.weight_sync = None
