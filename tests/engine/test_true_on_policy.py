@@ -18,7 +18,8 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def sampled(request, tiny_models):
-    """(dtype, model path, batch) from an engine with split-KV attention off, as the mode runs it."""
+    """(dtype, model path, batch) from an engine with split-KV attention off, as the mode runs it (fp32 sampled
+    at temperature 1, bf16 at 0.7 with top-p 0.9)."""
     from tests.engine.conftest import start_engine
 
     path = tiny_models["qwen3_moe"]  # layer 1 dense: both MLP kinds
@@ -35,7 +36,9 @@ def sampled(request, tiny_models):
     lengths = [3, 11, BLOCK - 2, BLOCK + 40]  # the long ones cross a KV-cache block while decoding / prefilling
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
     try:
-        batch = engine.generate(prompts, SamplingConfig(n=2, max_tokens=12, temperature=1.0, seed=7))
+        # raw log-probs are the model's distribution whatever the sampling: bf16 samples at T=0.7, top-p 0.9
+        sampling = dict(temperature=1.0) if request.param == "float32" else dict(temperature=0.7, top_p=0.9)
+        batch = engine.generate(prompts, SamplingConfig(n=2, max_tokens=12, seed=7, **sampling))
     finally:
         engine.shutdown()
     return request.param, path, batch
