@@ -375,6 +375,8 @@ def _validate_true_on_policy(cfg: TrainConfig, bad) -> None:
     refused = {
         "parallel.tp/pp/cp/etp > 1 (the engine, TP=1, sums each layer's products in one order; a sharded actor "
         "in another)": max(p.tp, p.pp, p.cp, p.etp) > 1,
+        f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} (a sharded engine sums each layer's "
+        "products in another order than the TP=1 actor)": cfg.rollout.tensor_parallel_size != 1,
         f"model.dtype={cfg.model.dtype} with rollout.dtype={cfg.rollout.dtype} (the engine-op pass computes in "
         "the engine's dtype; set both the same)": cfg.model.dtype != cfg.rollout.dtype,
         "trainer.mode other than train (dumps were sampled by other weights)": t.mode != "train",
@@ -626,11 +628,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
     if r.weight_transport not in TRANSPORTS:
         bad("rollout.weight_transport", f"{r.weight_transport!r}: choose one of {TRANSPORTS}")
-    if r.tensor_parallel_size != 1:
+    if r.tensor_parallel_size < 1:
+        bad("rollout.tensor_parallel_size", f"{r.tensor_parallel_size}: must be >= 1")
+    if r.tensor_parallel_size > 1 and r.placement == "separate":
         bad(
             "rollout.tensor_parallel_size",
-            f"{r.tensor_parallel_size}: engines with tensor parallelism are not supported by the trainer yet "
-            "(each engine runs on one device or core set; use rollout.engines to size the rollout)",
+            f"{r.tensor_parallel_size} with rollout.placement=separate: the separate placement binds one engine "
+            "process to half of its rank's cores; use placement colocated",
         )
 
 

@@ -66,7 +66,8 @@ class RolloutConfig:
     """Number of engines in a training run; 0 = one per data-parallel rank. Each serves an equal share of the
     data-parallel ranks and runs on the lowest rank among them (rollout/engine_groups.py)."""
     tensor_parallel_size: int = 1
-    """Engine TP size (tp_group topology; the trainer's engines use 1)."""
+    """Tensor-parallel size of each engine: its workers are processes of their own (vLLM's mp executor),
+    each holding a shard and a KV cache (under tp_group: the ranks of the group)."""
     placement: str = "colocated"
     """colocated (the engine shares its rank's cores or device) | separate (CPU: the rank's cores split in
     halves, trainer threads pinned to one, the engine's to the other; rollout/placement.py). With
@@ -170,6 +171,8 @@ class RolloutEngine:
             kwargs.update(
                 tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="external_launcher"
             )
+        elif cfg.tensor_parallel_size > 1:  # routes are taken from worker 0: every TP worker routes all tokens
+            kwargs.update(tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="mp")
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
         if self.capture is not None:

@@ -97,3 +97,17 @@ def test_tp2_ep2_on_4_ranks_equals_dp2_on_two_nodes(tmp_path):
     history = _train(tmp_path / "tp2_ep2", 4, ["parallel.tp=2", "parallel.ep=2", "trainer.steps=2"])
     assert len(history) == 2
     _assert_same_step(history[0], reference[0], "tp=2 x ep=2 vs dp=2")
+
+
+def test_an_engine_with_tensor_parallelism_serves_the_tp2_actor(one_rank, tmp_path):
+    """rollout.tensor_parallel_size=2: one engine whose two workers each hold a shard. Its routes replay exactly,
+    the actor's own routing agrees with them as with the TP=1 engine's, and its log-probs stay as close to the
+    actor's as the TP=1 engine's, before and after a weight sync (a sync that left one worker's shard stale would
+    put step 2 far off)."""
+    history = _train(tmp_path, 2, ["parallel.tp=2", "rollout.tensor_parallel_size=2", "trainer.steps=2"])
+    assert len(history) == 2
+    for h in history:
+        assert h["router/replay_mismatches"] == 0  # the captured routes replay exactly
+        assert h["router/agreement"] > one_rank["router/agreement"] - 0.02  # bf16 engine: ~3% disagree
+        assert abs(h["actor/first_minibatch_ppo_kl"]) < 1e-4
+        assert h["mismatch/kl"] < 10 * one_rank["mismatch/kl"], (h["step"], h["mismatch/kl"], one_rank["mismatch/kl"])

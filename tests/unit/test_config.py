@@ -135,7 +135,12 @@ def test_schema_errors_name_the_key(override, match):
         (["data.prompts_per_step=3"], 2, "config trainer.balance_batch: true moves whole groups within their"),
         (["rollout.engines=3"], 4, "config rollout.engines: 3 engines cannot serve 4 data-parallel ranks"),
         (["parallel.tp=2", "rollout.engines=2"], 2, "cannot serve 1 data-parallel ranks .*choose a divisor of 1"),
-        (["rollout.tensor_parallel_size=2"], 2, "config rollout.tensor_parallel_size: 2: engines with tensor"),
+        (["rollout.tensor_parallel_size=0"], 2, "config rollout.tensor_parallel_size: 0: must be >= 1"),
+        (
+            ["rollout.tensor_parallel_size=2", "rollout.placement=separate"],
+            2,
+            "config rollout.tensor_parallel_size: 2 with rollout.placement=separate",
+        ),
         (["rollout.topology=tp_group"], 2, "config rollout.topology: 'tp_group': the trainer places its engines"),
         (["actor.mini_batches=5"], 2, "config actor.mini_batches: 5 does not divide the 32 samples"),
         (["data.task=file"], 1, "config data.path"),

@@ -105,6 +105,7 @@ def _cfg(overrides: list[str]):
     "override, words",
     [
         (["parallel.tp=2"], "parallel.tp/pp/cp/etp > 1"),
+        (["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=2"),
         (["rollout.dtype=bfloat16"], "model.dtype=float32 with rollout.dtype=bfloat16"),
         (["trainer.max_staleness=1"], "trainer.max_staleness"),
         (["buffer.enable=true"], "buffer.enable"),
