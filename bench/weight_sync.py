@@ -88,7 +88,10 @@ def child(a) -> None:
         sync()  # plans once; warm-up
         variants[transport] = measure(sync)
     # the same stream with the engine's load skipped: what the gathers, sends and packing cost
-    skip = types.SimpleNamespace(rpc=lambda method, *args: [len(args[2])] if method == "moe_rl_load_shm" else [True])
+    skip = types.SimpleNamespace(
+        rpc=lambda method, *args: [len(args[2])] if method == "moe_rl_load_shm" else [True],
+        reset_prefix_cache=lambda: None,
+    )
     sync = WeightSync(actor, skip if engine is not None else None, groups.leaders, a.bucket_mb, "shm")
     sync()
     variants["shm_without_engine_load"] = measure(sync)
