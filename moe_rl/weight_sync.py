@@ -40,6 +40,8 @@ class WeightSync:
 
     def __init__(self, actor, engine, leaders: list[int], bucket_mb: int, transport: str = "shm"):
         _check_transport(transport)
+        if engine is not None:  # before any training step
+            engine.rpc("moe_rl_check_weight_update")
         self.actor, self.engine, self.leaders = actor, engine, sorted(leaders)
         self.bucket_bytes, self.transport = bucket_mb * 2**20, transport
         self._plan = None
@@ -198,6 +200,7 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> d
     """Load whole HF-named tensors (a checkpoint's, one rank's export) into one RolloutEngine in buckets of
     <= rollout.weight_sync_bucket_mb over rollout.weight_transport; returns bytes, tensors, buckets, seconds."""
     transport = _check_transport(engine.cfg.weight_transport)
+    engine.rpc("moe_rl_check_weight_update")
     t0 = time.perf_counter()
     stats = {"bytes": 0, "tensors": 0, "buckets": 0}
     engine.rpc("moe_rl_begin_weight_update")
@@ -239,6 +242,13 @@ class WeightReceiver:
     loading (e.g. the CPU MoE path) drop the parameters' `weight_loader`, so a second plain
     `load_weights` fails; the reload restores the checkpoint-format parameters, loads, and
     re-runs each layer's post-load processing once all its tensors arrived."""
+
+    def moe_rl_check_weight_update(self) -> bool:
+        """Refuse, before a first sync, an engine whose weights this path cannot update."""
+        from moe_rl.compat.vllm import refuse_padded_cpu_experts
+
+        refuse_padded_cpu_experts(self.model_runner.get_model())
+        return True
 
     def moe_rl_begin_weight_update(self) -> bool:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

