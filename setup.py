@@ -47,6 +47,8 @@ setup(
             "moe-rl-tiny-model=moe_rl.tools.tiny_model:main",
             "moe-rl-diagnose=moe_rl.diagnostics.cli:main",
             "moe-rl-export-hf=moe_rl.tools.export_hf:main",
-        ]
+        ],
+        # loaded by vLLM in its engine core and worker processes (moe_rl/compat/vllm_plugin.py)
+        "vllm.general_plugins": ["moe_rl = moe_rl.compat.vllm_plugin:register"],
     },
 )

@@ -68,6 +68,23 @@ def refuse_padded_cpu_experts(model) -> None:
             )
 
 
+def shorten_busy_loop(seconds: float) -> bool:
+    """vLLM 0.32's shared-memory message queue (distributed/device_communicators/shm_broadcast.py,
+    `SpinCondition`) keeps a reader spinning on sched_yield for `busy_loop_s` = 1 s after each message
+    before it sleeps on a socket; the engine core and every worker do so after each decode step and
+    each weight-sync call. On a CPU machine whose cores the trainer's ranks share, that spin took half
+    of every update (docs/performance.md). Sets the default for the queues this process creates; False
+    (nothing changed) if the signature is not the one this was written for. Delete when vLLM makes the
+    spin configurable."""
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    init = SpinCondition.__init__
+    if init.__code__.co_varnames[init.__code__.co_argcount - 1] != "busy_loop_s" or len(init.__defaults__ or ()) != 1:
+        return False
+    init.__defaults__ = (float(seconds),)
+    return True
+
+
 def repack_cpu_experts(model) -> None:
     """vLLM 0.32 bug: on a weight update UnquantizedFusedMoEMethod._setup_kernel skips
     `fused_experts.process_weights_after_loading`, which is where the CPU experts

@@ -28,6 +28,14 @@ class MoeRLWorkerExtension(WeightReceiver):
     def moe_rl_ping(self) -> int:
         return os.getpid()
 
+    def moe_rl_busy_loop_s(self) -> list[float]:
+        """The spin time of this worker's shared-memory message-queue readers (rollout.cpu_busy_loop_s)."""
+        import gc
+
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        return [o.busy_loop_s for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+
     def moe_rl_init_worker(self) -> bool:
         """Per-process CPU setup (runs in each worker process, hence a method here)."""
         from moe_rl.compat.vllm import flatten_cpu_rope_heads, request_amx_permission

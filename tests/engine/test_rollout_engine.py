@@ -88,6 +88,20 @@ def test_fp32_routes_equal_transformers_topk(arch, engines, tiny_models):
         assert eng.moe_layers == [1, 2, 3]  # first_k_dense_replace=1
 
 
+def test_engine_processes_spin_only_briefly_after_a_message(engines, tiny_models):
+    """rollout.cpu_busy_loop_s (0.05 by default) reaches the worker process through moe-rl's vLLM plugin: its
+    message-queue readers spin 0.05 s, not vLLM's 1 s, after each message (null: vLLM's 1 s)."""
+    loops = engines("mixtral").rpc("moe_rl_busy_loop_s")[0]
+    assert loops and set(loops) == {0.05}, loops
+    from tests.engine.conftest import start_engine
+
+    vllm_default = start_engine(tiny_models["olmoe"], cpu_busy_loop_s=None)
+    try:
+        assert set(vllm_default.rpc("moe_rl_busy_loop_s")[0]) == {1}
+    finally:
+        vllm_default.shutdown()
+
+
 def test_seeded_sampling_is_reproducible_and_lengths_are_consistent(engines):
     eng = engines("mixtral")
     prompts = _prompts(seed=5, count=3)
