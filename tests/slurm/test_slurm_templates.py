@@ -59,7 +59,7 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, monkeypatch, tmp_pa
         monkeypatch,
         tmp_path,
         run_dir,
-        ["trainer.steps=3", "trainer.checkpoint_every=0", "logging.wandb.mode=disabled"],
+        ["trainer.steps=5", "trainer.checkpoint_every=0", "logging.wandb.mode=disabled"],
     )
     deadline = time.time() + 600
     while not _metrics(run_dir) and time.time() < deadline:
@@ -92,4 +92,4 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, monkeypatch, tmp_pa
     assert "resumed from" in text and "(restart 1)" in text, text[-6000:]
     assert f"[moe-rl] job {job} on" in text
     steps = [m["step"] for m in _metrics(run_dir)]
-    assert steps[-1] == 3 and sorted(set(steps)) == [1, 2, 3], steps
+    assert steps[-1] == 5 and sorted(set(steps)) == [1, 2, 3, 4, 5], steps
