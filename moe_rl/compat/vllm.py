@@ -143,11 +143,18 @@ def mark_engine_stopping(llm) -> None:
     """Tell vLLM's client that its engine core is about to go away on purpose: `RolloutEngine.shutdown` kills the
     engine's processes itself (vLLM's graceful stop waits a 5-second grace period for an engine core that outlives
     its workers), and the client's liveness monitor would otherwise log "engine core exited unexpectedly" at the
-    end of every run. Sets the private `MPClient.resources.engine_dead` (the flag the monitor sets itself). Delete
-    when vLLM's shutdown no longer waits out the grace period."""
+    end of every run. Sets the private `MPClient.resources.engine_dead` (the flag the monitor sets itself) and
+    detaches `resources.engine_manager._finalizer`. Delete when vLLM's shutdown no longer waits out the grace
+    period."""
     resources = getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None)
     if resources is not None and hasattr(resources, "engine_dead"):
         resources.engine_dead = True
+    # The process manager's own stop (its liveness monitor calls it when the engine core dies) would then
+    # SIGTERM a process multiprocessing cannot see is gone and log "force killing remaining process
+    # EngineCore": detach its finalizer, which makes `CoreEngineProcManager.shutdown` a no-op.
+    finalizer = getattr(getattr(resources, "engine_manager", None), "_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()
 
 
 def flatten_cpu_rope_heads(model) -> int:
