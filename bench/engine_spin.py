@@ -11,24 +11,15 @@ between the runs (0: the spin changes no result).
 
 from __future__ import annotations
 
-import argparse
 import json
-import tempfile
-from pathlib import Path
 
-from step_time import phases, run
+from step_time import phases, run_variants
 
 VARIANTS = {"vllm_default": ["rollout.cpu_busy_loop_s=null"], "short": []}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for both runs")
-    a = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {v: run(v, a.steps, a.nproc, a.extra, Path(tmp), o) for v, o in VARIANTS.items()}
+    a, runs = run_variants(__doc__, VARIANTS, steps=8)
     times = {v: phases(h) for v, h in runs.items()}
     compared = [
         (x[k], y.get(k))

@@ -55,6 +55,18 @@ def run(variant: str, steps: int, nproc: int, extra: list[str], root: Path, over
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def run_variants(doc: str, variants: dict[str, list[str]], steps: int = 8) -> tuple[argparse.Namespace, dict]:
+    """The A/B benches' shared command line (--steps, --nproc, --extra) and each variant's metrics history, run
+    one after the other with the same seed and data."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        return a, {v: run(v, a.steps, a.nproc, a.extra, Path(tmp), o) for v, o in variants.items()}
+
+
 def phases(history: list[dict]) -> dict[str, float]:
     steady = history[1:]  # the first step pays one-off costs (first engine batch, allocations)
     totals = ("time/step", "time/trainer_idle", "time/rollout_idle")  # not phases: wall and idle times
@@ -65,13 +77,8 @@ def phases(history: list[dict]) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for both runs")
-    a = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {v: phases(run(v, a.steps, a.nproc, a.extra, Path(tmp))) for v in VARIANTS}
+    a, runs = run_variants(__doc__, VARIANTS)
+    results = {v: phases(h) for v, h in runs.items()}
     r3, off = results["r3"], results["off"]
     print(
         json.dumps(

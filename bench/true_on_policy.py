@@ -12,24 +12,15 @@ mismatch/logprob_abs_diff_max and smallest mismatch/exact_fraction (0.0 and 1.0 
 
 from __future__ import annotations
 
-import argparse
 import json
-import tempfile
-from pathlib import Path
 
-from step_time import phases, run
+from step_time import phases, run_variants
 
 VARIANTS = {"off": [], "on": ["trainer.true_on_policy=true"]}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for both runs")
-    a = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {v: run(v, a.steps, a.nproc, a.extra, Path(tmp), o) for v, o in VARIANTS.items()}
+    a, runs = run_variants(__doc__, VARIANTS, steps=5)
     times = {v: phases(h) for v, h in runs.items()}
     out = {
         "step_time_ratio": times["on"]["step"] / times["off"]["step"],
