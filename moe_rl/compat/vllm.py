@@ -54,8 +54,8 @@ def refuse_padded_cpu_experts(model) -> None:
     fails ("The size of tensor a (64) must match ... (32)") after loading part of the model. Say so before
     anything is loaded."""
     for name, module in model.named_modules():
-        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if experts is None or not type(experts).__module__.endswith("experts.cpu_moe"):
+        experts = _cpu_experts(module)
+        if experts is None:
             continue
         size = experts.moe_config.intermediate_size_per_partition
         padded = experts._padded_intermediate_size(experts.moe_config)
@@ -92,10 +92,15 @@ def repack_cpu_experts(model) -> None:
     weights stay in checkpoint layout and the kernel reads garbage. Re-run it after a reload.
     Delete when `is_weight_update` re-runs the experts' post-load step upstream."""
     for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__module__.endswith("experts.cpu_moe"):
+        experts = _cpu_experts(module)
+        if experts is not None:
             experts.process_weights_after_loading(module)
+
+
+def _cpu_experts(module):
+    """`module`'s CPU fused-experts object (fused_moe/experts/cpu_moe.py), or None."""
+    experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    return experts if experts is not None and type(experts).__module__.endswith("experts.cpu_moe") else None
 
 
 class _CacheOnlyReloadFilter:
