@@ -25,14 +25,16 @@ def engines(tiny_models):
     alive by one module got engine processes killed for memory beside the torchrun jobs of the other lane."""
     started: dict[str, RolloutEngine] = {}
 
-    def get(name: str, dtype: str = "float32") -> RolloutEngine:
-        key = f"{name}:{dtype}"
+    def get(name: str, dtype: str = "float32", **kw) -> RolloutEngine:
+        """`kw`: RolloutConfig fields of an engine of its own (a test that starts one itself beside the two kept
+        here can find too little free memory for vLLM's start-up check while the other lane runs)."""
+        key = f"{name}:{dtype}:{sorted(kw.items())}"
         if key in started:
             started[key] = started.pop(key)  # most recently used last
         else:
             while len(started) >= MAX_LIVE_ENGINES:
                 started.pop(next(iter(started))).shutdown()
-            started[key] = start_engine(tiny_models[name], dtype)
+            started[key] = start_engine(tiny_models[name], dtype, **kw)
         return started[key]
 
     yield get

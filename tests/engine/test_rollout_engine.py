@@ -88,18 +88,12 @@ def test_fp32_routes_equal_transformers_topk(arch, engines, tiny_models):
         assert eng.moe_layers == [1, 2, 3]  # first_k_dense_replace=1
 
 
-def test_engine_processes_spin_only_briefly_after_a_message(engines, tiny_models):
+def test_engine_processes_spin_only_briefly_after_a_message(engines):
     """rollout.cpu_busy_loop_s (0.05 by default) reaches the worker process through moe-rl's vLLM plugin: its
     message-queue readers spin 0.05 s, not vLLM's 1 s, after each message (null: vLLM's 1 s)."""
     loops = engines("mixtral").rpc("moe_rl_busy_loop_s")[0]
     assert loops and set(loops) == {0.05}, loops
-    from tests.engine.conftest import start_engine
-
-    vllm_default = start_engine(tiny_models["olmoe"], cpu_busy_loop_s=None)
-    try:
-        assert set(vllm_default.rpc("moe_rl_busy_loop_s")[0]) == {1}
-    finally:
-        vllm_default.shutdown()
+    assert set(engines("olmoe", cpu_busy_loop_s=None).rpc("moe_rl_busy_loop_s")[0]) == {1}
 
 
 def test_seeded_sampling_is_reproducible_and_lengths_are_consistent(engines):
@@ -263,32 +257,30 @@ def test_one_engine_per_rank_under_torchrun(tiny_models, tmp_path):
         assert r["total_rows"] == sum(x["rows"] for x in results)
 
 
-def test_an_engine_with_tensor_parallelism_routes_like_transformers_and_takes_a_weight_sync(tiny_models, world1):
+def test_an_engine_with_tensor_parallelism_routes_like_transformers_and_takes_a_weight_sync(
+    engines, tiny_models, world1
+):
     """rollout.tensor_parallel_size=2: the engine's two workers each hold a shard. Routes come from worker 0 (every
     worker routes all tokens) and equal transformers' top-k in fp32; a streamed sync reaches both shards (one
     worker left with old weights would keep its half of every projection stale)."""
     from moe_rl.actor.model import build_model, load_hf_config
     from moe_rl.actor.parallel import ParallelConfig
     from moe_rl.actor.weights import load_hf_weights
-    from tests.engine.conftest import start_engine
 
     path = tiny_models["qwen3_moe"]
-    eng = start_engine(path, tensor_parallel_size=2, weight_sync_bucket_mb=1)
-    try:
-        assert len(set(eng.rpc("moe_rl_ping"))) == 2  # two worker processes answer
-        batch = eng.generate(_prompts(seed=int(torch.randint(0, 2**31, ()).item())), SamplingConfig(n=2, seed=3))
-        bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(path)), eng.moe_layers)
-        print(f"\nengine TP=2: {rows} token-layers compared, {bad} differ; max |log mu - log p_HF| = {lp_diff:.2e}")
-        assert rows > 100 * len(eng.moe_layers) and bad == 0 and lp_diff < 1e-4
-        chunks, conv = build_model(load_hf_config(path), ParallelConfig())
-        load_hf_weights(chunks, conv, path)
-        g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
-        with torch.no_grad():
-            for p in chunks[0].parameters():
-                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
-        seqs = [s + s[::-1] for s in _prompts(seed=4, count=5)]
-        before, after, stats = _sync_closes_the_gap(eng, chunks, conv, seqs)
-        print(f"engine TP=2 weight sync: {stats}; max |vLLM - Megatron| before {before:.3f}, after {after:.2e}")
-        assert before > 1e-2 and after < 1e-4 and stats["buckets"] >= 2
-    finally:
-        eng.shutdown()
+    eng = engines("qwen3_moe", tensor_parallel_size=2, weight_sync_bucket_mb=1)  # this test's own: it syncs into it
+    assert len(set(eng.rpc("moe_rl_ping"))) == 2  # two worker processes answer
+    batch = eng.generate(_prompts(seed=int(torch.randint(0, 2**31, ()).item())), SamplingConfig(n=2, seed=3))
+    bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(path)), eng.moe_layers)
+    print(f"\nengine TP=2: {rows} token-layers compared, {bad} differ; max |log mu - log p_HF| = {lp_diff:.2e}")
+    assert rows > 100 * len(eng.moe_layers) and bad == 0 and lp_diff < 1e-4
+    chunks, conv = build_model(load_hf_config(path), ParallelConfig())
+    load_hf_weights(chunks, conv, path)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
+    seqs = [s + s[::-1] for s in _prompts(seed=4, count=5)]
+    before, after, stats = _sync_closes_the_gap(eng, chunks, conv, seqs)
+    print(f"engine TP=2 weight sync: {stats}; max |vLLM - Megatron| before {before:.3f}, after {after:.2e}")
+    assert before > 1e-2 and after < 1e-4 and stats["buckets"] >= 2
