@@ -34,7 +34,8 @@ class MoeRLWorkerExtension(WeightReceiver):
 
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-        return [o.busy_loop_s for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+        # type(), not isinstance(): the heap holds weak proxies, and isinstance() on a dead one raises ReferenceError
+        return [o.busy_loop_s for o in gc.get_objects() if type(o) is SpinCondition and o.is_reader]
 
     def moe_rl_init_worker(self) -> bool:
         """Per-process CPU setup (runs in each worker process, hence a method here)."""
