@@ -40,7 +40,7 @@ class WeightSync:
 
     def __init__(self, actor, engine, leaders: list[int], bucket_mb: int, transport: str = "shm"):
         _check_transport(transport)
-        if engine is not None:  # before any training step
+        if engine is not None:  # before any training step (begin checks again on every sync)
             engine.rpc("moe_rl_check_weight_update")
         self.actor, self.engine, self.leaders = actor, engine, sorted(leaders)
         self.bucket_bytes, self.transport = bucket_mb * 2**20, transport
@@ -200,7 +200,6 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> d
     """Load whole HF-named tensors (a checkpoint's, one rank's export) into one RolloutEngine in buckets of
     <= rollout.weight_sync_bucket_mb over rollout.weight_transport; returns bytes, tensors, buckets, seconds."""
     transport = _check_transport(engine.cfg.weight_transport)
-    engine.rpc("moe_rl_check_weight_update")
     t0 = time.perf_counter()
     stats = {"bytes": 0, "tensors": 0, "buckets": 0}
     engine.rpc("moe_rl_begin_weight_update")
@@ -244,7 +243,7 @@ class WeightReceiver:
     re-runs each layer's post-load processing once all its tensors arrived."""
 
     def moe_rl_check_weight_update(self) -> bool:
-        """Refuse, before a first sync, an engine whose weights this path cannot update."""
+        """Refuse an engine whose weights this path cannot update (also at the start of every update)."""
         from moe_rl.compat.vllm import refuse_padded_cpu_experts
 
         refuse_padded_cpu_experts(self.model_runner.get_model())
@@ -255,6 +254,7 @@ class WeightReceiver:
 
         from moe_rl.compat.vllm import quiet_cache_only_reload_warning
 
+        self.moe_rl_check_weight_update()  # before anything is loaded
         model = self.model_runner.get_model()
         quiet_cache_only_reload_warning(model)  # a rotary layer's cache is never loaded (see the filter)
         initialize_layerwise_reload(model)

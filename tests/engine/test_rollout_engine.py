@@ -88,6 +88,22 @@ def test_fp32_routes_equal_transformers_topk(arch, engines, tiny_models):
         assert eng.moe_layers == [1, 2, 3]  # first_k_dense_replace=1
 
 
+def _sync_an_update(eng, path) -> tuple[float, float, dict]:
+    """`_sync_closes_the_gap` for an "update": the model's megatron weights, every one perturbed."""
+    from moe_rl.actor.model import build_model, load_hf_config
+    from moe_rl.actor.parallel import ParallelConfig
+    from moe_rl.actor.weights import load_hf_weights
+
+    chunks, conv = build_model(load_hf_config(path), ParallelConfig())
+    load_hf_weights(chunks, conv, path)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
+    seqs = [s + s[::-1] for s in _prompts(seed=4, count=5)]
+    return _sync_closes_the_gap(eng, chunks, conv, seqs)
+
+
 def test_engine_processes_spin_only_briefly_after_a_message(engines):
     """rollout.cpu_busy_loop_s (0.05 by default) reaches the worker process through moe-rl's vLLM plugin: its
     message-queue readers spin 0.05 s, not vLLM's 1 s, after each message (null: vLLM's 1 s)."""
@@ -136,21 +152,9 @@ def test_expert_bias_travels_in_weight_sync(engines, tiny_models, world1):
 
 
 def test_weight_sync_from_megatron(engines, tiny_models, world1):
-    from moe_rl.actor.model import build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig
-    from moe_rl.actor.weights import load_hf_weights
-
     path = tiny_models["qwen3_moe"]
     eng = engines("qwen3_moe")
-    chunks, conv = build_model(load_hf_config(path), ParallelConfig())
-    load_hf_weights(chunks, conv, path)
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
-    with torch.no_grad():  # an "update": perturb every weight
-        for p in chunks[0].parameters():
-            p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
-    seqs = _prompts(seed=4, count=5)
-    seqs = [s + s[::-1] for s in seqs]
-    before, after, stats = _sync_closes_the_gap(eng, chunks, conv, seqs)
+    before, after, stats = _sync_an_update(eng, path)
     print(f"\nweight sync: {stats}; max |vLLM - Megatron| logprob before {before:.3f}, after {after:.2e}")
     assert before > 1e-2 and after < 1e-4
     assert stats["tensors"] == 113 and stats["buckets"] >= 1
@@ -263,10 +267,6 @@ def test_an_engine_with_tensor_parallelism_routes_like_transformers_and_takes_a_
     """rollout.tensor_parallel_size=2: the engine's two workers each hold a shard. Routes come from worker 0 (every
     worker routes all tokens) and equal transformers' top-k in fp32; a streamed sync reaches both shards (one
     worker left with old weights would keep its half of every projection stale)."""
-    from moe_rl.actor.model import build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig
-    from moe_rl.actor.weights import load_hf_weights
-
     path = tiny_models["qwen3_moe"]
     eng = engines("qwen3_moe", tensor_parallel_size=2, weight_sync_bucket_mb=1)  # this test's own: it syncs into it
     assert len(set(eng.rpc("moe_rl_ping"))) == 2  # two worker processes answer
@@ -274,13 +274,6 @@ def test_an_engine_with_tensor_parallelism_routes_like_transformers_and_takes_a_
     bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(path)), eng.moe_layers)
     print(f"\nengine TP=2: {rows} token-layers compared, {bad} differ; max |log mu - log p_HF| = {lp_diff:.2e}")
     assert rows > 100 * len(eng.moe_layers) and bad == 0 and lp_diff < 1e-4
-    chunks, conv = build_model(load_hf_config(path), ParallelConfig())
-    load_hf_weights(chunks, conv, path)
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
-    with torch.no_grad():
-        for p in chunks[0].parameters():
-            p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
-    seqs = [s + s[::-1] for s in _prompts(seed=4, count=5)]
-    before, after, stats = _sync_closes_the_gap(eng, chunks, conv, seqs)
+    before, after, stats = _sync_an_update(eng, path)
     print(f"engine TP=2 weight sync: {stats}; max |vLLM - Megatron| before {before:.3f}, after {after:.2e}")
     assert before > 1e-2 and after < 1e-4 and stats["buckets"] >= 2
