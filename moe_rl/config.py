@@ -560,15 +560,11 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"true moves whole groups within their mini-batch: data.prompts_per_step={cfg.data.prompts_per_step} "
             f"must be a multiple of actor.mini_batches={cfg.actor.mini_batches}; or set trainer.balance_batch=false",
         )
-    if cfg.parallel.cp > 1 and not _has_cuda():
-        bad(
-            "parallel.cp", f"{cfg.parallel.cp}: context parallel needs Transformer Engine attention (GPU); no CUDA here"
-        )
-    if cfg.actor.packing and cfg.parallel.cp > 1:
+    if cfg.actor.packing and cfg.parallel.cp > 1 and cfg.model.transformer_engine:
         bad(
             "actor.packing",
-            f"with parallel.cp={cfg.parallel.cp}: packed sequences would need a zigzag split per sample, "
-            "not built yet; set actor.packing=false",
+            f"with parallel.cp={cfg.parallel.cp} and model.transformer_engine=true: THD packs would need a "
+            "zigzag split per sample, not built yet; set actor.packing=false",
         )
     r = cfg.rollout
     if r.topology != "per_rank":

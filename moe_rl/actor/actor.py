@@ -16,7 +16,9 @@ from moe_rl.rollout.batch import PaddedBatch
 
 
 def global_count(x: torch.Tensor) -> float:
-    """Sum over the data-parallel (and context-parallel) ranks: the loss normaliser of a mini-batch."""
+    """Sum over the data-parallel and context-parallel ranks: the loss normaliser of a mini-batch. The CP ranks
+    share their samples, so each counts CP times; megatron's schedule multiplies each loss by CP, which
+    cancels it (actor/context_parallel.py)."""
     from megatron.core import parallel_state as ps
 
     t = x.detach().double().clone().reshape(1)
@@ -162,18 +164,18 @@ class Actor:
         same row length. Collective."""
         from megatron.core import parallel_state as ps
 
+        from moe_rl.actor.context_parallel import seq_multiple
         from moe_rl.actor.packing import plan_packing
 
         if self.max_tokens is None:
             return None
         lengths = padded.attention_mask.sum(-1).tolist()
-        tp = ps.get_tensor_model_parallel_world_size()
         interleaved = (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
         return plan_packing(
             lengths,
             self.max_tokens,
             self.cfg.mini_batches,
-            tp,
+            seq_multiple(),
             one_length=interleaved,  # see __init__: variable lengths only under the plain pipeline schedule
             # ranks that exchange tokens with each other inside a forward: expert (and expert-tensor) parallel
             agree=ps.get_expert_tensor_and_model_parallel_group(),
@@ -287,20 +289,20 @@ class Actor:
         """What the update computed: perf/micro_batches (forwards on a rank), perf/padding_fraction
         (share of computed positions that are padding, over every data-parallel rank) and perf/tokens
         (real tokens over the data-parallel ranks; the trainer turns it into perf/tokens_per_s)."""
-        from megatron.core import parallel_state as ps
+        from moe_rl.actor.context_parallel import cp_size, seq_multiple
 
         b, t = padded.input_ids.shape
         if plan is None:
             per = b // self.cfg.mini_batches
             mbs = self.cfg.mini_batches * -(-per // self.cfg.micro_batch_size)
-            positions = b * (t + (-t) % ps.get_tensor_model_parallel_world_size())
+            positions = b * (t + (-t) % seq_multiple())
         else:
             mbs, positions = len(plan.bins), sum(plan.seq_lens)
         tokens = global_count(padded.attention_mask.sum())
         return {
             "perf/micro_batches": float(mbs),
             "perf/padding_fraction": 1.0 - tokens / global_count(torch.tensor(float(positions))),
-            "perf/tokens": tokens,
+            "perf/tokens": tokens / cp_size(),  # context-parallel ranks share their samples
         }
 
     # ---- state -----------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Micro-batched forward (and backward) passes of the Megatron actor, and per-token log-probs.
 
 Batches are padded `[B, T]` with right padding. Every rank of a TP/PP/CP group passes the same
-batch; data-parallel ranks pass their own. The pipeline schedule comes from megatron-core, so
-the same code runs at PP = 1 and PP > 1 (results are broadcast from the last stage).
+batch; data-parallel ranks pass their own. Under context parallel each rank runs its zig-zag
+slice of the positions and per-token scores are gathered back whole (actor/context_parallel.py).
+The pipeline schedule comes from megatron-core, so the same code runs at PP = 1 and PP > 1
+(results are broadcast from the last stage).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.context_parallel import cp_size, gather_sequence, seq_multiple, slice_sequence
 from moe_rl.actor.packing import Pack, PackPlan, pack_bin, sample_positions, thd_params, unpack
 
 # step_fn(logits [b, s, V/TP], micro_batch) -> (loss scalar, outputs dict of [b, s] tensors)
@@ -47,7 +50,7 @@ def split_microbatches(
 ) -> list[MicroBatch]:
     """Split a padded batch into micro-batches of equal sequence length.
 
-    The length is padded to a multiple of `pad_multiple` (TP for sequence parallel). Tensors in
+    The length is padded to a multiple of `pad_multiple` (TP for sequence parallel, x 2*CP). Tensors in
     `extra` with a leading batch dim are split alongside. `pack` (actor.packing): one packed
     micro-batch per bin of the plan instead (`micro_batch_size` and `pad_multiple` unused).
     """
@@ -103,19 +106,22 @@ def run_schedule(
     device = next(chunks[0].parameters()).device
     seq_len = microbatches[0].input_ids.shape[1]
     causal = _causal_mask(seq_len).to(device) if microbatches[0].pack is None else None
+    # context parallel: each rank runs its zig-zag positions; the attention takes the whole sequence's mask
+    local = slice_sequence if cp_size() > 1 else lambda x: x
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         ids = mb.input_ids.to(device)
         if mb.pack is None:
             pos = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-            output = model(ids, pos, causal)
+            output = model(local(ids), local(pos), causal)
         elif mb.pack.thd:  # Transformer Engine attention per sequence; RoPE per sequence from cu_seqlens
             params = thd_params(mb.pack, device)
             output = model(ids, mb.pack.position[None].to(device), None, packed_seq_params=params)
         else:  # rows of their own length, block-diagonal mask, RoPE at each sample's positions
-            with sample_positions(model, mb.pack.position):
-                output = model(ids, mb.pack.position[None].to(device), mb.pack.attn_mask.to(device))
+            pos = local(mb.pack.position[None])
+            with sample_positions(model, pos[0]):
+                output = model(local(ids), pos.to(device), mb.pack.attn_mask.to(device))
 
         def loss_func(logits):
             return step_fn(logits, mb)
@@ -224,22 +230,31 @@ class LogprobHead:
         self, output: torch.Tensor, ids: torch.Tensor, with_entropy: bool = True, temperature: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """output: [b, s, V/TP] logits or [b, s, H] hidden states; ids: [b, s]. Scores ids[:, 1:]
-        from positions :-1 -> ([b, s-1] log-probs, entropy or None)."""
+        from positions :-1 -> ([b, s-1] log-probs, entropy or None). Context parallel: `output` holds
+        this rank's zig-zag positions, `ids` the whole sequences; the scores come back whole."""
         ids = ids.to(output.device)
+        if cp_size() == 1:
+            return self._score(output[:, :-1], ids[:, 1:], with_entropy, temperature)
+        targets = slice_sequence(ids.roll(-1, dims=1))  # position p scores token p + 1 (the last wraps: dropped)
+        lp, ent = self._score(output, targets, with_entropy, temperature)
+        return gather_sequence(lp)[:, :-1], None if ent is None else gather_sequence(ent)[:, :-1]
+
+    def _score(self, output: torch.Tensor, targets: torch.Tensor, with_entropy: bool, temperature: float):
+        """output: [b, s, V/TP | H] at the positions that score `targets` [b, s]."""
         if not self.fused:
-            return vocab_parallel_logprobs(output[:, :-1], ids[:, 1:], with_entropy, temperature)
+            return vocab_parallel_logprobs(output, targets, with_entropy, temperature)
         from megatron.core import parallel_state as ps
 
         from moe_rl.kernels.linear_logprob import fused_linear_logprob
 
-        h = output[:, :-1]
+        h = output
         if temperature != 1.0:  # no bias: W (h / T) = (W h) / T
             h = h / temperature
         b, s, d = h.shape
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
         backend = self.fused if isinstance(self.fused, str) else ("triton" if h.is_cuda else "torch")
         lp, ent = fused_linear_logprob(
-            h.reshape(b * s, d), self._weight, ids[:, 1:].reshape(-1), group=group, backend=backend
+            h.reshape(b * s, d), self._weight, targets.reshape(-1), group=group, backend=backend
         )
         return lp.view(b, s), ent.view(b, s) if with_entropy else None
 
@@ -297,7 +312,7 @@ def compute_logprobs(
         input_ids,
         attention_mask,
         micro_batch_size or b,
-        pad_multiple=ps.get_tensor_model_parallel_world_size(),
+        pad_multiple=seq_multiple(),
         extra=None if routes is None else {"routes": routes},
         pack=pack,
     )

@@ -1,7 +1,8 @@
 """Build a megatron-core GPTModel (MoE) from a Hugging Face model folder.
 
 CPU: local layer spec + `moe_rl.actor.norms` (sequence-parallel-capable RMSNorm), allgather
-dispatcher. GPU: Transformer Engine spec (`use_te=True`; not yet run on a GPU here).
+dispatcher, `moe_rl.actor.context_parallel`'s attention under CP. GPU: Transformer Engine spec
+(`use_te=True`; not yet run on a GPU here).
 """
 
 from __future__ import annotations
@@ -74,8 +75,6 @@ def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
     )
     stages = parallel.pp * (parallel.vpp or 1)
     need(conv.num_layers % stages == 0, f"parallel.pp*vpp={stages} does not divide num_hidden_layers={conv.num_layers}")
-    if parallel.cp > 1:
-        need(torch.cuda.is_available(), "parallel.cp > 1 needs Transformer Engine attention (GPU)")
     if problems:
         raise ValueError("invalid parallel layout for this model: " + "; ".join(problems))
 
@@ -159,6 +158,11 @@ def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = Non
         return spec
     spec = copy.deepcopy(spec)
     mla = conv.multi_latent_attention
+    cp_attention = None
+    if config.context_parallel_size > 1 and not use_te:  # megatron's own is Transformer Engine's
+        from moe_rl.actor.context_parallel import attention_class
+
+        cp_attention = attention_class()
     if mla:
         from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 
@@ -184,6 +188,8 @@ def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = Non
                 attn.linear_q_down_proj = attn.linear_kv_down_proj = ReplicatedLinear
         else:
             attn.q_layernorm, attn.k_layernorm = q_norm, k_norm
+        if cp_attention is not None:
+            attn.core_attention = cp_attention
         if not use_te:
             sub.input_layernorm = RMSNorm
             sub.pre_mlp_layernorm = RMSNorm

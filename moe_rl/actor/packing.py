@@ -233,7 +233,8 @@ def sample_positions(model: torch.nn.Module, position: torch.Tensor) -> Iterator
 
     def at_positions(rope):
         def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-            out = type(rope).forward(rope, int(position.max()) + 1, offset, packed_seq, cp_group)
+            # packed_seq=True: the whole table (megatron would take this context-parallel rank's rows of it)
+            out = type(rope).forward(rope, int(position.max()) + 1, offset, True, cp_group)
             if isinstance(out, tuple):
                 return (out[0][position.to(out[0].device)], *out[1:])
             return out[position.to(out.device)]

@@ -25,11 +25,17 @@ class ParallelConfig:
     etp: int = 1
     """Expert tensor parallel size (each expert's FFN split across ranks); 1 is the usual MoE choice."""
     cp: int = 1
-    """Context parallel size (needs Transformer Engine attention: GPU only)."""
+    """Context parallel size (sequences split in 2*cp zig-zag chunks; GPU: Transformer Engine attention,
+    CPU: actor/context_parallel.py)."""
 
     @property
     def sequence_parallel(self) -> bool:
         return self.tp > 1
+
+    @property
+    def seq_multiple(self) -> int:
+        """What padded sequence lengths are a multiple of: TP (sequence parallel) x 2*CP (zig-zag chunks)."""
+        return self.tp * (2 * self.cp if self.cp > 1 else 1)
 
     def data_parallel_size(self, world_size: int) -> int:
         model = self.tp * self.pp * self.cp

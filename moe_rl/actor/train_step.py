@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.context_parallel import seq_multiple
 from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
 from moe_rl.actor.optimizer import is_expert
 from moe_rl.actor.packing import PackPlan
@@ -98,8 +99,6 @@ def train_minibatch(
     """
     from contextlib import nullcontext
 
-    from megatron.core import parallel_state as ps
-
     for c in chunks:
         c.train()
         c.zero_grad(set_to_none=True)
@@ -108,7 +107,7 @@ def train_minibatch(
         batch["input_ids"],
         batch["attention_mask"],
         micro_batch_size,
-        pad_multiple=ps.get_tensor_model_parallel_world_size(),
+        pad_multiple=seq_multiple(),
         extra=extra,
         pack=pack,
     )

@@ -133,6 +133,13 @@ def apply_cpu_shims() -> bool:
     clip_grads.l2_norm_impl = _l2_norm
     moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
 
+    # rope_utils.get_pos_emb_on_this_cp_rank (context parallel: this rank's zig-zag rows of the RoPE table)
+    # builds its index with pin_memory=True(...).cuda(); the two modules that imported it get a CPU copy.
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+    yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+
     # multi_latent_attention imports TELinear & co. from megatron.core.extensions.transformer_engine, which
     # without Transformer Engine defines them as MagicMock placeholders: the import succeeds, HAVE_TE is
     # True, and MLASelfAttention's `isinstance(self.linear_proj, TELinear)` raises TypeError.
@@ -145,6 +152,14 @@ def apply_cpu_shims() -> bool:
 
     _APPLIED = True
     return True
+
+
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    cp, rank = cp_group.size(), cp_group.rank()  # megatron's formula, CPU index
+    idx = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
 
 
 def _l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):

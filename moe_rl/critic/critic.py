@@ -43,7 +43,9 @@ class ValueHead:
         pass
 
     def __call__(self, output: torch.Tensor, ids: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0):
-        return output[:, :-1, 0], None
+        from moe_rl.actor.context_parallel import gather_sequence
+
+        return gather_sequence(output[..., 0])[:, :-1], None  # context parallel: this rank's positions, gathered
 
 
 class Critic:

@@ -186,7 +186,7 @@ class Trainer:
             self.tokenizer,
             cfg.sampling,
             cfg.data.prompts_per_step,
-            cfg.parallel.tp,
+            cfg.parallel.seq_multiple,
             self._engine_may_stop,
             agent,
         )
@@ -219,7 +219,7 @@ class Trainer:
             prompts_per_step=cfg.data.prompts_per_step,
             mini_batches=cfg.actor.mini_batches,
             pad_id=self.tokenizer.pad_token_id or 0,
-            pad_multiple=cfg.parallel.tp,
+            pad_multiple=cfg.parallel.seq_multiple,
             filler=torch.from_numpy(np.ascontiguousarray(filler)),
             warn=self.logger.warn,
         )

@@ -127,6 +127,7 @@ def run_variant(
     parallel = ParallelConfig(
         ep=world if layout == "ep" else 1,
         tp=world if layout == "tp" else 1,
+        cp=world if layout == "cp" else 1,
         pp=world if layout in ("pp", "vpp") else 1,
         vpp=2 if layout == "vpp" else None,
     )
@@ -211,7 +212,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("--out", required=True)
-    p.add_argument("--layouts", nargs="+", choices=("dp", "ep", "tp", "pp", "vpp"), default=["dp"])
+    p.add_argument("--layouts", nargs="+", choices=("dp", "ep", "tp", "pp", "vpp", "cp"), default=["dp"])
     p.add_argument("--micro-batch-sizes", nargs="+", type=int, required=True)
     p.add_argument("--losses", nargs="+", choices=("gspo", "gspo-icepop", "ppo"), default=["gspo", "ppo"])
     p.add_argument("--fused", nargs="+", choices=("on", "off"), default=["on"])

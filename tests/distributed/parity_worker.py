@@ -21,10 +21,12 @@ import torch.distributed as dist
 def check_model(path: str, parallel, out_dir: Path, seed: int) -> None:
     from megatron.core import parallel_state as ps
 
+    from moe_rl.actor.context_parallel import local_positions, seq_multiple
     from moe_rl.actor.forward import compute_logprobs, run_schedule, split_microbatches
     from moe_rl.actor.model import build_model, load_hf_config
     from moe_rl.actor.replay import record_topk
     from moe_rl.actor.weights import HFCheckpoint, export_hf_state_dict, load_hf_weights
+    from moe_rl.routing.layout import rank_positions
     from tests.reference import hf_forward, load_hf, random_batch
 
     cfg = load_hf_config(path)
@@ -33,7 +35,7 @@ def check_model(path: str, parallel, out_dir: Path, seed: int) -> None:
     for c in chunks:
         c.eval()
     # Same batch on every rank (one data-parallel replica is enough for parity).
-    ids, mask = random_batch(cfg.vocab_size, batch=4, length=12, seed=seed)
+    ids, mask = random_batch(cfg.vocab_size, batch=4, length=16, seed=seed)  # every CP x SP slice has real tokens
     ref_logits, ref_topk = hf_forward(load_hf(path), ids, mask)
     real = mask.bool()
 
@@ -44,18 +46,21 @@ def check_model(path: str, parallel, out_dir: Path, seed: int) -> None:
         logits_out.append(logits.detach())
         return logits.new_zeros(()), {}
 
-    mbs = split_microbatches(ids, mask, micro_batch_size=2, pad_multiple=tp)
+    mbs = split_microbatches(ids, mask, micro_batch_size=2, pad_multiple=seq_multiple())
+    seq = mbs[0].input_ids.shape[1]
     with torch.no_grad(), record_topk(chunks) as recorded:
         run_schedule(chunks, mbs, keep_logits, forward_only=True)
 
     result: dict = {"rank": dist.get_rank(), "model": Path(path).name}
-    if logits_out:  # last pipeline stage: this rank's vocab slice
-        meg = torch.cat(logits_out, 0)[:, : ids.shape[1]]
+    if logits_out:  # last pipeline stage: this rank's vocab slice at its (context-parallel) positions
+        pos = local_positions(seq)
+        keep = pos < ids.shape[1]
+        meg = torch.cat(logits_out, 0)[:, keep]
         v_local = meg.shape[-1]
         lo = tp_rank * v_local
         hi = min(lo + v_local, cfg.vocab_size)
-        ref = ref_logits[..., lo:hi]
-        diff = (meg[..., : hi - lo] - ref)[real].abs().max().item()
+        ref = ref_logits[:, pos[keep], lo:hi]
+        diff = (meg[..., : hi - lo] - ref)[real[:, pos[keep]]].abs().max().item()
         result["logits_max_abs_diff"] = diff
         result["logits_scale"] = ref_logits[real].abs().max().item()
 
@@ -63,10 +68,16 @@ def check_model(path: str, parallel, out_dir: Path, seed: int) -> None:
     ref_lp = torch.log_softmax(ref_logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     result["logprobs_max_abs_diff"] = ((lp[:, 1:] - ref_lp) * mask[:, 1:]).abs().max().item()
 
-    # Router top-k: megatron rows are s * b_mb + b over this TP rank's sequence slice (SP).
-    seq = mbs[0].input_ids.shape[1]
-    s_local = seq // tp if parallel.sequence_parallel else seq
-    s0 = tp_rank * s_local if parallel.sequence_parallel else 0
+    # Router top-k: megatron rows are s * b_mb + b over this rank's CP slice, then its TP slice (SP).
+    positions = rank_positions(
+        seq,
+        tp,
+        tp_rank,
+        ps.get_context_parallel_world_size(),
+        ps.get_context_parallel_rank(),
+        parallel.sequence_parallel,
+    )
+    s_local = len(positions)
     mismatches, compared = {}, 0
     for layer, per_forward in recorded.items():
         bad = 0
@@ -74,7 +85,7 @@ def check_model(path: str, parallel, out_dir: Path, seed: int) -> None:
             rec = rec.reshape(s_local, len(mb.index), -1).permute(1, 0, 2)  # [b, s_local, K]
             for bi, row in enumerate(mb.index.tolist()):
                 for s in range(s_local):
-                    pos = s0 + s
+                    pos = positions[s]
                     if pos >= ids.shape[1] or not real[row, pos]:
                         continue
                     compared += 1
@@ -106,10 +117,11 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp)
+    parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, cp=a.cp)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, m in enumerate(a.models):

@@ -3,7 +3,7 @@
 The same global batch of 8 sequences, updated once by `Actor.train` (the trainer's update: 2
 mini-batches, global token/sequence counts, gradient sync, clipping, Adam), gives the same
 gradients and updated parameters whether each mini-batch of 4 is split into 1, 2 or 4
-micro-batches, over DP=1 or DP=2, with EP=2 and with TP=2 + sequence parallel (see
+micro-batches, over DP=1 or DP=2, with EP=2, with TP=2 + sequence parallel and with CP=2 (see
 grad_invariance_worker.py).
 
 Adam's first steps normalise each element by its own magnitude (~lr * sign(g)), which would
@@ -49,6 +49,7 @@ VARIANTS = {
     "ep2_2mb": "w2_ep_mbs1",
     "tp2_2mb": "w2_tp_mbs2",  # TP=2 + SP: one data-parallel rank, the whole mini-batch on each rank
     "tp2_4mb": "w2_tp_mbs1",
+    "cp2_2mb": "w2_cp_mbs2",  # context parallel: each rank runs half of every sequence's positions
 }
 WORKER = "tests.distributed.grad_invariance_worker"
 
@@ -59,7 +60,9 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("grad_invariance")
     model = str(tiny_models["qwen3_moe"])
     torchrun(WORKER, 1, [model, "--out", str(out), "--micro-batch-sizes", "4", "2", "1"])
-    torchrun(WORKER, 2, [model, "--out", str(out), "--layouts", "dp", "ep", "tp", "--micro-batch-sizes", "2", "1"])
+    torchrun(
+        WORKER, 2, [model, "--out", str(out), "--layouts", "dp", "ep", "tp", "cp", "--micro-batch-sizes", "2", "1"]
+    )
     return {p.stem: torch.load(p) for p in sorted(out.glob("*.pt"))}
 
 
@@ -110,6 +113,8 @@ def test_update_matches_single_micro_batch_reference(runs, variant, loss):
     assert norm_err <= GRAD_TOL, f"{variant}/{loss}: grad norm {got['grad_norm']} vs {ref['grad_norm']}"
     err, name = max_rel_error(got["params"], ref["params"])
     assert err <= PARAM_TOL, f"{variant}/{loss}: updated parameters off by {err:.2e} in {name}"
+    tokens = got["metrics"]["perf/tokens"], ref["metrics"]["perf/tokens"]  # the same batch counted once, any layout
+    assert tokens[0] == tokens[1], f"{variant}/{loss}: perf/tokens {tokens}"
 
 
 @pytest.mark.parametrize("loss", LOSSES)

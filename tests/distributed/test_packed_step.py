@@ -6,7 +6,8 @@ counts, R3 replay of random routes, gradient sync, clipping, Adam in its linear 
 samples than the padded micro-batches), at world size 1, with EP=2 on 2 ranks (expert tokens
 exchanged between ranks that pack different samples), and with PP=2 and PP=2 x VPP=2 (interleaved
 schedule) on 2 ranks, where packed bins of different lengths cross the pipeline
-(variable_seq_lengths). GSPO + IcePop (the default objective) and PPO (token-level weights).
+(variable_seq_lengths), and with CP=2 (each packed row split zig-zag like one sequence, samples kept
+apart by the pack's mask). GSPO + IcePop (the default objective) and PPO (token-level weights).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ METRIC_TOL = 1e-5  # relative; acceptance of the packing issue
 PARAM_TOL = 1e-6  # relative, worst HF tensor
 GRAD_TOL = 1e-4  # as the fused-step test: summed QK-norm gradients after one step reach ~1e-5
 LOSSES = ("gspo-icepop", "ppo")
-RUNS = {"w1": "w1_dp_mbs2", "ep2": "w2_ep_mbs2", "pp2": "w2_pp_mbs2", "pp2_vpp2": "w2_vpp_mbs2"}
+RUNS = {"w1": "w1_dp_mbs2", "ep2": "w2_ep_mbs2", "pp2": "w2_pp_mbs2", "pp2_vpp2": "w2_vpp_mbs2", "cp2": "w2_cp_mbs2"}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("packed_step")
     common = [str(tiny_models["qwen3_moe"]), "--out", str(out), "--micro-batch-sizes", "2", "--losses", *LOSSES]
     torchrun(WORKER, 1, [*common, "--packing", "off", "on"])
-    torchrun(WORKER, 2, [*common, "--layouts", "ep", "pp", "vpp", "--packing", "off", "on"])
+    torchrun(WORKER, 2, [*common, "--layouts", "ep", "pp", "vpp", "cp", "--packing", "off", "on"])
     return {p.stem: torch.load(p) for p in sorted(out.glob("*.pt"))}
 
 

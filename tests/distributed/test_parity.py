@@ -15,6 +15,8 @@ LAYOUTS = {
     "tp2_etp2": (2, ["--tp", "2", "--etp", "2"]),
     "tp2_ep2": (4, ["--tp", "2", "--ep", "2"]),
     "pp2_ep2": (4, ["--pp", "2", "--ep", "2"]),
+    "cp2": (2, ["--cp", "2"]),  # the local spec's context-parallel attention (actor/context_parallel.py)
+    "tp2_cp2_ep2": (4, ["--tp", "2", "--cp", "2", "--ep", "2"]),
 }
 
 

@@ -1,11 +1,11 @@
 """The RL loop in other parallel layouts: the same samples and the same update as the layout it
-is compared to (the oracle for every layout), and learning under TP=2 and PP=2.
+is compared to (the oracle for every layout), and learning under TP=2, PP=2 and CP=2.
 
 Runs `torchrun launch/train_moe.py` with the engine in bf16 (so the training-inference mismatch
 is ~3e-3, far above fp32 rounding, and `mismatch/*` can be compared relatively) and the actor
 in fp32. Sampling seeds and data shards depend only on the step and the data-parallel rank, and
-engines sit on the leaders of their data-parallel ranks (rollout/engine_groups.py): TP=2 and
-PP=2 on 2 ranks sample exactly what 1 rank samples; TP=2 x EP=2 on 4 ranks (two engines)
+engines sit on the leaders of their data-parallel ranks (rollout/engine_groups.py): TP=2, PP=2
+and CP=2 on 2 ranks sample exactly what 1 rank samples; TP=2 x EP=2 on 4 ranks (two engines)
 exactly what DP=2 on 2 ranks samples. The DP=2 reference runs as two torchrun agents of one
 process each joined by c10d rendezvous on localhost: two simulated nodes.
 """
@@ -78,8 +78,8 @@ def one_rank(tmp_path_factory) -> dict:
     return _train(tmp_path_factory.mktemp("w1"), 1, ["trainer.steps=1"])[0]
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
-def test_tp2_and_pp2_learn_and_step_1_equals_one_rank(layout, one_rank, tmp_path):
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"])
+def test_tp2_pp2_and_cp2_learn_and_step_1_equals_one_rank(layout, one_rank, tmp_path):
     history = _train(tmp_path, 2, [layout, "trainer.steps=20"])
     assert one_rank["mismatch/kl"] > 1e-4  # bf16 engine: a mismatch well above fp32 noise
     _assert_same_step(history[0], one_rank, layout)

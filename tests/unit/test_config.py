@@ -130,7 +130,6 @@ def test_schema_errors_name_the_key(override, match):
         (["rollout.capture=none"], 2, "r3 replays the rollout engine's routes"),
         (["parallel.ep=3"], 2, "config parallel: .*ep\\*etp = 3\\*1 must divide"),
         (["parallel.tp=3"], 2, "config parallel: world size 2 is not divisible by tp\\*pp\\*cp = 3\\*1\\*1"),
-        (["parallel.cp=2"], 2, "config parallel.cp: 2: context parallel needs Transformer Engine attention"),
         (["model.transformer_engine=true"], 1, "config model.transformer_engine: true needs CUDA"),
         (["data.prompts_per_step=3"], 2, "config trainer.balance_batch: true moves whole groups within their"),
         (["rollout.engines=3"], 4, "config rollout.engines: 3 engines cannot serve 4 data-parallel ranks"),
