@@ -91,6 +91,9 @@ class ActorConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
+    distributed_optimizer: bool = False
+    """GPU: megatron's DDP gradient buffers and distributed optimizer (`get_megatron_optimizer`; Adam states
+    sharded over the data-parallel ranks). Not yet run on a GPU. CPU: refused (gloo, explicit gradient sums)."""
     mini_batches: int = 2
     """Optimizer steps per rollout batch (pi_theta drifts from pi_old after the first); >= 1."""
     micro_batch_size: int = 8
@@ -535,6 +538,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("actor.micro_batch_size", f"{cfg.actor.micro_batch_size}: must be >= 1 (samples per forward)")
     if cfg.actor.max_tokens_per_micro_batch < 1:
         bad("actor.max_tokens_per_micro_batch", f"{cfg.actor.max_tokens_per_micro_batch}: must be >= 1")
+    if cfg.actor.distributed_optimizer and not _has_cuda():
+        bad("actor.distributed_optimizer", "true needs CUDA (megatron's DDP buffers, NCCL); set it false on CPU")
     if cfg.model.transformer_engine and not _has_cuda():
         bad("model.transformer_engine", "true needs CUDA (Transformer Engine); no CUDA here: set it false")
     if cfg.actor.packing and _has_cuda() and not cfg.model.transformer_engine:
@@ -624,6 +629,17 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
     if r.weight_transport not in TRANSPORTS:
         bad("rollout.weight_transport", f"{r.weight_transport!r}: choose one of {TRANSPORTS}")
+    if r.weight_transport == "cuda_ipc" and not _has_cuda():
+        bad("rollout.weight_transport", "cuda_ipc shares device memory between processes: needs CUDA; use shm on CPU")
+    if r.sleep_while_training:
+        why = {
+            "needs CUDA (vLLM's sleep mode frees device memory; the CPU engine has none to free)": not _has_cuda(),
+            f"with trainer.max_staleness={t.max_staleness} (the engine samples as the actor trains)": t.max_staleness,
+            "with rollout.placement=separate (the engine's device is not the actor's)": r.placement == "separate",
+        }
+        for reason, refused in why.items():
+            if refused:
+                bad("rollout.sleep_while_training", f"true {reason}")
     if r.tensor_parallel_size < 1:
         bad("rollout.tensor_parallel_size", f"{r.tensor_parallel_size}: must be >= 1")
     if r.tensor_parallel_size > 1 and r.placement == "separate":

@@ -9,9 +9,12 @@ the next one. No rank ever holds the whole model: an owner holds one parameter, 
 bucket.
 
 Transports (last hop, leader -> its engine's worker process, `rollout.weight_transport`):
-  shm   the bucket buffer is a file in /dev/shm that the worker maps (no serialisation) — CPU default;
-  rpc   the bucket as a safetensors blob through vLLM's collective_rpc;
-  cuda_ipc / nccl (GPU) are not written yet.
+  shm       the bucket buffer is a file in /dev/shm that the worker maps (no serialisation) — CPU default;
+  rpc       the bucket as a safetensors blob through vLLM's collective_rpc;
+  cuda_ipc  (GPU, colocated) the bucket buffer is on the leader's device; the worker rebuilds it from its
+            CUDA IPC handle as vLLM's IPCWeightTransferEngine does (not yet run on a GPU).
+An NCCL broadcast to engines on other devices is not written: such engines (placement=separate on GPU) are not
+built yet.
 The engine side (`WeightReceiver`) uses vLLM's layerwise reload, then re-runs each layer's
 post-load processing.
 """
@@ -30,7 +33,7 @@ import torch.distributed as dist
 from moe_rl.actor.parallel import all_gather_objects
 from moe_rl.actor.weights import tensor_nbytes
 
-TRANSPORTS = ("shm", "rpc")
+TRANSPORTS = ("shm", "rpc", "cuda_ipc")
 
 
 class WeightSync:
@@ -71,9 +74,11 @@ class WeightSync:
                 except Exception as e:  # the stream's collectives must still complete on every rank
                     failed = e
 
+        engine_call(self.engine and self.engine.wake_up, "weights")  # rollout.sleep_while_training (GPU)
         engine_call(self.engine and self.engine.rpc, "moe_rl_begin_weight_update")
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
-        with _BucketBuffer(size if lead else 0) as buf:
+        device = "cuda" if self.transport == "cuda_ipc" else "cpu"
+        with _BucketBuffer(size if lead else 0, device) as buf:
             paths = dict(enumerate(all_gather_objects(buf.path if lead else None)))
             peers = {r: _map(paths[r], size) for r in self.leaders if r != me and self._same_host(r, me)}
             for bucket in self._plan:
@@ -92,7 +97,7 @@ class WeightSync:
                             else:
                                 dst = None
                             local = self._same_host(entry.owner, leader)
-                            _deliver(made.get(name), entry.owner, leader, me, dst, local)
+                            _deliver(made.get(name), entry.owner, leader, me, dst, local, device)
                         manifest.append((name, dtype, shape, offset))
                         offset += n
                 del made
@@ -120,9 +125,9 @@ def _map(path: str, nbytes: int) -> torch.Tensor:
 
 def _check_transport(transport: str) -> str:
     if transport not in TRANSPORTS:
-        raise ValueError(
-            f"rollout.weight_transport={transport!r}: choose one of {TRANSPORTS} (cuda_ipc/nccl: GPU, not written yet)"
-        )
+        raise ValueError(f"rollout.weight_transport={transport!r}: choose one of {TRANSPORTS}")
+    if transport == "cuda_ipc" and not torch.cuda.is_available():
+        raise ValueError("rollout.weight_transport=cuda_ipc needs CUDA; use shm on CPU")
     return transport
 
 
@@ -132,6 +137,13 @@ def _load_bucket(engine, transport: str, buf: _BucketBuffer, manifest: list) -> 
 
     if transport == "shm":
         loaded = engine.rpc("moe_rl_load_shm", buf.path, buf.nbytes, manifest)
+    elif transport == "cuda_ipc":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        torch.cuda.current_stream(buf.data.device).synchronize()  # the bucket's writes have landed
+        _, args = reduce_tensor(buf.data)
+        uuid = str(torch.cuda.get_device_properties(buf.data.device).uuid)
+        loaded = engine.rpc("moe_rl_load_cuda_ipc", {uuid: args}, manifest)
     else:
         from safetensors.torch import save
 
@@ -144,16 +156,19 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes (what travels)."""
-    return t.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+def _raw(t: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+    """A tensor's bytes (what travels), on the bucket buffer's device."""
+    return t.detach().to(device).contiguous().view(-1).view(torch.uint8)
 
 
-def _deliver(t: torch.Tensor | None, owner: int, leader: int, me: int, dst: torch.Tensor | None, local: bool) -> None:
+def _deliver(
+    t: torch.Tensor | None, owner: int, leader: int, me: int, dst: torch.Tensor | None, local: bool, device: str
+) -> None:
     """One HF tensor from its owner into a leader's bucket buffer (`dst`: its bytes there, as this rank
-    sees them). `local`: the owner writes into the leader's mapped buffer itself; else gloo carries it."""
+    sees them). `local`: the owner writes into the leader's mapped buffer itself; else the process group
+    (gloo, or NCCL for a device buffer) carries it."""
     if me == owner:
-        raw = _raw(t)
+        raw = _raw(t, device)
         if me == leader or local:
             dst.copy_(raw)
         else:
@@ -164,13 +179,16 @@ def _deliver(t: torch.Tensor | None, owner: int, leader: int, me: int, dst: torc
 
 class _BucketBuffer:
     """A leader's bucket buffer: a file in /dev/shm (a temp dir where there is none) mapped here and,
-    by the shm transport, in the engine's worker process; removed on exit."""
+    by the shm transport, in the engine's worker process; removed on exit. `device="cuda"` (cuda_ipc):
+    device memory instead, shared by IPC handle."""
 
-    def __init__(self, nbytes: int):
-        self.nbytes, self.path, self.data = nbytes, "", None
+    def __init__(self, nbytes: int, device: str = "cpu"):
+        self.nbytes, self.device, self.path, self.data = nbytes, device, "", None
 
     def __enter__(self) -> _BucketBuffer:
-        if self.nbytes:
+        if self.nbytes and self.device != "cpu":
+            self.data = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        elif self.nbytes:
             root = "/dev/shm" if os.path.isdir("/dev/shm") else None
             fd, self.path = tempfile.mkstemp(prefix="moe-rl-weights-", dir=root)
             os.ftruncate(fd, self.nbytes)
@@ -200,6 +218,7 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> d
     """Load whole HF-named tensors (a checkpoint's, one rank's export) into one RolloutEngine in buckets of
     <= rollout.weight_sync_bucket_mb over rollout.weight_transport; returns bytes, tensors, buckets, seconds."""
     transport = _check_transport(engine.cfg.weight_transport)
+    device = "cuda" if transport == "cuda_ipc" else "cpu"
     t0 = time.perf_counter()
     stats = {"bytes": 0, "tensors": 0, "buckets": 0}
     engine.rpc("moe_rl_begin_weight_update")
@@ -208,9 +227,9 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> d
         for name, t in bucket:
             manifest.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
             offset += _tensor_bytes(t)
-        with _BucketBuffer(offset) as buf:
+        with _BucketBuffer(offset, device) as buf:
             for (_, t), (_, _, _, off) in zip(bucket, manifest, strict=True):
-                buf.view(off, _tensor_bytes(t)).copy_(_raw(t))
+                buf.view(off, _tensor_bytes(t)).copy_(_raw(t, device))
             _load_bucket(engine, transport, buf, manifest)
         stats["bytes"] += offset
         stats["tensors"] += len(bucket)
@@ -274,6 +293,27 @@ class WeightReceiver:
         bucket, and the leader reuses the buffer for that bucket."""
         data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         tensors = [(name, t.clone()) for name, t in _views(data, manifest)]
+        self.model_runner.get_model().load_weights(weights=tensors)
+        return len(tensors)
+
+    def moe_rl_load_cuda_ipc(self, handles: dict[str, tuple], manifest: list) -> int:
+        """Load one bucket from the leader's device buffer (cuda_ipc; not yet run on a GPU). `handles`: the
+        buffer's `reduce_tensor` arguments by GPU UUID; rebuilt on this worker's device index as vLLM's
+        IPCWeightTransferEngine does, then copied out like the shm bucket (the leader reuses the buffer)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        index = self.device.index
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        if uuid not in handles:
+            raise ValueError(
+                f"weight sync (cuda_ipc): this engine worker's GPU {uuid} is not the leader's {list(handles)}; "
+                "cuda_ipc needs the engine on its leader's device (rollout.tensor_parallel_size=1, colocated)"
+            )
+        args = list(handles[uuid])
+        args[6] = index  # reduce_tensor's device index, as this process numbers the device
+        data = rebuild_cuda_tensor(*args)
+        tensors = [(name, t.clone()) for name, t in _views(data, manifest)]
+        del data
         self.model_runner.get_model().load_weights(weights=tensors)
         return len(tensors)
 

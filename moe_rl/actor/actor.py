@@ -86,7 +86,13 @@ class Actor:
         self.chunks, self.conv, self.hf_config, self.layout = m.chunks, m.conv, m.hf_config, m.layout
         wants_replay = a.router_replay != "off" or record_routes
         self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
-        self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
+        self.ddp = None  # GPU, actor.distributed_optimizer: megatron's DDP wrappers of the chunks
+        if a.distributed_optimizer:
+            from moe_rl.actor.optimizer import build_distributed_optimizer
+
+            self.ddp, self.optimizer = build_distributed_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
+        else:
+            self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
         self.max_tokens = a.max_tokens_per_micro_batch if a.packing else None  # token budget of a packed forward
         self.thd = opts.use_te  # packed rows as THD sequences through Transformer Engine (GPU)
         if a.packing:
@@ -265,6 +271,7 @@ class Actor:
                 self.fused_logprob,
                 with_entropy=loglinear or objective.entropy_coef > 0,
                 pack=None if plan is None else plan.group(i, i * per),
+                ddp=self.ddp,
             )
             if i == 0:  # pi_theta == pi_old before the first optimizer step
                 out["actor/first_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)

@@ -6,8 +6,8 @@ As megatron's `get_megatron_optimizer` splits them (experts recognised by name):
 statistics reduce over the model-parallel group, expert ones over the expert tensor/model/pipeline group, with the
 expert-tensor-parallel group deciding which expert grads are duplicates. It is built here
 without megatron's DDP wrapper because on CPU gradients are synchronised by
-`train_step.sync_gradients` (gloo); the GPU path (DDP buffers + distributed optimizer via
-`get_megatron_optimizer`) is not written yet.
+`train_step.sync_gradients` (gloo). GPU (`actor.distributed_optimizer`): megatron's DDP gradient
+buffers and distributed optimizer (`build_distributed_optimizer`; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -68,3 +68,32 @@ def build_optimizer(chunks: list[torch.nn.Module], lr: float, weight_decay: floa
         opt.tp_group = tp_group
         parts.append(opt)
     return ChainedOptimizer(parts)
+
+
+def build_distributed_optimizer(chunks: list[torch.nn.Module], lr: float, weight_decay: float, grad_clip: float):
+    """GPU: the chunks wrapped in megatron's DistributedDataParallel (gradients in contiguous buffers, reduced
+    by `finalize_model_grads`) and `get_megatron_optimizer`'s distributed optimizer (Adam state sharded over
+    data-parallel ranks). Returns (ddp_chunks, optimizer); the chunks stay what the forward runs (the DDP
+    hooks sit on their parameters). Not yet run on a GPU.
+
+    Losses here are already divided by the global token/sequence counts, so gradients are summed over
+    data-parallel ranks (`calculate_per_token_loss`: megatron then scales by 1, not 1/DP)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False
+    )
+    config = chunks[0].config
+    config.calculate_per_token_loss = True  # sum, not average (see above); one config object for every chunk
+    ddp = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=grad_clip,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=True,
+    )
+    return ddp, get_megatron_optimizer(opt_config, ddp)

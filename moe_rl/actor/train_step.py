@@ -85,6 +85,7 @@ def train_minibatch(
     with_entropy: bool = False,
     pack: PackPlan | None = None,
     head=None,
+    ddp: list | None = None,
 ) -> dict[str, float]:
     """Forward+backward over one mini-batch and one optimizer step (`optimizer`: a megatron
     optimizer from `moe_rl.actor.optimizer.build_optimizer`).
@@ -96,12 +97,16 @@ def train_minibatch(
     with_entropy: the loss also gets pi_theta's per-token entropy (differentiable) as extra "entropy".
     pack: run the plan's bins as packed micro-batches (actor.packing); the loss still sees per-sample rows.
     head: per-token scores other than log-probs for loss_fn (the critic's values); default LogprobHead.
+    ddp: megatron DDP wrappers of `chunks` (GPU, actor.distributed_optimizer): gradients live in their buffers
+    and megatron's finalize_model_grads reduces them (and moves the expert bias) instead of sync_gradients.
     """
     from contextlib import nullcontext
 
     for c in chunks:
         c.train()
         c.zero_grad(set_to_none=True)
+    for m in ddp or ():
+        m.zero_grad_buffer()
     extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
     mbs = split_microbatches(
         batch["input_ids"],
@@ -134,8 +139,15 @@ def train_minibatch(
     routing = replay.replay(mbs) if replay is not None else nullcontext()
     with head, routing:
         results = run_schedule(chunks, mbs, step, forward_only=False)
-    sync_gradients(chunks)
-    finite = all_finite([*losses, *(p.grad for c in chunks for p in c.parameters() if p.grad is not None)])
+    if ddp is None:
+        sync_gradients(chunks)
+        grads = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
+    else:  # not yet run on a GPU
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(ddp)
+        grads = [p.main_grad for c in chunks for p in c.parameters() if getattr(p, "main_grad", None) is not None]
+    finite = all_finite([*losses, *grads])
     if finite:
         ok, norm, _ = optimizer.step()  # megatron-core: joint grad norm, clipping, Adam
     else:
@@ -143,7 +155,7 @@ def train_minibatch(
     if not ok:  # this rank's or another's loss/gradients are not finite (or megatron found inf)
         for c in chunks:
             c.zero_grad(set_to_none=True)
-    update_expert_bias(chunks, apply=ok)
+    update_expert_bias(chunks, apply=ok and ddp is None)  # under DDP finalize_model_grads has moved it
     out = {"actor/grad_norm": float(norm) if ok else float("nan"), "skipped": 0.0 if ok else 1.0}
     return out | _from_last_stage(_weighted_means([r for r in results if r]))
 

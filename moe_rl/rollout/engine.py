@@ -7,9 +7,9 @@ Topologies (`RolloutConfig.topology`):
 - `tp_group` (GPU): one engine with tensor_parallel_size = world size spanning the ranks via
   vLLM's external launcher (not yet run on a GPU).
 
-Weight sync (moe_rl/weight_sync.py) calls the worker extension through `rpc`. For GPU colocation, vLLM's
-`sleep(level=1)` frees the KV cache (and offloads weights) while the actor trains and
-`wake_up()` restores them before the next rollout.
+Weight sync (moe_rl/weight_sync.py) calls the worker extension through `rpc`. For GPU colocation
+(`rollout.sleep_while_training`), vLLM's `sleep(level=1)` frees the KV cache and offloads the weights
+after each rollout while the actor trains; the weight sync wakes the weights, sampling the KV cache.
 """
 
 from __future__ import annotations
@@ -84,13 +84,19 @@ class RolloutConfig:
     0.05 keeps back-to-back decode steps fast and halved the default run's update time (docs/performance.md)."""
     gpu_memory_utilization: float = 0.5
     """Share of GPU memory for the engine's weights and KV cache (GPU)."""
+    sleep_while_training: bool = False
+    """GPU, colocated engines: after each rollout the engine sleeps (vLLM sleep level 1: KV cache freed, weights
+    offloaded to host memory) so the actor trains with the device to itself; the weight sync wakes its weights,
+    the next sampling its KV cache. Not yet run on a GPU."""
     logprobs_mode: str = "raw_logprobs"
     """raw_logprobs (model distribution at temperature 1) | processed_logprobs (after temperature/top-p)."""
     weight_sync_bucket_mb: int = 64
     """Upper bound of one weight-sync bucket."""
     weight_transport: str = "shm"
-    """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps) | rpc
-    (a safetensors blob through collective_rpc). GPU transports (CUDA IPC, NCCL) are not written yet."""
+    """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps; CPU) | rpc
+    (a safetensors blob through collective_rpc) | cuda_ipc (GPU, colocated: the bucket stays on the leader's
+    device, the workers map it by CUDA IPC handle) | nccl (GPU, engines on other devices: the leader broadcasts
+    each bucket to its engine's workers). cuda_ipc and nccl are not yet run on a GPU."""
     seed: int | None = None
     """Engine seed; None = 0. The trainer sets it from trainer.seed (setting it there is an error)."""
     block_size: int | None = None
@@ -184,6 +190,9 @@ class RolloutEngine:
             kwargs.update(tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="mp")
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
+        if cfg.sleep_while_training:
+            kwargs["enable_sleep_mode"] = True
+        self._asleep: set[str] = set()  # what sleep() released: "weights", "kv_cache"
         if self.capture is not None:
             kwargs.update(self.capture.engine_kwargs())
         elif self.prefix_caching:
@@ -328,12 +337,27 @@ class RolloutEngine:
         engine raises RolloutEngineError); returns the workers' answers."""
         return self._rpc(method, args=args)
 
+    # ---- GPU colocation: the engine sleeps while the actor trains (rollout.sleep_while_training) ----
+    def sleep(self) -> None:
+        """Free the KV cache and offload the weights (vLLM sleep level 1); a no-op unless configured."""
+        if self.cfg.sleep_while_training and not self._asleep:
+            self._guard("sleep", self.llm.sleep, level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, *tags: str) -> None:
+        """Bring back what sleep() released: `tags` of "weights", "kv_cache" (none: both)."""
+        wanted = self._asleep & set(tags or ("weights", "kv_cache"))
+        if wanted:
+            self._guard("wake_up", self.llm.wake_up, sorted(wanted))
+            self._asleep -= wanted
+
     # ---- sampling -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Sample `sampling.n` responses per prompt (token-id prompts)."""
         from vllm import TokensPrompt
 
         self._require_alive("generate")
+        self.wake_up()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         longest = max(len(p) for p in prompts) + sampling.max_tokens
@@ -359,6 +383,7 @@ class RolloutEngine:
         from vllm import TokensPrompt
 
         self._require_alive("generate_turn")
+        self.wake_up()
         limit = self.llm.llm_engine.model_config.max_model_len
         for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
             if not p or m < 1 or len(p) + m > limit:
@@ -432,6 +457,7 @@ class RolloutEngine:
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        self.wake_up()
         outs = self._guard(
             "prompt_logprobs",
             self.llm.generate,

@@ -122,6 +122,7 @@ class EngineSource:
             full = None
             with self.may_stop():
                 full = self.engine.generate(prompts, sampling) if self.agent is None else self.agent(prompts, sampling)
+                self.engine.sleep()  # rollout.sleep_while_training: the actor gets the device until the next sync
             parts = (
                 None if full is None else dict(zip(g.served, full.split_by_prompt(self.prompts_per_step), strict=True))
             )
