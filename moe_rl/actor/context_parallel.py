@@ -119,7 +119,7 @@ def attention_class():
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
             if kwargs.get("packed_seq_params") is not None:
-                raise ValueError("context parallel on the local spec takes padded batches only (actor.packing=false)")
+                raise ValueError("THD packs (Transformer Engine) do not run on the local spec's context parallel")
             key, value = _gather_keys(key), _gather_keys(value)
             if attention_mask is None:  # [1, 1, s, s], True = hidden: causal over the whole sequence
                 attention_mask = torch.ones(key.shape[0], key.shape[0], dtype=torch.bool).triu(1)[None, None]
