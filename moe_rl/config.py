@@ -629,8 +629,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
     if r.weight_transport not in TRANSPORTS:
         bad("rollout.weight_transport", f"{r.weight_transport!r}: choose one of {TRANSPORTS}")
-    if r.weight_transport == "cuda_ipc" and not _has_cuda():
-        bad("rollout.weight_transport", "cuda_ipc shares device memory between processes: needs CUDA; use shm on CPU")
+    if r.weight_transport in ("cuda_ipc", "nccl") and not _has_cuda():
+        bad("rollout.weight_transport", f"{r.weight_transport} moves device memory: needs CUDA; use shm on CPU")
     if r.sleep_while_training:
         why = {
             "needs CUDA (vLLM's sleep mode frees device memory; the CPU engine has none to free)": not _has_cuda(),

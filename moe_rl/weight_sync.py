@@ -12,9 +12,10 @@ Transports (last hop, leader -> its engine's worker process, `rollout.weight_tra
   shm       the bucket buffer is a file in /dev/shm that the worker maps (no serialisation) — CPU default;
   rpc       the bucket as a safetensors blob through vLLM's collective_rpc;
   cuda_ipc  (GPU, colocated) the bucket buffer is on the leader's device; the worker rebuilds it from its
-            CUDA IPC handle as vLLM's IPCWeightTransferEngine does (not yet run on a GPU).
-An NCCL broadcast to engines on other devices is not written: such engines (placement=separate on GPU) are not
-built yet.
+            CUDA IPC handle as vLLM's IPCWeightTransferEngine does (not yet run on a GPU);
+  nccl      (GPU) the leader broadcasts each bucket to its engine's workers over an NCCL group of its own
+            (vLLM's stateless_init_process_group, leader rank 0): workers on other devices than the leader's,
+            e.g. an engine with tensor parallelism (not yet run on a GPU).
 The engine side (`WeightReceiver`) uses vLLM's layerwise reload, then re-runs each layer's
 post-load processing.
 """
@@ -33,7 +34,8 @@ import torch.distributed as dist
 from moe_rl.actor.parallel import all_gather_objects
 from moe_rl.actor.weights import tensor_nbytes
 
-TRANSPORTS = ("shm", "rpc", "cuda_ipc")
+TRANSPORTS = ("shm", "rpc", "cuda_ipc", "nccl")
+DEVICE_TRANSPORTS = ("cuda_ipc", "nccl")  # the bucket buffer lives in device memory
 
 
 class WeightSync:
@@ -77,7 +79,7 @@ class WeightSync:
         engine_call(self.engine and self.engine.wake_up, "weights")  # rollout.sleep_while_training (GPU)
         engine_call(self.engine and self.engine.rpc, "moe_rl_begin_weight_update")
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
-        device = "cuda" if self.transport == "cuda_ipc" else "cpu"
+        device = "cuda" if self.transport in DEVICE_TRANSPORTS else "cpu"
         with _BucketBuffer(size if lead else 0, device) as buf:
             paths = dict(enumerate(all_gather_objects(buf.path if lead else None)))
             peers = {r: _map(paths[r], size) for r in self.leaders if r != me and self._same_host(r, me)}
@@ -126,8 +128,8 @@ def _map(path: str, nbytes: int) -> torch.Tensor:
 def _check_transport(transport: str) -> str:
     if transport not in TRANSPORTS:
         raise ValueError(f"rollout.weight_transport={transport!r}: choose one of {TRANSPORTS}")
-    if transport == "cuda_ipc" and not torch.cuda.is_available():
-        raise ValueError("rollout.weight_transport=cuda_ipc needs CUDA; use shm on CPU")
+    if transport in DEVICE_TRANSPORTS and not torch.cuda.is_available():
+        raise ValueError(f"rollout.weight_transport={transport} needs CUDA; use shm on CPU")
     return transport
 
 
@@ -144,12 +146,40 @@ def _load_bucket(engine, transport: str, buf: _BucketBuffer, manifest: list) -> 
         _, args = reduce_tensor(buf.data)
         uuid = str(torch.cuda.get_device_properties(buf.data.device).uuid)
         loaded = engine.rpc("moe_rl_load_cuda_ipc", {uuid: args}, manifest)
+    elif transport == "nccl":
+        from concurrent.futures import ThreadPoolExecutor
+
+        comm = _nccl_group(engine)
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers wait inside the broadcast the leader joins
+            receiving = pool.submit(engine.rpc, "moe_rl_load_nccl", buf.nbytes, manifest)
+            comm.broadcast(buf.data, src=0, stream=torch.cuda.current_stream())
+            loaded = receiving.result()
     else:
         from safetensors.torch import save
 
         loaded = engine.rpc("moe_rl_load_weights", save(dict(buf.tensors(manifest))))
     if any(n != len(manifest) for n in loaded):
         raise RolloutEngineError(f"weight sync: engine loaded {loaded} of {len(manifest)} tensors")
+
+
+def _nccl_group(engine):
+    """The leader's NCCL group with its engine's workers (rank 0 and 1 + worker rank), opened on first use
+    and kept on the engine (vLLM's stateless_init_process_group on both sides, joined concurrently)."""
+    comm = getattr(engine, "_weight_sync_nccl", None)
+    if comm is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        from moe_rl.actor.parallel import _free_port
+
+        port, world = _free_port(), 1 + engine.cfg.tensor_parallel_size
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(engine.rpc, "moe_rl_open_nccl", "127.0.0.1", port, world)
+            comm = stateless_init_process_group("127.0.0.1", port, 0, world, torch.cuda.current_device())
+            joined.result()
+        engine._weight_sync_nccl = comm
+    return comm
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -218,7 +248,7 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> d
     """Load whole HF-named tensors (a checkpoint's, one rank's export) into one RolloutEngine in buckets of
     <= rollout.weight_sync_bucket_mb over rollout.weight_transport; returns bytes, tensors, buckets, seconds."""
     transport = _check_transport(engine.cfg.weight_transport)
-    device = "cuda" if transport == "cuda_ipc" else "cpu"
+    device = "cuda" if transport in DEVICE_TRANSPORTS else "cpu"
     t0 = time.perf_counter()
     stats = {"bytes": 0, "tensors": 0, "buckets": 0}
     engine.rpc("moe_rl_begin_weight_update")
@@ -312,6 +342,23 @@ class WeightReceiver:
         args = list(handles[uuid])
         args[6] = index  # reduce_tensor's device index, as this process numbers the device
         data = rebuild_cuda_tensor(*args)
+        tensors = [(name, t.clone()) for name, t in _views(data, manifest)]
+        del data
+        self.model_runner.get_model().load_weights(weights=tensors)
+        return len(tensors)
+
+    def moe_rl_open_nccl(self, host: str, port: int, world_size: int) -> bool:
+        """Join the leader's NCCL group for weight sync (nccl; not yet run on a GPU) as rank 1 + this worker's."""
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        self._moe_rl_nccl = stateless_init_process_group(host, port, 1 + self.rank, world_size, self.device)
+        return True
+
+    def moe_rl_load_nccl(self, nbytes: int, manifest: list) -> int:
+        """Receive one bucket by the leader's broadcast and load it (nccl; not yet run on a GPU)."""
+        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._moe_rl_nccl.broadcast(data, src=0, stream=torch.cuda.current_stream())
+        torch.cuda.current_stream().synchronize()
         tensors = [(name, t.clone()) for name, t in _views(data, manifest)]
         del data
         self.model_runner.get_model().load_weights(weights=tensors)

@@ -95,8 +95,9 @@ class RolloutConfig:
     weight_transport: str = "shm"
     """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps; CPU) | rpc
     (a safetensors blob through collective_rpc) | cuda_ipc (GPU, colocated: the bucket stays on the leader's
-    device, the workers map it by CUDA IPC handle) | nccl (GPU, engines on other devices: the leader broadcasts
-    each bucket to its engine's workers). cuda_ipc and nccl are not yet run on a GPU."""
+    device, the worker maps it by CUDA IPC handle) | nccl (GPU, workers on other devices than the leader's, e.g.
+    rollout.tensor_parallel_size > 1: the leader broadcasts each bucket to them). cuda_ipc and nccl are not yet
+    run on a GPU."""
     seed: int | None = None
     """Engine seed; None = 0. The trainer sets it from trainer.seed (setting it there is an error)."""
     block_size: int | None = None
