@@ -1,6 +1,7 @@
 """PPO with a critic (algorithm.advantage=gae) through `torchrun launch/train_moe.py` on 2 ranks: the
 actor learns the toy task from token-level GAE advantages, the critic's explained variance rises, its
-update replays its own routes exactly, a resume restores it exactly, and it runs under expert parallelism."""
+update replays its own routes exactly, a resume restores it exactly, and it runs under expert and context
+parallelism."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.conftest import run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch/train_moe.py"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 GAE = ["logging.wandb.mode=disabled", "algorithm.advantage=gae", "algorithm.policy_loss=ppo"]
 CRITIC_KEYS = (
     "critic/value_loss",
@@ -29,8 +30,9 @@ CRITIC_KEYS = (
 )
 
 
-def _train(run_dir: Path, overrides: list[str]) -> list[dict]:
-    run_job([*TORCHRUN, f"hydra.run.dir={run_dir}", *GAE, *overrides], timeout=1500)
+def _train(run_dir: Path, overrides: list[str], nproc: int = 2) -> list[dict]:
+    cmd = [*TORCHRUN, f"--nproc-per-node={nproc}", "launch/train_moe.py", f"hydra.run.dir={run_dir}"]
+    run_job([*cmd, *GAE, *overrides], timeout=1500)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -87,3 +89,18 @@ def test_critic_under_expert_parallelism_with_warmup(tmp_path):
         (False, False, True),
         (True, True, True),
     ]
+
+
+def test_critic_under_context_parallelism_equals_one_rank(tmp_path):
+    """parallel.cp=2: each rank computes the values of its zig-zag half of every sequence and they are gathered
+    back whole. With critic.warmup_steps=2 the engine keeps its weights, so both runs sample the same two steps;
+    step 2's values come from the critic trained at step 1 (forward and backward through the gather)."""
+    common = ["trainer.steps=2", "trainer.checkpoint_every=0", "critic.warmup_steps=2"]
+    one = _train(tmp_path / "w1", common, nproc=1)
+    cp = _train(tmp_path / "cp2", [*common, "parallel.cp=2"])
+    assert [h["step"] for h in cp] == [1, 2]
+    assert one[1]["critic/values_mean"] != 0.0  # a trained head: the values themselves are compared
+    for got, ref in zip(cp, one, strict=True):
+        assert got["reward/mean"] == ref["reward/mean"]  # the same samples
+        for k in ("critic/value_loss", "critic/values_mean", "critic/grad_norm", "critic/explained_variance"):
+            assert abs(got[k] - ref[k]) <= 1e-4 * abs(ref[k]) + 1e-7, (got["step"], k, got[k], ref[k])
