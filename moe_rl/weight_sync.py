@@ -171,9 +171,9 @@ def _nccl_group(engine):
 
         from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
-        from moe_rl.actor.parallel import _free_port
+        from moe_rl.actor.parallel import free_port
 
-        port, world = _free_port(), 1 + engine.cfg.tensor_parallel_size
+        port, world = free_port(), 1 + engine.cfg.tensor_parallel_size
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(engine.rpc, "moe_rl_open_nccl", "127.0.0.1", port, world)
             comm = stateless_init_process_group("127.0.0.1", port, 0, world, torch.cuda.current_device())

@@ -64,7 +64,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int 
     on_cpu = apply_cpu_shims()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         backend = "gloo" if on_cpu else "nccl"
@@ -101,7 +101,8 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on localhost now (a rendezvous for a process group of our own)."""
     import socket
 
     with socket.socket() as s:
