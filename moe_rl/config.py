@@ -625,11 +625,11 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                 f"actor.mini_batches={cfg.actor.mini_batches} (a short batch keeps whole groups per mini-batch)",
             )
     _validate_true_on_policy(cfg, bad)
-    from moe_rl.weight_sync import TRANSPORTS
+    from moe_rl.weight_sync import DEVICE_TRANSPORTS, TRANSPORTS
 
     if r.weight_transport not in TRANSPORTS:
         bad("rollout.weight_transport", f"{r.weight_transport!r}: choose one of {TRANSPORTS}")
-    if r.weight_transport in ("cuda_ipc", "nccl") and not _has_cuda():
+    if r.weight_transport in DEVICE_TRANSPORTS and not _has_cuda():
         bad("rollout.weight_transport", f"{r.weight_transport} moves device memory: needs CUDA; use shm on CPU")
     if r.sleep_while_training:
         why = {

@@ -79,7 +79,7 @@ class WeightSync:
         engine_call(self.engine and self.engine.wake_up, "weights")  # rollout.sleep_while_training (GPU)
         engine_call(self.engine and self.engine.rpc, "moe_rl_begin_weight_update")
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
-        device = "cuda" if self.transport in DEVICE_TRANSPORTS else "cpu"
+        device = _buffer_device(self.transport)
         with _BucketBuffer(size if lead else 0, device) as buf:
             paths = dict(enumerate(all_gather_objects(buf.path if lead else None)))
             peers = {r: _map(paths[r], size) for r in self.leaders if r != me and self._same_host(r, me)}
@@ -131,6 +131,10 @@ def _check_transport(transport: str) -> str:
     if transport in DEVICE_TRANSPORTS and not torch.cuda.is_available():
         raise ValueError(f"rollout.weight_transport={transport} needs CUDA; use shm on CPU")
     return transport
+
+
+def _buffer_device(transport: str) -> str:
+    return "cuda" if transport in DEVICE_TRANSPORTS else "cpu"
 
 
 def _load_bucket(engine, transport: str, buf: _BucketBuffer, manifest: list) -> None:
@@ -209,8 +213,8 @@ def _deliver(
 
 class _BucketBuffer:
     """A leader's bucket buffer: a file in /dev/shm (a temp dir where there is none) mapped here and,
-    by the shm transport, in the engine's worker process; removed on exit. `device="cuda"` (cuda_ipc):
-    device memory instead, shared by IPC handle."""
+    by the shm transport, in the engine's worker process; removed on exit. `device="cuda"` (cuda_ipc, nccl):
+    device memory instead, shared by IPC handle or broadcast."""
 
     def __init__(self, nbytes: int, device: str = "cpu"):
         self.nbytes, self.device, self.path, self.data = nbytes, device, "", None
@@ -248,7 +252,7 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> d
     """Load whole HF-named tensors (a checkpoint's, one rank's export) into one RolloutEngine in buckets of
     <= rollout.weight_sync_bucket_mb over rollout.weight_transport; returns bytes, tensors, buckets, seconds."""
     transport = _check_transport(engine.cfg.weight_transport)
-    device = "cuda" if transport in DEVICE_TRANSPORTS else "cpu"
+    device = _buffer_device(transport)
     t0 = time.perf_counter()
     stats = {"bytes": 0, "tensors": 0, "buckets": 0}
     engine.rpc("moe_rl_begin_weight_update")

@@ -33,11 +33,12 @@ def cp_size() -> int:
 
 
 def seq_multiple() -> int:
-    """What a padded sequence length must be a multiple of: TP (sequence parallel) x 2*CP (zig-zag)."""
+    """`ParallelConfig.seq_multiple` of the initialised layout (TP x 2*CP)."""
     from megatron.core import parallel_state as ps
 
-    cp = cp_size()
-    return ps.get_tensor_model_parallel_world_size() * (2 * cp if cp > 1 else 1)
+    from moe_rl.actor.parallel import ParallelConfig
+
+    return ParallelConfig(tp=ps.get_tensor_model_parallel_world_size(), cp=cp_size()).seq_multiple
 
 
 @functools.cache
@@ -108,9 +109,9 @@ def attention_class():
 
     class ContextParallelAttention(DotProductAttention):
         """This rank's zig-zag queries over the whole sequence's keys, under the rows of the whole sequence's
-        mask that belong to those queries (`attention_mask` [1, 1, s, s]: causal, or a pack's block-causal
-        one; None: causal). Takes (and ignores) multi-latent attention's k/v channel widths, as
-        LocalMLACoreAttention does."""
+        mask that belong to those queries (`attention_mask` [1, 1, s, s], True = hidden: causal, or a pack's
+        block-causal one; actor.forward.run_schedule passes it). Takes (and ignores) multi-latent attention's
+        k/v channel widths, as LocalMLACoreAttention does."""
 
         def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
             local = copy.copy(config)  # megatron's class asserts CP = 1: it attends within its inputs
@@ -121,8 +122,6 @@ def attention_class():
             if kwargs.get("packed_seq_params") is not None:
                 raise ValueError("THD packs (Transformer Engine) do not run on the local spec's context parallel")
             key, value = _gather_keys(key), _gather_keys(value)
-            if attention_mask is None:  # [1, 1, s, s], True = hidden: causal over the whole sequence
-                attention_mask = torch.ones(key.shape[0], key.shape[0], dtype=torch.bool).triu(1)[None, None]
             rows = attention_mask.index_select(-2, local_positions(key.shape[0]).to(attention_mask.device))
             return super().forward(query, key, value, rows.to(query.device), attn_mask_type, attention_bias)
 
