@@ -91,6 +91,7 @@ def child(a) -> None:
     skip = types.SimpleNamespace(
         rpc=lambda method, *args: [len(args[2])] if method == "moe_rl_load_shm" else [True],
         reset_prefix_cache=lambda: None,
+        wake_up=lambda *tags: None,
     )
     sync = WeightSync(actor, skip if engine is not None else None, groups.leaders, a.bucket_mb, "shm")
     sync()
