@@ -10,6 +10,8 @@ bucket.
 
 Transports (last hop, leader -> its engine's worker process, `rollout.weight_transport`):
   shm       the bucket buffer is a file in /dev/shm that the worker maps (no serialisation) — CPU default;
+            one engine call per sync: the buckets are announced on a socket per worker (`_ShmStream`), and
+            the engine loads a bucket while the trainer writes the next;
   rpc       the bucket as a safetensors blob through vLLM's collective_rpc;
   cuda_ipc  (GPU, colocated) the bucket buffer is on the leader's device; the worker rebuilds it from its
             CUDA IPC handle as vLLM's IPCWeightTransferEngine does (not yet run on a GPU);
@@ -22,7 +24,9 @@ post-load processing.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -68,21 +72,25 @@ class WeightSync:
         size = max(sum(e.nbytes for e in b) for b in self._plan)
         failed: Exception | None = None  # a leader whose engine failed keeps streaming, then raises
 
-        def engine_call(fn, *args) -> None:
+        def engine_call(fn, *args):
             nonlocal failed
             if lead and failed is None:
                 try:
-                    fn(*args)
+                    return fn(*args)
                 except Exception as e:  # the stream's collectives must still complete on every rank
                     failed = e
 
         engine_call(self.engine and self.engine.wake_up, "weights")  # rollout.sleep_while_training (GPU)
-        engine_call(self.engine and self.engine.rpc, "moe_rl_begin_weight_update")
-        stats = {"bytes": 0, "tensors": 0, "buckets": 0}
+        stream = None  # shm: the whole update is one engine call, the buckets follow over a socket
+        if self.transport != "shm":
+            engine_call(self.engine and self.engine.rpc, "moe_rl_begin_weight_update")
+        stats = {"bytes": 0, "tensors": 0, "buckets": 0, "engine_load_seconds": 0.0}
         device = _buffer_device(self.transport)
-        with _BucketBuffer(size if lead else 0, device) as buf:
+        with _BucketBuffer(size if lead else 0, device) as buf, contextlib.ExitStack() as streaming:
             paths = dict(enumerate(all_gather_objects(buf.path if lead else None)))
             peers = {r: _map(paths[r], size) for r in self.leaders if r != me and self._same_host(r, me)}
+            if self.transport == "shm":
+                stream = engine_call(lambda: streaming.enter_context(_ShmStream(self.engine)))
             for bucket in self._plan:
                 made: dict[str, torch.Tensor] = {}
                 for entry in bucket:
@@ -104,16 +112,109 @@ class WeightSync:
                         offset += n
                 del made
                 _barrier()  # every write of this bucket has landed
-                engine_call(_load_bucket, self.engine, self.transport, buf, manifest)
+                if stream is not None:  # returns once the workers copied it out; they load it while the next is written
+                    engine_call(stream.send, buf, manifest)
+                else:
+                    engine_call(_load_bucket, self.engine, self.transport, buf, manifest)
                 _barrier()  # the engines hold this bucket: its buffers may be overwritten
                 stats["bytes"] += offset
                 stats["tensors"] += len(manifest)
                 stats["buckets"] += 1
-        engine_call(self.engine and self.engine.rpc, "moe_rl_finish_weight_update")
+            if stream is not None:
+                stats["engine_load_seconds"] = engine_call(stream.finish, stats["tensors"]) or 0.0
+        if self.transport != "shm":
+            engine_call(self.engine and self.engine.rpc, "moe_rl_finish_weight_update")
         engine_call(self.engine and self.engine.reset_prefix_cache)  # (multi-turn) no KV of the old weights
         if failed is not None:
             raise failed
         return {**stats, "seconds": time.perf_counter() - t0}
+
+
+class _ShmStream:
+    """The leader's end of the shm transport's bucket stream: the whole update is one engine call
+    (`moe_rl_load_shm_stream`: begin, every bucket, finish) instead of one per bucket, as verl streams its IPC
+    buckets over ZMQ. Each engine worker listens on a Unix socket in a private directory; the leader sends each
+    bucket's manifest (its tensors' offsets in the shared buffer), the worker copies the bucket out,
+    acknowledges, and loads it while the trainer writes the next one. A call per bucket cost a round trip
+    through vLLM's engine core and kept its message queues spinning (3x slower, docs/performance.md). A worker
+    that dies closes its socket: the leader's wait ends with the engine call's error."""
+
+    def __init__(self, engine):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.dir = tempfile.mkdtemp(prefix="moe-rl-sync-")  # 0700: only this user reaches the sockets
+        address, key = os.path.join(self.dir, "worker"), os.urandom(32)
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.call = self.pool.submit(engine.rpc, "moe_rl_load_shm_stream", address, key)
+        self.conns = []
+        try:
+            for rank in range(engine.cfg.tensor_parallel_size):
+                self.conns.append(self._connect(f"{address}.{rank}", key))
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def _connect(self, address: str, key: bytes):
+        from multiprocessing.connection import Client
+
+        while True:  # the worker's listener appears once the engine call reached it
+            try:
+                return Client(address, family="AF_UNIX", authkey=key)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if self.call.done():  # the engine call failed before listening (a refused update)
+                    self._engine_failed()
+                time.sleep(0.001)
+
+    def send(self, buf: _BucketBuffer, manifest: list) -> None:
+        """Hand every worker one bucket; returns when all of them copied it out of the buffer."""
+        for conn in self.conns:
+            conn.send((buf.path, buf.nbytes, manifest))
+        for conn in self.conns:
+            while not conn.poll(0.5):
+                if self.call.done():  # the engine call ended early (a worker failed or died)
+                    self._engine_failed()
+            try:
+                taken = conn.recv()
+            except EOFError:
+                self._engine_failed()
+            if taken != len(manifest):
+                raise RuntimeError(f"weight sync: an engine worker took {taken} of {len(manifest)} tensors")
+
+    def _engine_failed(self):
+        """Raise the engine call's error (it ended, or a worker hung up), with what was going on."""
+        from moe_rl.rollout.engine import RolloutEngineError
+
+        try:
+            self.call.result()
+        except RolloutEngineError:
+            raise
+        except Exception as e:
+            raise RolloutEngineError(f"weight sync: the engine failed during the update: {e}") from e
+        raise RolloutEngineError("weight sync: the engine stopped reading buckets before the last one")
+
+    def finish(self, tensors: int) -> float:
+        """End the stream; the workers' seconds in vLLM's load (max), after checking they loaded `tensors`."""
+        from moe_rl.rollout.engine import RolloutEngineError
+
+        for conn in self.conns:
+            conn.send(None)
+        if self.call.exception() is not None:
+            self._engine_failed()
+        answers = self.call.result()
+        if any(a["tensors"] != tensors for a in answers):
+            raise RolloutEngineError(
+                f"weight sync: engine workers loaded {[a['tensors'] for a in answers]} of {tensors} tensors"
+            )
+        return max(a["load_seconds"] for a in answers)
+
+    def __enter__(self) -> _ShmStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for conn in self.conns:  # a worker still reading sees the end of its stream (EOFError)
+            conn.close()
+        self.pool.shutdown(wait=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _barrier() -> None:
@@ -141,9 +242,7 @@ def _load_bucket(engine, transport: str, buf: _BucketBuffer, manifest: list) -> 
     """The engine loads one packed bucket (the last hop)."""
     from moe_rl.rollout.engine import RolloutEngineError
 
-    if transport == "shm":
-        loaded = engine.rpc("moe_rl_load_shm", buf.path, buf.nbytes, manifest)
-    elif transport == "cuda_ipc":
+    if transport == "cuda_ipc":
         from torch.multiprocessing.reductions import reduce_tensor
 
         torch.cuda.current_stream(buf.data.device).synchronize()  # the bucket's writes have landed
@@ -255,20 +354,29 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> d
     device = _buffer_device(transport)
     t0 = time.perf_counter()
     stats = {"bytes": 0, "tensors": 0, "buckets": 0}
-    engine.rpc("moe_rl_begin_weight_update")
-    for bucket in buckets(named_tensors, engine.cfg.weight_sync_bucket_mb * 2**20, lambda kv: _tensor_bytes(kv[1])):
-        manifest, offset = [], 0
-        for name, t in bucket:
-            manifest.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
-            offset += _tensor_bytes(t)
-        with _BucketBuffer(offset, device) as buf:
-            for (_, t), (_, _, _, off) in zip(bucket, manifest, strict=True):
-                buf.view(off, _tensor_bytes(t)).copy_(_raw(t, device))
-            _load_bucket(engine, transport, buf, manifest)
-        stats["bytes"] += offset
-        stats["tensors"] += len(bucket)
-        stats["buckets"] += 1
-    engine.rpc("moe_rl_finish_weight_update")
+    if transport != "shm":
+        engine.rpc("moe_rl_begin_weight_update")
+    with contextlib.ExitStack() as streaming:
+        stream = streaming.enter_context(_ShmStream(engine)) if transport == "shm" else None
+        for bucket in buckets(named_tensors, engine.cfg.weight_sync_bucket_mb * 2**20, lambda kv: _tensor_bytes(kv[1])):
+            manifest, offset = [], 0
+            for name, t in bucket:
+                manifest.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+                offset += _tensor_bytes(t)
+            with _BucketBuffer(offset, device) as buf:
+                for (_, t), (_, _, _, off) in zip(bucket, manifest, strict=True):
+                    buf.view(off, _tensor_bytes(t)).copy_(_raw(t, device))
+                if stream is not None:
+                    stream.send(buf, manifest)
+                else:
+                    _load_bucket(engine, transport, buf, manifest)
+            stats["bytes"] += offset
+            stats["tensors"] += len(bucket)
+            stats["buckets"] += 1
+        if stream is not None:
+            stream.finish(stats["tensors"])
+    if transport != "shm":
+        engine.rpc("moe_rl_finish_weight_update")
     return {**stats, "seconds": time.perf_counter() - t0}
 
 
@@ -321,14 +429,30 @@ class WeightReceiver:
         self.model_runner.get_model().load_weights(weights=tensors.items())
         return len(tensors)
 
-    def moe_rl_load_shm(self, path: str, nbytes: int, manifest: list) -> int:
-        """Load one bucket from the leader's shared-memory file. Copied out of the mapping first: the
-        layerwise reload keeps a layer's tensors until all of them arrived, possibly from a later
-        bucket, and the leader reuses the buffer for that bucket."""
-        data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        tensors = [(name, t.clone()) for name, t in _views(data, manifest)]
-        self.model_runner.get_model().load_weights(weights=tensors)
-        return len(tensors)
+    def moe_rl_load_shm_stream(self, address: str, key: bytes) -> dict:
+        """One whole weight update (begin, buckets, finish) from the buckets the leader announces on this
+        worker's socket (`_ShmStream`) as (shared-memory file, its size, manifest), until it says None: copy
+        each out of the mapping (the layerwise reload keeps a layer's tensors until all of them arrived,
+        possibly in a later bucket), acknowledge (the leader then reuses the buffer), load it while the leader
+        writes the next. Returns the tensors loaded and the seconds spent in vLLM's load and finish."""
+        from multiprocessing.connection import Listener
+
+        self.moe_rl_begin_weight_update()  # refuses before listening: the leader gets the error, not a hang
+        model = self.model_runner.get_model()
+        loaded, seconds = 0, 0.0
+        with Listener(f"{address}.{self.rank}", family="AF_UNIX", authkey=key) as listener:
+            with listener.accept() as conn:
+                while (bucket := conn.recv()) is not None:
+                    path, nbytes, manifest = bucket
+                    tensors = [(name, t.clone()) for name, t in _views(_map(path, nbytes), manifest)]
+                    conn.send(len(tensors))
+                    t0 = time.perf_counter()
+                    model.load_weights(weights=tensors)
+                    seconds += time.perf_counter() - t0
+                    loaded += len(tensors)
+        t0 = time.perf_counter()
+        self.moe_rl_finish_weight_update()
+        return {"tensors": loaded, "load_seconds": seconds + time.perf_counter() - t0}
 
     def moe_rl_load_cuda_ipc(self, handles: dict[str, tuple], manifest: list) -> int:
         """Load one bucket from the leader's device buffer (cuda_ipc; not yet run on a GPU). `handles`: the

@@ -193,7 +193,7 @@ def test_a_weight_sync_vllm_cannot_reload_is_refused_before_loading(engines, tin
 
     eng = engines("qwen3_moe_320e")
     ckpt = HFCheckpoint(tiny_models["qwen3_moe_320e"])
-    with pytest.raises(Exception, match=r"layers\.0\.mlp\.experts.*pads the expert FFN size 16 .* to 32"):
+    with pytest.raises(RolloutEngineError, match=r"layers\.0\.mlp\.experts.*pads the expert FFN size 16 .* to 32"):
         push_weights(eng, ((k, ckpt.get(k)) for k in ckpt.weight_map))
     assert eng.generate(_prompts(seed=2, count=1), SamplingConfig(n=1, max_tokens=2, seed=1)).response_ids  # alive
 
@@ -211,6 +211,12 @@ def test_small_buckets_and_dead_engine_gives_clear_error(tiny_models):
     stats = push_weights(eng, ((k, ckpt.get(k)) for k in ckpt.weight_map))
     assert stats["buckets"] >= 2  # ~1.5 MB of weights in 1 MiB buckets
     eng.health_check()
+    # a worker that fails mid-stream (a tensor vLLM does not know) ends the update with its error, no hang
+    named = [(k, ckpt.get(k)) for k in ckpt.weight_map]
+    t0 = time.time()
+    with pytest.raises(RolloutEngineError, match="weight sync: .*no_such_tensor"):
+        push_weights(eng, named[:-1] + [("model.layers.0.no_such_tensor.weight", torch.zeros(4))] + named[-1:])
+    assert time.time() - t0 < 60
     children = list(eng._procs)  # only the engine's: other children of this process are not ours to kill
     assert children, "engine core should run in a subprocess"
     for c in children:
