@@ -93,7 +93,8 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = 64
     """Upper bound of one weight-sync bucket."""
     weight_transport: str = "shm"
-    """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps; CPU) | rpc
+    """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps, the whole
+    update one engine call whose buckets are announced on a socket; CPU) | rpc
     (a safetensors blob through collective_rpc) | cuda_ipc (GPU, colocated: the bucket stays on the leader's
     device, the worker maps it by CUDA IPC handle) | nccl (GPU, workers on other devices than the leader's, e.g.
     rollout.tensor_parallel_size > 1: the leader broadcasts each bucket to them). cuda_ipc and nccl are not yet
