@@ -66,7 +66,7 @@ class Actor:
         from moe_rl.actor.model import ModelOptions, load_model
         from moe_rl.actor.optimizer import build_optimizer
         from moe_rl.actor.packing import check_packing_supported
-        from moe_rl.actor.replay import RouteReplay
+        from moe_rl.actor.replay import RouteReplay, rank_moe_layers
 
         a = cfg.actor
         self.cfg, self.model_path = a, model_path
@@ -85,7 +85,8 @@ class Actor:
         m = load_model(model_path, cfg.parallel, opts)
         self.chunks, self.conv, self.hf_config, self.layout = m.chunks, m.conv, m.hf_config, m.layout
         wants_replay = a.router_replay != "off" or record_routes
-        self.replay = RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if wants_replay else None
+        self.route_layers = rank_moe_layers(self.chunks, self.layout.moe_layers)  # this PP stage's route columns
+        self.replay = RouteReplay(self.chunks, self.route_layers, verify="count") if wants_replay else None
         self.ddp = None  # GPU, actor.distributed_optimizer: megatron's DDP wrappers of the chunks
         if a.distributed_optimizer:
             from moe_rl.actor.optimizer import build_distributed_optimizer
@@ -104,7 +105,7 @@ class Actor:
             ref = load_model(model_path, cfg.parallel, ref_opts).chunks
             for c in ref:
                 c.requires_grad_(False)
-            replay = RouteReplay(ref, self.layout.moe_layers, verify="count") if a.router_replay != "off" else None
+            replay = RouteReplay(ref, self.route_layers, verify="count") if a.router_replay != "off" else None
             self.reference = (ref, replay)
         self.exact = None  # trainer.true_on_policy on CPU: the forward through the engine's own ops
         if batch_invariant:

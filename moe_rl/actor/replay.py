@@ -52,6 +52,13 @@ def check_replay_supported(config) -> None:
         raise ValueError("routing replay cannot be used with " + "; ".join(problems))
 
 
+def rank_moe_layers(chunks: list[torch.nn.Module], moe_layers: list[int]) -> list[int]:
+    """The MoE layers whose routers are on this rank (its pipeline stage's), in route-column order: the route
+    columns this rank receives, replays and records (all of `moe_layers` without pipeline parallelism)."""
+    mine = {layer for layer, _ in model_routers(chunks)}
+    return [layer for layer in moe_layers if layer in mine]
+
+
 class RouterHook:
     """Stands in for `router.router_replay` on one router: idle, record or replay."""
 

@@ -57,7 +57,7 @@ class Critic:
 
         from moe_rl.actor.model import ModelOptions, load_model
         from moe_rl.actor.optimizer import build_optimizer
-        from moe_rl.actor.replay import RouteReplay
+        from moe_rl.actor.replay import RouteReplay, rank_moe_layers
 
         if router_replay not in ("r2", "off"):
             raise ValueError(f"critic.router_replay={router_replay!r}: choose r2 (its own values pass) or off")
@@ -74,7 +74,9 @@ class Critic:
                     c.config.hidden_size, old.sequence_parallel, ps.get_tensor_model_parallel_group()
                 )
         self.replay = (
-            RouteReplay(self.chunks, self.layout.moe_layers, verify="count") if router_replay == "r2" else None
+            RouteReplay(self.chunks, rank_moe_layers(self.chunks, self.layout.moe_layers), verify="count")
+            if router_replay == "r2"
+            else None
         )
         self.optimizer = build_optimizer(self.chunks, lr, cfg.actor.weight_decay, cfg.actor.grad_clip)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -68,6 +69,11 @@ class StepDiagnostics:
         from moe_rl.rollout import dump
 
         a, cfg = self.actor, self.cfg
+        # a dump holds every MoE layer's routes: each pipeline stage has its own layers' (collective over PP)
+        layers, moe_layers = a.route_layers, a.layout.moe_layers
+        padded = replace(padded, routes=all_layers(padded.routes, layers, moe_layers))
+        if views.get("routes_live") is not None:
+            views = {**views, "routes_live": all_layers(views["routes_live"], layers, moe_layers)}
         dump.write_rank(
             self.dump_dir,
             step,
@@ -84,6 +90,22 @@ class StepDiagnostics:
             policy_version=policy_version,
             turn_index=turn_index,
         )
+
+
+def all_layers(routes: torch.Tensor | None, layers: list[int], moe_layers: list[int]) -> torch.Tensor | None:
+    """`[B, T, len(layers), K]` routes of this pipeline stage's MoE `layers` -> every MoE layer's, gathered from
+    the other stages (which hold the same samples). Collective over the pipeline group unless it has one stage."""
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.actor.parallel import all_gather_objects
+
+    if routes is None or list(layers) == list(moe_layers):
+        return routes
+    col = {layer: i for i, layer in enumerate(moe_layers)}
+    out = torch.empty((*routes.shape[:2], len(moe_layers), routes.shape[3]), dtype=routes.dtype)
+    for stage_layers, part in all_gather_objects((list(layers), routes), ps.get_pipeline_model_parallel_group()):
+        out[:, :, [col[layer] for layer in stage_layers]] = part
+    return out
 
 
 def router_agreement(replay, padded, routes: torch.Tensor) -> float:

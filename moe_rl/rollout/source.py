@@ -52,17 +52,28 @@ class EngineSource:
     phase = "rollout"
 
     def __init__(
-        self, engine, groups, data, tokenizer, sampling, prompts_per_step: int, pad_multiple: int, may_stop, agent=None
+        self,
+        engine,
+        groups,
+        data,
+        tokenizer,
+        sampling,
+        prompts_per_step: int,
+        pad_multiple: int,
+        may_stop,
+        agent=None,
+        route_layers: list[int] | None = None,
     ):
         """`engine`: the RolloutEngine on an engine leader, None elsewhere; `groups`: EngineGroups;
         `may_stop`: context manager under which an engine failure during a stop signal ends the step
         instead of the run (Trainer._engine_may_stop); `agent`: the multi-turn AgentLoop on a leader
-        (rollout.multi_turn.env), which then samples instead of `engine.generate`."""
+        (rollout.multi_turn.env), which then samples instead of `engine.generate`; `route_layers`: the MoE layers
+        whose routes this rank replays (its pipeline stage's; None: all), the only ones the leader sends it."""
         if groups.is_leader != (engine is not None):
             raise ValueError(f"rank {dist.get_rank()}: an engine belongs on the engine leaders only ({groups})")
         self.engine, self.groups, self.data, self.tokenizer = engine, groups, data, tokenizer
         self.sampling, self.prompts_per_step, self.pad_multiple = sampling, prompts_per_step, pad_multiple
-        self.may_stop, self.agent = may_stop, agent
+        self.may_stop, self.agent, self.route_layers = may_stop, agent, route_layers
 
     def next(self, step: int) -> Rollout:
         prompts = self.data.next(self.prompts_per_step)
@@ -104,16 +115,16 @@ class EngineSource:
     def _sample(self, step: int, prompts: list):  # data.prompts.Prompt, tokenized once by the PromptSource
         """This data-parallel rank's samples (None if the engine stopped with a signal): the leader
         gathers the prompts of every data-parallel rank it serves, samples them in one call and
-        sends each rank its data-parallel rank's share."""
+        sends each rank its data-parallel rank's share, with the routes of that rank's MoE layers only."""
         g = self.groups
         mine = prompts if self.agent is not None else [p.ids for p in prompts]  # environments need the answers
-        asked = [(g.dp_rank, mine)]
+        asked = [(g.dp_rank, mine, self.route_layers)]
         if g.group is not None:
             asked = [None] * len(g.group_ranks) if g.is_leader else None
-            dist.gather_object((g.dp_rank, mine), asked, dst=g.leader, group=g.group)
+            dist.gather_object((g.dp_rank, mine, self.route_layers), asked, dst=g.leader, group=g.group)
         shares = None
         if g.is_leader:
-            by_dp = dict(asked)
+            by_dp = {d: p for d, p, _ in asked}
             prompts = [p for d in g.served for p in by_dp[d]]
             sampling = self.sampling
             if sampling.seed is not None:  # per step and data-parallel rank: reproducible after a resume
@@ -126,7 +137,10 @@ class EngineSource:
             parts = (
                 None if full is None else dict(zip(g.served, full.split_by_prompt(self.prompts_per_step), strict=True))
             )
-            shares = [None if parts is None else parts[d] for d, _ in asked]
+            shares = [
+                None if parts is None else parts[d].only_layers(full.moe_layers if layers is None else layers)
+                for d, _, layers in asked
+            ]
         if g.group is None:
             return shares[0]
         mine = [None]
@@ -143,12 +157,24 @@ class DumpSource:
 
     phase = "load_dump"
 
-    def __init__(self, dump_dir: Path, fingerprint: dict, group_size: int, mini_batches: int, router_replay: str):
+    def __init__(
+        self,
+        dump_dir: Path,
+        fingerprint: dict,
+        group_size: int,
+        mini_batches: int,
+        router_replay: str,
+        route_layers: list[int] | None = None,
+    ):
+        """`route_layers`: the MoE layers this rank replays (its pipeline stage's; None: all); a dump holds every
+        MoE layer's routes, the rank keeps these."""
         from moe_rl.rollout import dump
 
         self.steps = dump.step_folders(dump_dir)
         self.fingerprint, self.group_size = fingerprint, group_size
         self.mini_batches, self.router_replay = mini_batches, router_replay
+        layers = fingerprint["moe_layers"]
+        self.route_cols = None if route_layers in (None, layers) else [layers.index(x) for x in route_layers]
 
     def next(self, step: int) -> Rollout:
         from moe_rl.rollout import dump
@@ -170,6 +196,8 @@ class DumpSource:
         routes = tensors.get("routes")
         if self.router_replay == "r3" and routes is None:
             raise dump.DumpError(f"{folder}: actor.router_replay=r3 needs engine routes; the dump has none")
+        if routes is not None and self.route_cols is not None:
+            routes = routes[:, :, self.route_cols]
         b = tensors["input_ids"].shape[0]
         if b % self.mini_batches:
             raise dump.DumpError(

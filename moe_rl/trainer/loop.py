@@ -156,7 +156,12 @@ class Trainer:
         if cfg.trainer.mode == "from_dump":
             fingerprint = dump.model_fingerprint(a.hf_config, a.layout)
             source = DumpSource(
-                Path(cfg.trainer.dump_dir), fingerprint, cfg.sampling.n, cfg.actor.mini_batches, cfg.actor.router_replay
+                Path(cfg.trainer.dump_dir),
+                fingerprint,
+                cfg.sampling.n,
+                cfg.actor.mini_batches,
+                cfg.actor.router_replay,
+                route_layers=a.route_layers,
             )
             return source, None
         groups = engine_groups(cfg.rollout.engines, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
@@ -189,6 +194,7 @@ class Trainer:
             cfg.parallel.seq_multiple,
             self._engine_may_stop,
             agent,
+            route_layers=a.route_layers,
         )
         if cfg.trainer.max_staleness:
             source = AheadSource(source, cfg.trainer.max_staleness, cfg.trainer.steps, engine_cores)
@@ -208,7 +214,7 @@ class Trainer:
         cfg, b, layout = self.cfg, self.cfg.buffer, self.actor.layout
         seed = cfg.trainer.seed + 7919 * (1 + ps.get_data_parallel_rank())
         buffer = ReplayBuffer(b.capacity, b.max_age, b.priority, b.alpha, b.eps, b.fresh_fraction, seed)
-        filler = filler_row(len(layout.moe_layers), layout.topk, route_dtype(layout.num_experts))
+        filler = filler_row(len(self.actor.route_layers), layout.topk, route_dtype(layout.num_experts))
         return BufferSource(
             inner,
             buffer,

@@ -73,6 +73,22 @@ def _assert_same_step(got: dict, ref: dict, where: str) -> None:
     assert abs(got["actor/first_minibatch_ppo_kl"]) < 1e-4, where  # pi_theta == pi_old, every stage
 
 
+def _assert_dumps_hold_every_layer(step_dir: Path) -> None:
+    """Both pipeline stages' dumps hold the same samples' engine and live routes for every MoE layer (each stage
+    replayed only its own layers; the dump gathers the others), and the live routes are real on every layer."""
+    from moe_rl.rollout import dump
+    from moe_rl.routing.compare import route_sets_differ, routed_positions
+
+    (first, meta), (second, _) = (dump.read(f) for f in sorted(step_dir.glob("rank_*.safetensors")))
+    layers = len(meta["model"]["moe_layers"])
+    for key in ("routes", "routes_live"):
+        assert first[key].shape[2] == layers and (first[key] == second[key]).all(), key
+    valid = routed_positions(first["attention_mask"])
+    differ, _ = route_sets_differ(first["routes_live"][valid], first["routes"][valid])
+    agreement = 1 - differ.double().mean(0)  # per MoE layer: the actor's own routing vs the bf16 engine's
+    assert (agreement > 0.8).all(), agreement
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
     return _train(tmp_path_factory.mktemp("w1"), 1, ["trainer.steps=1"])[0]
@@ -80,7 +96,18 @@ def one_rank(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"])
 def test_tp2_pp2_and_cp2_learn_and_step_1_equals_one_rank(layout, one_rank, tmp_path):
-    history = _train(tmp_path, 2, [layout, "trainer.steps=20"])
+    pp = layout == "parallel.pp=2"  # each stage gets (and replays) its own layers' routes; dumps hold every layer's
+    history = _train(tmp_path, 2, [layout, "trainer.steps=20", *(["trainer.dump_every=10"] if pp else [])])
+    if pp:
+        _assert_dumps_hold_every_layer(tmp_path / "dumps" / "step_000000")
+        # training on those dumps under PP=2 (each stage keeps its layers' routes) repeats step 1's update
+        again = _train(
+            tmp_path / "from_dump",
+            2,
+            [layout, "trainer.steps=1", "trainer.mode=from_dump", f"trainer.dump_dir={tmp_path / 'dumps'}"],
+        )
+        for k in ("actor/grad_norm", "actor/entropy", "actor/clipfrac"):
+            assert again[0][k] == pytest.approx(history[0][k], rel=1e-6), k
     assert one_rank["mismatch/kl"] > 1e-4  # bf16 engine: a mismatch well above fp32 noise
     _assert_same_step(history[0], one_rank, layout)
     first = sum(h["reward/mean"] for h in history[:5]) / 5

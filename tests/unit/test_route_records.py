@@ -139,3 +139,11 @@ def test_rollout_batch_padding_aligns_tokens_logprobs_and_routes():
     assert p.routes.shape == (2, 8, 2, 2) and (p.routes[0, :5].numpy() == r0).all()
     # padding rows hold distinct ids (never duplicates, which break dispatchers)
     assert (p.routes[1, 3:].numpy() == [0, 1]).all()
+    # a pipeline stage gets its own MoE layers' routes only
+    stage = b.only_layers([2])
+    assert stage.moe_layers == [2] and [r.shape for r in stage.routes] == [(5, 1, 2), (3, 1, 2)]
+    assert (stage.routes[0][:, 0] == r0[:, 1]).all() and (stage.routes[1][:, 0] == r1[:, 1]).all()
+    assert stage.to_padded(pad_to_multiple=4).routes.shape == (2, 8, 1, 2)
+    assert b.only_layers([0, 2]) is b
+    with pytest.raises(ValueError, match=r"MoE layers \[1\] are not among the batch's route layers \[0, 2\]"):
+        b.only_layers([1])
