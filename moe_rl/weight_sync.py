@@ -31,6 +31,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -178,9 +179,11 @@ class _ShmStream:
             except EOFError:
                 self._engine_failed()
             if taken != len(manifest):
-                raise RuntimeError(f"weight sync: an engine worker took {taken} of {len(manifest)} tensors")
+                from moe_rl.rollout.engine import RolloutEngineError
 
-    def _engine_failed(self):
+                raise RolloutEngineError(f"weight sync: an engine worker took {taken} of {len(manifest)} tensors")
+
+    def _engine_failed(self) -> NoReturn:
         """Raise the engine call's error (it ended, or a worker hung up), with what was going on."""
         from moe_rl.rollout.engine import RolloutEngineError
 
