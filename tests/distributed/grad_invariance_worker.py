@@ -156,12 +156,13 @@ def run_variant(
     objective = Objective(cfg.algorithm, group_size=1)
 
     rows = local_rows(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    stage = [actor.layout.moe_layers.index(layer) for layer in actor.route_layers]  # PP: this stage's route columns
     padded = PaddedBatch(
         batch["input_ids"][rows],
         batch["attention_mask"][rows],
         batch["loss_mask"][rows],
         torch.zeros(len(rows), batch["input_ids"].shape[1]),
-        batch["routes"][rows],
+        batch["routes"][rows][:, :, stage],
     )
     old = actor.old_logprobs(padded)
     hot = compute_logprobs(
