@@ -98,13 +98,13 @@ def all_layers(routes: torch.Tensor | None, layers: list[int], moe_layers: list[
     from megatron.core import parallel_state as ps
 
     from moe_rl.actor.parallel import all_gather_objects
+    from moe_rl.routing.layout import layer_columns
 
     if routes is None or list(layers) == list(moe_layers):
         return routes
-    col = {layer: i for i, layer in enumerate(moe_layers)}
     out = torch.empty((*routes.shape[:2], len(moe_layers), routes.shape[3]), dtype=routes.dtype)
     for stage_layers, part in all_gather_objects((list(layers), routes), ps.get_pipeline_model_parallel_group()):
-        out[:, :, [col[layer] for layer in stage_layers]] = part
+        out[:, :, layer_columns(stage_layers, moe_layers)] = part
     return out
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from moe_rl.routing.layout import layer_columns
 from moe_rl.routing.records import filler_row, route_dtype
 
 
@@ -79,10 +80,7 @@ class RolloutBatch:
         """The batch with the routes of `layers` only (a pipeline stage's MoE layers, in route-column order)."""
         if self.routes is None or list(layers) == list(self.moe_layers):
             return self
-        col = {layer: i for i, layer in enumerate(self.moe_layers)}
-        if unknown := [layer for layer in layers if layer not in col]:
-            raise ValueError(f"MoE layers {unknown} are not among the batch's route layers {self.moe_layers}")
-        cols = [col[layer] for layer in layers]
+        cols = layer_columns(layers, self.moe_layers)
         return replace(self, routes=[r[:, cols] for r in self.routes], moe_layers=list(layers))
 
     def to_padded(self, pad_id: int = 0, pad_to_multiple: int = 1, min_length: int = 0) -> PaddedBatch:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from moe_rl.actor.parallel import world_max
 from moe_rl.rollout.batch import PaddedBatch
+from moe_rl.routing.layout import layer_columns
 
 
 class StepAbandoned(Exception):
@@ -174,7 +175,7 @@ class DumpSource:
         self.fingerprint, self.group_size = fingerprint, group_size
         self.mini_batches, self.router_replay = mini_batches, router_replay
         layers = fingerprint["moe_layers"]
-        self.route_cols = None if route_layers in (None, layers) else [layers.index(x) for x in route_layers]
+        self.route_cols = None if route_layers in (None, layers) else layer_columns(route_layers, layers)
 
     def next(self, step: int) -> Rollout:
         from moe_rl.rollout import dump

@@ -46,6 +46,15 @@ def rank_positions(
     return pos
 
 
+def layer_columns(layers: list[int], moe_layers: list[int]) -> list[int]:
+    """The route columns of `layers` (e.g. one pipeline stage's MoE layers) in routes whose columns are
+    `moe_layers`."""
+    col = {layer: i for i, layer in enumerate(moe_layers)}
+    if unknown := [layer for layer in layers if layer not in col]:
+        raise ValueError(f"MoE layers {unknown} are not among the route layers {list(moe_layers)}")
+    return [col[layer] for layer in layers]
+
+
 def slice_sequence(x: Array, positions: np.ndarray) -> Array:
     """x[:, positions] for `[b, T, ...]` arrays or tensors."""
     if isinstance(x, torch.Tensor):

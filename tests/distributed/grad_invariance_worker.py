@@ -122,6 +122,7 @@ def run_variant(
     from moe_rl.objectives.corrections import IcePopConfig, SeqMaskConfig
     from moe_rl.objectives.policy_loss import GSPOConfig, PPOConfig
     from moe_rl.rollout.batch import PaddedBatch
+    from moe_rl.routing.layout import layer_columns
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     parallel = ParallelConfig(
@@ -156,7 +157,7 @@ def run_variant(
     objective = Objective(cfg.algorithm, group_size=1)
 
     rows = local_rows(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-    stage = [actor.layout.moe_layers.index(layer) for layer in actor.route_layers]  # PP: this stage's route columns
+    stage = layer_columns(actor.route_layers, actor.layout.moe_layers)  # PP: this stage's route columns
     padded = PaddedBatch(
         batch["input_ids"][rows],
         batch["attention_mask"][rows],

@@ -145,5 +145,5 @@ def test_rollout_batch_padding_aligns_tokens_logprobs_and_routes():
     assert (stage.routes[0][:, 0] == r0[:, 1]).all() and (stage.routes[1][:, 0] == r1[:, 1]).all()
     assert stage.to_padded(pad_to_multiple=4).routes.shape == (2, 8, 1, 2)
     assert b.only_layers([0, 2]) is b
-    with pytest.raises(ValueError, match=r"MoE layers \[1\] are not among the batch's route layers \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"MoE layers \[1\] are not among the route layers \[0, 2\]"):
         b.only_layers([1])
