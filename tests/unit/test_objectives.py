@@ -337,6 +337,7 @@ def _verl_kl_penalty(logprob, ref_logprob, kind):
 
 def test_low_var_kl_is_verls():
     logp, old, _, _, _ = _rand_batch(5, 8, scale=3.0)  # log-ratios large enough to reach the clamp
+    logp[0, 0] = old[0, 0] - 3.0  # and one surely does (k3 = e^3 - 4 = 16)
     assert (O.kl_penalty(logp, old, "k3") > 10).any()
     assert torch.equal(O.kl_penalty(logp, old, "low_var_kl"), _verl_kl_penalty(logp, old, "low_var_kl"))
     assert torch.equal(O.kl_penalty(logp, old, "k1"), _verl_kl_penalty(logp, old, "kl"))
@@ -396,6 +397,7 @@ def test_kl_in_reward_takes_the_shaped_total_from_each_reward():
 def test_mismatch_metrics_match_definitions():
     _, old, roll, mask, _ = _rand_batch(6, 9, seed=None)
     same = torch.rand(old.shape) < 0.3
+    same[0, 1], same[2, 1] = True, False  # response tokens of both kinds whatever the draw (position 1 of rows 0, 2)
     roll = torch.where(same, old, roll)  # some tokens bitwise equal
     roll = torch.where(mask.bool(), roll, roll + 100.0)  # a padding position's difference never counts
     got = {k: float(v) for k, v in O.mismatch_metrics(old, roll, mask).items()}

@@ -60,17 +60,23 @@ def test_nan_loss_skips_the_step_and_leaves_weights_unchanged(actor):
 def test_nan_gradient_with_a_finite_loss_is_skipped_then_training_goes_on(actor):
     chunks, opt, batch = actor
     before = _params(chunks)
-    name, expert = next((n, p) for n, p in chunks[0].named_parameters() if ".mlp.experts." in n)
-    handle = expert.register_hook(lambda g: g * float("nan"))  # one parameter's gradient only
+    # layer 0's experts' fc1 gradients only; every real token picks 2 of them, so some get a gradient (one
+    # expert alone was unused by about 1 random batch in 100: Adam then left it unchanged after the next step)
+    hooked = {
+        n: p for n, p in chunks[0].named_parameters() if ".layers.0.mlp.experts." in n and n.endswith("fc1.weight")
+    }
+    assert len(hooked) > 1, sorted(n for n, _ in chunks[0].named_parameters())
+    handles = [p.register_hook(lambda g: g * float("nan")) for p in hooked.values()]
     m = train_minibatch(chunks, opt, batch, _loss, micro_batch_size=2)
-    handle.remove()
-    assert m["skipped"] == 1.0, name
+    for handle in handles:
+        handle.remove()
+    assert m["skipped"] == 1.0, sorted(hooked)
     assert all(torch.equal(before[k], v) for k, v in _params(chunks).items())
 
     m = train_minibatch(chunks, opt, batch, _loss, micro_batch_size=2)  # the next, finite step applies
     assert m["skipped"] == 0.0 and math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
     changed = [k for k, v in _params(chunks).items() if not torch.equal(before[k], v)]
-    assert name in changed and all(torch.isfinite(p).all() for p in chunks[0].parameters())
+    assert any(n in changed for n in hooked) and all(torch.isfinite(p).all() for p in chunks[0].parameters())
 
 
 def test_skip_counter_stops_after_the_configured_consecutive_skips():
