@@ -1,4 +1,6 @@
-"""A real single-node Slurm on localhost for tests (Debian's slurm-wlm and munge).
+"""A real Slurm on localhost for tests (Debian's slurm-wlm and munge): one slurmctld and two slurmd
+daemons, nodes n1 and n2 (`NodeHostname` this host, `NodeAddr` 127.0.0.1, a port each), so a job can
+span two nodes on one machine.
 
 `LocalSlurm.start()` raises `SlurmUnavailable` with the reason when Slurm cannot start here
 (not installed, not root); the test then skips with that reason.
@@ -35,16 +37,17 @@ JobAcctGatherType=jobacct_gather/none
 ReturnToService=2
 MpiDefault=none
 SlurmctldPort={ctld_port}
-SlurmdPort={d_port}
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
-NodeName={host} CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile={root}/slurmd-%n.log
+NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={port_1} CPUs={cpus} State=UNKNOWN
+NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={port_2} CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 """
+NODES = ("n1", "n2")
 
 
 def _free_port() -> int:
@@ -69,21 +72,21 @@ class LocalSlurm:
         for sub in ("state", "spool"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname().split(".")[0]
-        self.conf.write_text(
-            CONF.format(host=host, cpus=os.cpu_count(), root=self.root, ctld_port=_free_port(), d_port=_free_port())
-        )
-        for daemon in ("slurmctld", "slurmd"):
-            subprocess.run([daemon, "-f", str(self.conf)], env=self.env, check=True, timeout=30)
+        ports = dict(ctld_port=_free_port(), port_1=_free_port(), port_2=_free_port())
+        self.conf.write_text(CONF.format(host=host, cpus=os.cpu_count(), root=self.root, **ports))
+        subprocess.run(["slurmctld", "-f", str(self.conf)], env=self.env, check=True, timeout=30)
+        for node in NODES:  # `-N`: the slurmd of that node name (both on this host)
+            subprocess.run(["slurmd", "-f", str(self.conf), "-N", node], env=self.env, check=True, timeout=30)
         deadline = time.time() + timeout
         state = ""
         while time.time() < deadline:
             out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
             state = out.stdout.strip()
-            if state == "idle":
+            if state == "idle":  # every node (sinfo prints each state once)
                 return self
             time.sleep(1)
         self.stop()
-        raise SlurmUnavailable(f"the local node did not become idle (sinfo: {state!r}); see {self.root}/*.log")
+        raise SlurmUnavailable(f"the local nodes did not become idle (sinfo: {state!r}); see {self.root}/*.log")
 
     def _start_munge(self) -> None:
         key = Path("/etc/munge/munge.key")
@@ -99,10 +102,13 @@ class LocalSlurm:
             shutil.chown(d, "munge", "munge")
         subprocess.run(["runuser", "-u", "munge", "--", "munged", "--force"], check=True, timeout=30)
 
-    def sbatch(self, args: list[str], cwd: Path) -> int:
+    def sbatch(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> int:
+        """Submit; `env`: variables for this job only (sbatch passes its environment on to the job)."""
         out = subprocess.run(
-            ["sbatch", "--parsable", *args], cwd=cwd, env=self.env, capture_output=True, text=True, check=True
+            ["sbatch", "--parsable", *args], cwd=cwd, env={**self.env, **(env or {})}, capture_output=True, text=True
         )
+        if out.returncode:
+            raise RuntimeError(f"sbatch {args} failed ({out.returncode}): {out.stderr.strip()}")
         return int(out.stdout.strip().split(";")[0])
 
     def node_state(self) -> str:
@@ -116,10 +122,19 @@ class LocalSlurm:
                 return field.split("=", 1)[1]
         return "UNKNOWN"
 
+    def nodes_that_ran(self, job: int) -> list[str]:
+        """The nodes whose slurmd launched a step of `job` (their logs: `launch task StepId=<job>.<step>`)."""
+        ran = []
+        for node in NODES:
+            log = self.root / f"slurmd-{node}.log"
+            if log.is_file() and f"launch task StepId={job}." in log.read_text(errors="replace"):
+                ran.append(node)
+        return ran
+
     def log_tails(self, lines: int = 30) -> str:
         """The last lines of the daemons' logs: why a job failed when its own log says nothing."""
         out = []
-        for name in ("slurmctld.log", "slurmd.log"):
+        for name in ("slurmctld.log", *(f"slurmd-{n}.log" for n in NODES)):
             path = self.root / name
             text = path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else ["(missing)"]
             out.append(f"--- {name}\n" + "\n".join(text))
@@ -136,7 +151,7 @@ class LocalSlurm:
         return "TIMEOUT (test)"
 
     def stop(self) -> None:
-        for name in ("slurmd", "slurmctld"):
+        for name in (*(f"slurmd-{n}" for n in NODES), "slurmctld"):
             pid_file = self.root / f"{name}.pid"
             if pid_file.is_file():
                 try:

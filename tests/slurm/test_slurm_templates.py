@@ -1,9 +1,13 @@
-"""The single-node sbatch template under a real Slurm on localhost: a time-limit style stop
-signal must checkpoint, requeue the job and resume it to completion."""
+"""The sbatch templates under a real Slurm on localhost (two slurmd nodes on one host,
+tests/slurm/local_cluster.py): a time-limit style stop signal must checkpoint, requeue the
+single-node job and resume it to completion; the multi-node template must run one torchrun agent
+per node and train exactly what the single-node job trains with the same ranks."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -14,6 +18,10 @@ from tests.conftest import REPO
 from tests.slurm.local_cluster import LocalSlurm, SlurmUnavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow, pytest.mark.isolated]
+
+COMMON = ["trainer.checkpoint_every=0", "logging.wandb.mode=disabled"]
+EXACT = ("reward/mean", "response/length_mean")  # same samples
+CLOSE = ("actor/grad_norm", "actor/entropy", "actor/clipfrac", "actor/ppo_kl")
 
 
 @pytest.fixture(scope="module")
@@ -27,20 +35,13 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def _submit(slurm, monkeypatch, tmp_path: Path, run_dir: Path, overrides: list[str]) -> int:
-    """The job gets the environment sbatch runs with (slurm.env): set there for this test only,
-    so neither os.environ nor the module's cluster keeps it."""
-    job_env = dict(NPROC="2", RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", VLLM_CONFIGURE_LOGGING="0")
-    if "PYTHONWARNINGS" not in slurm.env:
-        job_env["PYTHONWARNINGS"] = "ignore"
-    for key, value in job_env.items():
-        monkeypatch.setitem(slurm.env, key, value)
-    log = tmp_path / "job-%j.out"
-    return slurm.sbatch([f"--output={log}", "launch/slurm/single_node.sbatch", *overrides], cwd=REPO)
+def _job_env(run_dir: Path, nproc: int) -> dict[str, str]:
+    env = dict(NPROC=str(nproc), RUN_DIR=str(run_dir), OMP_NUM_THREADS="1", VLLM_CONFIGURE_LOGGING="0")
+    return env if "PYTHONWARNINGS" in os.environ else {**env, "PYTHONWARNINGS": "ignore"}
 
 
-def _job_log(tmp_path: Path, job: int) -> str:
-    path = tmp_path / f"job-{job}.out"
+def _job_log(log_dir: Path, job: int) -> str:
+    path = log_dir / f"job-{job}.out"
     return path.read_text() if path.is_file() else "(no job log)"
 
 
@@ -49,31 +50,27 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def test_stop_signal_checkpoints_requeues_and_resumes(slurm, monkeypatch, tmp_path):
-    """`scancel --batch --signal=TERM` is what `--signal=B:TERM@120` delivers before a time
-    limit: the batch shell forwards it, the trainer checkpoints, the job requeues itself and
-    the second start resumes from the checkpoint to the last step."""
-    run_dir = tmp_path / "run"
-    job = _submit(
-        slurm,
-        monkeypatch,
-        tmp_path,
-        run_dir,
-        ["trainer.steps=5", "trainer.checkpoint_every=0", "logging.wandb.mode=disabled"],
-    )
+@pytest.fixture(scope="module")
+def requeued(slurm, tmp_path_factory) -> dict:
+    """single_node.sbatch on 2 ranks for 5 steps, stopped once by `scancel --batch --signal=TERM` (what
+    `--signal=B:TERM@120` delivers before a time limit) after its first step."""
+    log_dir = tmp_path_factory.mktemp("single_node")
+    run_dir = log_dir / "run"
+    args = [f"--output={log_dir / 'job-%j.out'}", "launch/slurm/single_node.sbatch", "trainer.steps=5", *COMMON]
+    job = slurm.sbatch(args, cwd=REPO, env=_job_env(run_dir, 2))
     deadline = time.time() + 600
     while not _metrics(run_dir) and time.time() < deadline:
         time.sleep(1)
-    assert _metrics(run_dir), _job_log(tmp_path, job)
+    assert _metrics(run_dir), _job_log(log_dir, job)
     subprocess.run(["scancel", "--batch", "--signal=TERM", str(job)], env=slurm.env, check=True)
     # Requeued: pending again, then running with a restart count, then complete.
-    state, hurried = "RUNNING", False
+    state, hurried, restarts = "RUNNING", False, ""
     while time.time() < deadline:
         state = slurm.job_state(job)
         restarts = subprocess.run(
             ["scontrol", "show", "job", str(job)], env=slurm.env, capture_output=True, text=True
         ).stdout
-        # Hurry only once the node has finished cleaning up the first attempt, and start a few seconds
+        # Hurry only once the nodes have finished cleaning up the first attempt, and start a few seconds
         # later: slurmd revokes the first attempt's credential at the requeue, with one-second
         # resolution, and refuses a new one issued in that same second ("Job credential revoked":
         # the job then fails before its script starts).
@@ -86,10 +83,40 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, monkeypatch, tmp_pa
         if state in ("FAILED", "CANCELLED", "TIMEOUT") or (state == "COMPLETED" and "Restarts=0" in restarts):
             break
         time.sleep(2)
-    text = _job_log(tmp_path, job)
+    return dict(job=job, state=state, restarts=restarts, text=_job_log(log_dir, job), metrics=_metrics(run_dir))
+
+
+def test_stop_signal_checkpoints_requeues_and_resumes(slurm, requeued):
+    """The batch shell forwards the signal, the trainer checkpoints, the job requeues itself and the
+    second start resumes from the checkpoint to the last step."""
+    job, state, restarts, text = (requeued[k] for k in ("job", "state", "restarts", "text"))
     assert state == "COMPLETED", f"{state}\n{restarts}\n{text[-6000:]}\n{slurm.log_tails()}"
     assert "Restarts=1" in restarts, f"job was not requeued:\n{text[-6000:]}"
     assert "resumed from" in text and "(restart 1)" in text, text[-6000:]
     assert f"[moe-rl] job {job} on" in text
-    steps = [m["step"] for m in _metrics(run_dir)]
+    steps = [m["step"] for m in requeued["metrics"]]
     assert steps[-1] == 5 and sorted(set(steps)) == [1, 2, 3, 4, 5], steps
+
+
+def test_multi_node_template_runs_an_agent_per_node_and_trains_what_one_node_does(slurm, requeued, tmp_path):
+    """multi_node.sbatch on nodes n1 and n2 (one rank each; c10d rendezvous at the head node's NodeAddr,
+    since the node names do not resolve): each node's slurmd launches the step, and step 1 samples and
+    updates exactly as the single-node job's 2 ranks did (the same data-parallel layout)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    args = [f"--output={tmp_path / 'job-%j.out'}", "launch/slurm/multi_node.sbatch", "trainer.steps=2", *COMMON]
+    job = slurm.sbatch(args, cwd=REPO, env={**_job_env(run_dir, 1), "RDZV_PORT": str(port)})
+    state = slurm.wait(job, timeout=600)
+    text = _job_log(tmp_path, job)
+    assert state == "COMPLETED", f"{state}\n{text[-6000:]}\n{slurm.log_tails()}"
+    assert f"[moe-rl] job {job}: 2 nodes x 1 ranks, rendezvous n1 (127.0.0.1):{port}" in text, text[-6000:]
+    assert slurm.nodes_that_ran(job) == ["n1", "n2"], slurm.log_tails()
+    got = _metrics(run_dir)
+    assert [m["step"] for m in got] == [1, 2], got
+    ref = next(m for m in requeued["metrics"] if m["step"] == 1)
+    for k in EXACT:
+        assert got[0][k] == ref[k], f"{k}: two nodes {got[0][k]} vs one node {ref[k]}"
+    for k in CLOSE:
+        assert got[0][k] == pytest.approx(ref[k], rel=1e-5), f"{k}: two nodes {got[0][k]} vs one node {ref[k]}"
