@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def hf_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """HF logits [B, T, V] and each MoE layer's router top-k ids {layer: [B, T, K]}."""
+def hf_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, margins: dict | None = None):
+    """HF logits [B, T, V] and each MoE layer's router top-k ids {layer: [B, T, K]}; with `margins` (a dict)
+    also each token's distance from a routing tie there ({layer: [B, T]}, `router_margin`)."""
     topk: dict[int, torch.Tensor] = {}
     hooks = []
     b, t = input_ids.shape
@@ -14,8 +15,10 @@ def hf_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         if _is_router(module):
             layer = int(name.split("layers.")[1].split(".")[0])
 
-            def hook(_m, _inp, out, layer=layer):
+            def hook(m, _inp, out, layer=layer):
                 topk[layer] = out[2].reshape(b, t, -1)  # HF flattens [B, T] as b * T + t
+                if margins is not None:
+                    margins[layer] = router_margin(m, out[0]).reshape(b, t)
 
             hooks.append(module.register_forward_hook(hook))
     try:
@@ -25,6 +28,45 @@ def hf_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         for h in hooks:
             h.remove()
     return logits, topk
+
+
+def router_margin(router, logits: torch.Tensor) -> torch.Tensor:
+    """[N] how far each token's top-k choice by an HF top-k router is from a tie: the gap between its k-th and
+    (k+1)-th selection scores (softmax probabilities; sigmoid scores + bias within the chosen groups), and for
+    group-limited routers also between the last chosen and the first unchosen group. Implementations that
+    round differently (vLLM, megatron: ~1e-6) may choose otherwise only where it is about that small."""
+
+    def gap(x: torch.Tensor, k: int) -> torch.Tensor:
+        top = x.topk(k + 1, dim=-1).values
+        return top[:, k - 1] - top[:, k]
+
+    logits = logits.float()
+    if not hasattr(router, "e_score_correction_bias"):
+        return gap(logits.softmax(-1), router.top_k)
+    scores = logits.sigmoid() + router.e_score_correction_bias.float()
+    n, groups = scores.shape[0], router.num_group
+    group_scores = scores.view(n, groups, -1).topk(2, dim=-1).values.sum(-1)
+    margin = torch.full((n,), float("inf"))
+    if router.topk_group < groups:
+        margin = gap(group_scores, router.topk_group)
+    chosen = torch.zeros_like(group_scores, dtype=torch.bool)
+    chosen.scatter_(1, group_scores.topk(router.topk_group, dim=-1).indices, True)
+    allowed = chosen[:, :, None].expand(n, groups, scores.shape[1] // groups).reshape(n, -1)
+    return torch.minimum(margin, gap(scores.masked_fill(~allowed, float("-inf")), router.top_k))
+
+
+def untied_batch(model, vocab_size: int, batch: int, length: int, seed: int, min_margin: float = 2e-4, tries: int = 30):
+    """`random_batch` redrawn (seed, seed + 1, ...) until no real token of any MoE layer is within `min_margin`
+    of a routing tie under `model` (HF), so that an exact top-k comparison with another implementation tests
+    the mapping, not float rounding (a draw with such a token came about 1 in 1000 per layer and batch).
+    Returns ids, mask, HF logits, HF top-k and the seed used."""
+    for s in range(seed, seed + tries):
+        ids, mask = random_batch(vocab_size, batch=batch, length=length, seed=s)
+        margins: dict[int, torch.Tensor] = {}
+        logits, topk = hf_forward(model, ids, mask, margins)
+        if all(m[mask.bool()].min() >= min_margin for m in margins.values()):
+            return ids, mask, logits, topk, s
+    raise AssertionError(f"no batch without a routing near-tie (margin < {min_margin}) in seeds {seed}..{s}")
 
 
 def load_hf(path: str, dtype=torch.float32):

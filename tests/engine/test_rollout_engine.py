@@ -25,25 +25,38 @@ def _prompts(seed: int, count: int = 8, vocab: int = 500) -> list[list[int]]:
     ]
 
 
-def _compare_with_hf(batch, hf, moe_layers):
-    """(route rows differing as sets, rows compared, max |log mu - log p_HF|) over the batch."""
-    bad = rows = 0
+def _compare_with_hf(batch, hf, moe_layers, tie_margin: float = 1e-4, max_ties: int = 2):
+    """(route rows differing as sets, rows compared, max |log mu - log p_HF|) over the batch.
+
+    A differing row where HF's own choice is within `tie_margin` of a tie (tests.reference.router_margin:
+    float rounding, ~1e-6, decides those) is not counted, nor is its sample's log-prob (its later tokens
+    follow another expert); at most `max_ties` such rows are allowed (about 1 in 1000 batches has one)."""
+    bad = rows = ties = 0
     lp_diff = 0.0
     for i in range(len(batch)):
         ids = torch.tensor([batch.prompt_ids[i] + batch.response_ids[i]])
         t = ids.shape[1]
-        logits, topk = hf_forward(hf, ids, torch.ones_like(ids))
+        margins: dict[int, torch.Tensor] = {}
+        logits, topk = hf_forward(hf, ids, torch.ones_like(ids), margins)
         assert batch.routes[i].shape == (t, len(moe_layers), batch.topk)
+        tied = 0
         for col, layer in enumerate(moe_layers):
             ref = topk[layer][0, : t - 1].sort(-1).values
             got = torch.from_numpy(batch.routes[i][: t - 1, col].astype(np.int64)).sort(-1).values
-            bad += int((ref != got).any(-1).sum())
+            differ = (ref != got).any(-1)
+            near_tie = margins[layer][0, : t - 1] < tie_margin
+            tied += int((differ & near_tie).sum())
+            bad += int((differ & ~near_tie).sum())
             rows += t - 1
         # last row: filled with distinct ids 0..K-1 (the token never went through the engine)
         assert (batch.routes[i][t - 1] == np.arange(batch.topk)).all()
+        ties += tied
+        if tied:
+            continue
         p = len(batch.prompt_ids[i])
         ref_lp = torch.log_softmax(logits[0].float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0][p - 1 :]
         lp_diff = max(lp_diff, (ref_lp - torch.from_numpy(batch.rollout_logprobs[i])).abs().max().item())
+    assert ties <= max_ties, f"{ties} route rows differ at near-ties (HF margin < {tie_margin}): more than rounding"
     return bad, rows, lp_diff
 
 
@@ -169,7 +182,7 @@ def test_bf16_route_mismatch_is_reported(engines, tiny_models):
     """bf16 engine vs fp32 transformers on the same tokens: the mismatch replay removes."""
     eng = engines("qwen3_moe", "bfloat16")
     batch = eng.generate(_prompts(seed=9, count=8), SamplingConfig(n=4, max_tokens=12, seed=4))
-    bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(tiny_models["qwen3_moe"])), eng.moe_layers)
+    bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(tiny_models["qwen3_moe"])), eng.moe_layers, tie_margin=0)
     print(
         f"\nbf16 engine vs fp32 reference: {bad}/{rows} token-layers route to a different expert set "
         f"({bad / rows:.2%}); max |log mu - log p_fp32| = {lp_diff:.3f}"

@@ -13,7 +13,7 @@ from moe_rl.actor.model import build_model, check_divisibility, load_hf_config
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.replay import record_topk
 from moe_rl.actor.weights import HFCheckpoint, export_hf_state_dict, load_hf_weights
-from tests.reference import hf_forward, load_hf, random_batch
+from tests.reference import load_hf, untied_batch
 
 
 def _actor(path):
@@ -37,8 +37,7 @@ def _megatron_logits_and_topk(chunks, ids, mask):
 def test_logits_logprobs_and_router_topk_match_transformers(arch, tiny_models, world1):
     path = tiny_models[arch]
     cfg, chunks, conv = _actor(path)
-    ids, mask = random_batch(cfg.vocab_size, batch=5, length=17, seed=torch.seed() % 2**31)
-    ref_logits, ref_topk = hf_forward(load_hf(path), ids, mask)
+    ids, mask, ref_logits, ref_topk, _ = untied_batch(load_hf(path), cfg.vocab_size, 5, 17, torch.seed() % 2**31)
     logits, topk = _megatron_logits_and_topk(chunks, ids, mask)
     real = mask.bool()
     logits = logits[..., : cfg.vocab_size]
@@ -175,8 +174,7 @@ def test_world_size_must_fit_layout():
 
 
 def _assert_logits_and_topk_match_transformers(path, cfg, chunks, length: int) -> None:
-    ids, mask = random_batch(cfg.vocab_size, batch=3, length=length, seed=torch.seed() % 2**31)
-    ref_logits, ref_topk = hf_forward(load_hf(path), ids, mask)
+    ids, mask, ref_logits, ref_topk, _ = untied_batch(load_hf(path), cfg.vocab_size, 3, length, torch.seed() % 2**31)
     logits, topk = _megatron_logits_and_topk(chunks, ids, mask)
     real = mask.bool()
     scale = ref_logits[real].abs().max().item()
