@@ -133,7 +133,8 @@ def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, wor
     cfg = TrainConfig()
     cfg.actor.router_replay, cfg.actor.mini_batches, cfg.actor.lr = "off", 2, 3e-2
     seed = int(torch.randint(0, 2**31, ()).item())
-    adv, noise = torch.randn(8), 0.3 * torch.randn(8, 14)
+    g = torch.Generator().manual_seed(seed)  # the seed in a failure message reproduces the whole draw
+    adv, noise = torch.randn(8, generator=g), 0.3 * torch.randn(8, 14, generator=g)
     weights, seen = [], {}
     for prox_logp in ("recompute", "loglinear"):
         cfg.algorithm.prox_logp = prox_logp
