@@ -85,7 +85,7 @@ class WeightSync:
         stream = None  # shm: the whole update is one engine call, the buckets follow over a socket
         if self.transport != "shm":
             engine_call(self.engine and self.engine.rpc, "moe_rl_begin_weight_update")
-        stats = {"bytes": 0, "tensors": 0, "buckets": 0, "engine_load_seconds": 0.0}
+        stats = {"bytes": 0, "tensors": 0, "buckets": 0}
         device = _buffer_device(self.transport)
         with _BucketBuffer(size if lead else 0, device) as buf, contextlib.ExitStack() as streaming:
             paths = dict(enumerate(all_gather_objects(buf.path if lead else None)))
@@ -122,7 +122,7 @@ class WeightSync:
                 stats["tensors"] += len(manifest)
                 stats["buckets"] += 1
             if stream is not None:
-                stats["engine_load_seconds"] = engine_call(stream.finish, stats["tensors"]) or 0.0
+                stats |= engine_call(stream.finish, stats["tensors"]) or {}
         if self.transport != "shm":
             engine_call(self.engine and self.engine.rpc, "moe_rl_finish_weight_update")
         engine_call(self.engine and self.engine.reset_prefix_cache)  # (multi-turn) no KV of the old weights
@@ -195,8 +195,9 @@ class _ShmStream:
             raise RolloutEngineError(f"weight sync: the engine failed during the update: {e}") from e
         raise RolloutEngineError("weight sync: the engine stopped reading buckets before the last one")
 
-    def finish(self, tensors: int) -> float:
-        """End the stream; the workers' seconds in vLLM's load (max), after checking they loaded `tensors`."""
+    def finish(self, tensors: int) -> dict[str, float]:
+        """End the stream, after checking the workers loaded `tensors`; the seconds they spent in vLLM's load
+        (`engine_load_seconds`, repack included) and in the CPU experts' repack alone (max over workers)."""
         from moe_rl.rollout.engine import RolloutEngineError
 
         for conn in self.conns:
@@ -208,7 +209,10 @@ class _ShmStream:
             raise RolloutEngineError(
                 f"weight sync: engine workers loaded {[a['tensors'] for a in answers]} of {tensors} tensors"
             )
-        return max(a["load_seconds"] for a in answers)
+        return {
+            "engine_load_seconds": max(a["load_seconds"] for a in answers),
+            "engine_repack_seconds": max(a["repack_seconds"] for a in answers),
+        }
 
     def __enter__(self) -> _ShmStream:
         return self
@@ -437,7 +441,8 @@ class WeightReceiver:
         worker's socket (`_ShmStream`) as (shared-memory file, its size, manifest), until it says None: copy
         each out of the mapping (the layerwise reload keeps a layer's tensors until all of them arrived,
         possibly in a later bucket), acknowledge (the leader then reuses the buffer), load it while the leader
-        writes the next. Returns the tensors loaded and the seconds spent in vLLM's load and finish."""
+        writes the next. Returns the tensors loaded, the seconds spent in vLLM's load and finish, and in the
+        CPU experts' repack (part of the finish)."""
         from multiprocessing.connection import Listener
 
         self.moe_rl_begin_weight_update()  # refuses before listening: the leader gets the error, not a hang
@@ -454,8 +459,8 @@ class WeightReceiver:
                     seconds += time.perf_counter() - t0
                     loaded += len(tensors)
         t0 = time.perf_counter()
-        self.moe_rl_finish_weight_update()
-        return {"tensors": loaded, "load_seconds": seconds + time.perf_counter() - t0}
+        repack = self.moe_rl_finish_weight_update()
+        return {"tensors": loaded, "load_seconds": seconds + time.perf_counter() - t0, "repack_seconds": repack}
 
     def moe_rl_load_cuda_ipc(self, handles: dict[str, tuple], manifest: list) -> int:
         """Load one bucket from the leader's device buffer (cuda_ipc; not yet run on a GPU). `handles`: the
@@ -495,7 +500,8 @@ class WeightReceiver:
         self.model_runner.get_model().load_weights(weights=tensors)
         return len(tensors)
 
-    def moe_rl_finish_weight_update(self) -> bool:
+    def moe_rl_finish_weight_update(self) -> float:
+        """Finish the layerwise reload; the seconds the CPU experts' repack took (0 without CPU experts)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         from moe_rl.compat.vllm import repack_cpu_experts
@@ -503,5 +509,6 @@ class WeightReceiver:
         runner = self.model_runner
         model = runner.get_model()
         finalize_layerwise_reload(model, runner.vllm_config.model_config)
+        t0 = time.perf_counter()
         repack_cpu_experts(model)
-        return True
+        return time.perf_counter() - t0
