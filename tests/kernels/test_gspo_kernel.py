@@ -5,6 +5,8 @@ Triton are installed; the cross-check with moe_rl.objectives is skipped there.""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -36,7 +38,7 @@ def _off_the_clip_edges(logp, old, mask, cu, clip_low=3e-4, clip_high=4e-4, marg
         if m.sum() == 0:
             continue
         mean = float(((logp[tokens].double() - old[tokens].double()) * m).sum() / m.sum())
-        for edge in (torch.tensor(clip_high).log1p().item(), torch.tensor(-clip_low).log1p().item()):
+        for edge in (math.log1p(clip_high), math.log1p(-clip_low)):
             if abs(mean - edge) < margin:
                 logp[tokens] += 2 * margin if mean >= edge else -2 * margin
     return logp
