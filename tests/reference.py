@@ -55,14 +55,23 @@ def router_margin(router, logits: torch.Tensor) -> torch.Tensor:
     return torch.minimum(margin, gap(scores.masked_fill(~allowed, float("-inf")), router.top_k))
 
 
-def untied_batch(model, vocab_size: int, batch: int, length: int, seed: int, min_margin: float = 2e-4, tries: int = 30):
+def untied_batch(
+    model,
+    vocab_size: int,
+    batch: int,
+    length: int,
+    seed: int,
+    min_margin: float = 2e-4,
+    tries: int = 30,
+    min_len: int = 3,
+):
     """`random_batch` redrawn (seed, seed + 1, ...) until no real token of any MoE layer is within `min_margin`
     of a routing tie under `model` (HF), so that an exact top-k comparison with another implementation tests
     the mapping, not float rounding (many draws hold a near-tie, about half of them on the tiny Mixtral; a
     top-k flip at one failed about 1 run in 400 of the six-family comparison).
     Returns ids, mask, HF logits, HF top-k and the seed used."""
     for s in range(seed, seed + tries):
-        ids, mask = random_batch(vocab_size, batch=batch, length=length, seed=s)
+        ids, mask = random_batch(vocab_size, batch=batch, length=length, seed=s, min_len=min_len)
         margins: dict[int, torch.Tensor] = {}
         logits, topk = hf_forward(model, ids, mask, margins)
         if all(m[mask.bool()].min() >= min_margin for m in margins.values()):

@@ -109,7 +109,9 @@ def _sync_an_update(eng, path) -> tuple[float, float, dict]:
 
     chunks, conv = build_model(load_hf_config(path), ParallelConfig())
     load_hf_weights(chunks, conv, path)
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    # a fixed draw (the sequences are fixed too): a fresh one may put a token near a routing tie, which the
+    # engine and the actor can break differently; this checks the sync's mapping, not rounding
+    g = torch.Generator().manual_seed(17)
     with torch.no_grad():
         for p in chunks[0].parameters():
             p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
@@ -150,7 +152,7 @@ def test_expert_bias_travels_in_weight_sync(engines, tiny_models, world1):
     eng = engines("glm4_moe")
     chunks, conv = build_model(load_hf_config(path), ParallelConfig())
     load_hf_weights(chunks, conv, path)
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    g = torch.Generator().manual_seed(23)  # fixed, as in `_sync_an_update`
     biases = [b for n, b in chunks[0].named_buffers() if n.endswith("router.expert_bias")]
     assert len(biases) == 3  # layers 1..3; layer 0 is dense
     with torch.no_grad():
