@@ -19,6 +19,7 @@ the RSS before it (the rank's own parameters are already resident).
 
   python bench/weight_sync.py                          # EP=2 on 2 ranks, 4 MiB buckets
   python bench/weight_sync.py --bucket-mb 8 --nproc 2 --layout parallel.tp=2
+  python bench/weight_sync.py --hidden 512 --moe-intermediate 1024 --bucket-mb 16   # 411 MB, 5x the bytes
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC = dict(arch="qwen3_moe", num_experts=16, topk=2, layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64)
-SPEC |= dict(moe_intermediate=384, vocab_size=512)
+
+
+def spec(a) -> dict:
+    """The benchmark's tiny qwen3_moe; --hidden / --moe-intermediate scale its bytes."""
+    shape = dict(hidden=a.hidden, moe_intermediate=a.moe_intermediate, heads=4, kv_heads=2, head_dim=64)
+    return dict(arch="qwen3_moe", num_experts=16, topk=2, layers=4, vocab_size=512, **shape)
 
 
 def _rss() -> int:
@@ -121,7 +126,7 @@ def child(a) -> None:
             "layout": a.layout,
             "world": dist.get_world_size(),
             "engines": groups.engines,
-            "model": SPEC,
+            "model": spec(a),
             "model_bytes": model_bytes,
             "bucket_bytes": a.bucket_mb * 2**20,
             "buckets": variants["shm"].get("buckets"),
@@ -141,6 +146,8 @@ def main() -> None:
     p.add_argument("--layout", default="parallel.ep=2", help="one parallel.<key>=<size> override")
     p.add_argument("--bucket-mb", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=256, help="model hidden size (a multiple of 32)")
+    p.add_argument("--moe-intermediate", type=int, default=384, help="each expert's FFN size")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -150,11 +157,12 @@ def main() -> None:
     from moe_rl.models.tiny import TinySpec, build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="moe-rl-bench-") as tmp:
-        model = build_tiny_model(TinySpec(**SPEC), Path(tmp) / "model")
+        model = build_tiny_model(TinySpec(**spec(a)), Path(tmp) / "model")
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
         cmd += [__file__, "--child", "--model", str(model), "--out", str(out), "--layout", a.layout]
         cmd += ["--bucket-mb", str(a.bucket_mb), "--repeats", str(a.repeats)]
+        cmd += ["--hidden", str(a.hidden), "--moe-intermediate", str(a.moe_intermediate)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode or not out.exists():
