@@ -52,8 +52,16 @@ def _train(run_dir: Path, overrides: list[str], timeout: int = 900) -> list[dict
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_default_run_learns_the_toy_task(tmp_path):
-    history = _train(tmp_path, [])  # defaults: 30 steps
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The default job (30 steps), shared: the learning test reads all of it, the SIGTERM test compares
+    its resumed steps with the first four (`trainer.steps` changes no step's metrics)."""
+    run_dir = tmp_path_factory.mktemp("default")
+    return run_dir, _train(run_dir, [])
+
+
+def test_default_run_learns_the_toy_task(default_run):
+    tmp_path, history = default_run
     assert len(history) == 30
     for key in KEYS:
         assert key in history[0], key
@@ -101,12 +109,12 @@ def _comparable(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith(("time/", "memory/")) and k != "perf/tokens_per_s"}
 
 
-def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path):
+def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, default_run):
     """SIGTERM to torchrun (Slurm preemption) during step 2: the trainer checkpoints at a step
     boundary and exits; `trainer.resume=auto` continues with the same metrics as a run that
-    was never stopped, in the same wandb run."""
+    was never stopped (the default run's first steps), in the same wandb run."""
     steps = ["trainer.steps=4", "trainer.checkpoint_every=0"]  # a step takes about 1 s: the signal lands before 4
-    reference = _train(tmp_path / "reference", [*steps, "logging.wandb.mode=disabled"])
+    reference = default_run[1][:4]
 
     run_dir = tmp_path / "preempted"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
