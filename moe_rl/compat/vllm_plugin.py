@@ -4,13 +4,22 @@ moe-rl RolloutEngine started the engine and set the variables (rollout/engine.py
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 
 BUSY_LOOP_ENV = "MOE_RL_VLLM_BUSY_LOOP_S"  # rollout.cpu_busy_loop_s
+CPU_ENGINE_ENV = "MOE_RL_VLLM_CPU_ENGINE"  # "1": a moe-rl RolloutEngine on CPU started this engine
 
 
 def register() -> None:
+    if os.environ.get(CPU_ENGINE_ENV) == "1" and multiprocessing.current_process().name.startswith(
+        ("EngineCore", "VllmWorker")
+    ):
+        # The model already runs eagerly on CPU (enforce_eager); what vLLM still compiles is the sampler's rank count
+        # (`batched_count_greater_than`, integer results either way), whose inductor compile took 1.4 of the first
+        # rollout's 1.5 s. The engine processes only (set before the worker imports torch), never the trainer's.
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
     value = os.environ.get(BUSY_LOOP_ENV)
     if not value:
         return

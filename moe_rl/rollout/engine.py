@@ -109,11 +109,13 @@ class RolloutConfig:
 
 
 def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
-    from moe_rl.compat.vllm_plugin import BUSY_LOOP_ENV
+    from moe_rl.compat.vllm_plugin import BUSY_LOOP_ENV, CPU_ENGINE_ENV
 
     os.environ.pop(BUSY_LOOP_ENV, None)
+    os.environ.pop(CPU_ENGINE_ENV, None)
     if torch.cuda.is_available():
         return
+    os.environ[CPU_ENGINE_ENV] = "1"  # read in the engine's processes by moe_rl.compat.vllm_plugin
     if cfg.cpu_busy_loop_s is not None:  # read in the engine's processes by moe_rl.compat.vllm_plugin
         os.environ[BUSY_LOOP_ENV] = str(cfg.cpu_busy_loop_s)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))

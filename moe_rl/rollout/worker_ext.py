@@ -37,6 +37,12 @@ class MoeRLWorkerExtension(WeightReceiver):
         # type(), not isinstance(): the heap holds weak proxies, and isinstance() on a dead one raises ReferenceError
         return [o.busy_loop_s for o in gc.get_objects() if type(o) is SpinCondition and o.is_reader]
 
+    def moe_rl_sampler_compiled(self) -> bool:
+        """Whether this worker's sampler rank count is a torch.compile'd function (moe-rl's plugin: not on CPU)."""
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+        return hasattr(batched_count_greater_than, "_torchdynamo_orig_callable")
+
     def moe_rl_init_worker(self) -> bool:
         """Per-process CPU setup (runs in each worker process, hence a method here)."""
         from moe_rl.compat.vllm import flatten_cpu_rope_heads, request_amx_permission
