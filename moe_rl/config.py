@@ -631,6 +631,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("rollout.weight_transport", f"{r.weight_transport!r}: choose one of {TRANSPORTS}")
     if r.weight_transport in DEVICE_TRANSPORTS and not _has_cuda():
         bad("rollout.weight_transport", f"{r.weight_transport} moves device memory: needs CUDA; use shm on CPU")
+    elif r.weight_transport == "nccl" and r.placement == "colocated":
+        bad(
+            "rollout.weight_transport",
+            "nccl broadcasts to engines on other GPUs, but a colocated engine's first worker shares its leader's GPU "
+            "(NCCL refuses two ranks on one device); use cuda_ipc",
+        )
     if r.sleep_while_training:
         why = {
             "needs CUDA (vLLM's sleep mode frees device memory; the CPU engine has none to free)": not _has_cuda(),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import socket
 import tempfile
@@ -255,7 +256,9 @@ def _load_bucket(engine, transport: str, buf: _BucketBuffer, manifest: list) -> 
         torch.cuda.current_stream(buf.data.device).synchronize()  # the bucket's writes have landed
         _, args = reduce_tensor(buf.data)
         uuid = str(torch.cuda.get_device_properties(buf.data.device).uuid)
-        loaded = engine.rpc("moe_rl_load_cuda_ipc", {uuid: args}, manifest)
+        # pickled: vLLM's rpc encoder (msgpack) refuses the handle's storage class and dtype, as in its own
+        # IPCWeightTransferEngine (weight_transfer/ipc_engine.py)
+        loaded = engine.rpc("moe_rl_load_cuda_ipc", pickle.dumps({uuid: args}), manifest)
     elif transport == "nccl":
         from concurrent.futures import ThreadPoolExecutor
 
@@ -462,12 +465,14 @@ class WeightReceiver:
         repack = self.moe_rl_finish_weight_update()
         return {"tensors": loaded, "load_seconds": seconds + time.perf_counter() - t0, "repack_seconds": repack}
 
-    def moe_rl_load_cuda_ipc(self, handles: dict[str, tuple], manifest: list) -> int:
-        """Load one bucket from the leader's device buffer (cuda_ipc; not yet run on a GPU). `handles`: the
-        buffer's `reduce_tensor` arguments by GPU UUID; rebuilt on this worker's device index as vLLM's
-        IPCWeightTransferEngine does, then copied out like the shm bucket (the leader reuses the buffer)."""
+    def moe_rl_load_cuda_ipc(self, payload: bytes, manifest: list) -> int:
+        """Load one bucket from the leader's device buffer (cuda_ipc; not yet run on a GPU). `payload`: the
+        pickled {GPU UUID: the buffer's `reduce_tensor` arguments}; rebuilt on this worker's device index as
+        vLLM's IPCWeightTransferEngine does, then copied out like the shm bucket (the leader reuses the buffer
+        once this returns, so the copies are waited for)."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+        handles = pickle.loads(payload)  # from the trainer's leader rank, as vLLM's IPC engine trusts it
         index = self.device.index
         uuid = str(torch.cuda.get_device_properties(index).uuid)
         if uuid not in handles:
@@ -479,6 +484,7 @@ class WeightReceiver:
         args[6] = index  # reduce_tensor's device index, as this process numbers the device
         data = rebuild_cuda_tensor(*args)
         tensors = [(name, t.clone()) for name, t in _views(data, manifest)]
+        torch.cuda.current_stream().synchronize()  # copied out before the leader writes the next bucket
         del data
         self.model_runner.get_model().load_weights(weights=tensors)
         return len(tensors)

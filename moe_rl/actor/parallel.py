@@ -67,7 +67,9 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int 
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        backend = "gloo" if on_cpu else "nccl"
+        # On GPU both: NCCL for megatron's CUDA tensors, gloo for the small CPU tensors the loop reduces (metrics,
+        # world_max, all_finite, signals) and the weight sync's CPU point-to-point; NCCL alone refuses those.
+        backend = "gloo" if on_cpu else "cpu:gloo,cuda:nccl"
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,9 +97,9 @@ class RolloutConfig:
     """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps, the whole
     update one engine call whose buckets are announced on a socket; CPU) | rpc
     (a safetensors blob through collective_rpc) | cuda_ipc (GPU, colocated: the bucket stays on the leader's
-    device, the worker maps it by CUDA IPC handle) | nccl (GPU, workers on other devices than the leader's, e.g.
-    rollout.tensor_parallel_size > 1: the leader broadcasts each bucket to them). cuda_ipc and nccl are not yet
-    run on a GPU."""
+    device, the worker maps it by CUDA IPC handle) | nccl (GPU, engines on other devices than their leader's: the
+    leader broadcasts each bucket to the workers; refused with placement colocated, whose first worker shares the
+    leader's GPU, and separate placement is not built on GPU yet). cuda_ipc and nccl are not yet run on a GPU."""
     seed: int | None = None
     """Engine seed; None = 0. The trainer sets it from trainer.seed (setting it there is an error)."""
     block_size: int | None = None
@@ -121,6 +122,40 @@ def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def engine_visible_devices(visible: str | None, device_count: int, first: int, count: int) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine's processes: this rank's device `first` (an index into what this process
+    sees, `visible`) and the `count - 1` after it, by the names the parent's CUDA_VISIBLE_DEVICES gives them."""
+    names = visible.split(",") if visible else [str(i) for i in range(device_count)]
+    if first + count > len(names):
+        raise RolloutEngineError(
+            f"rollout.tensor_parallel_size={count}: an engine led by the rank on device {first} needs devices "
+            f"{first}..{first + count - 1}, but this process sees {len(names)} ({visible or 'all'})"
+        )
+    return ",".join(names[first : first + count])
+
+
+@contextmanager
+def _engine_sees_its_gpus(count: int):
+    """vLLM starts an engine's workers on devices 0..count-1 of those they see (EngineArgs has no device), so
+    without this every engine of a node would sit on GPU 0. A colocated engine belongs on its leader's device
+    (and the next ones for its TP workers): its processes, started inside this block, see only those.
+    Not yet run on a GPU."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = engine_visible_devices(
+        before, torch.cuda.device_count(), torch.cuda.current_device(), count
+    )
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 @dataclass
@@ -210,7 +245,8 @@ class RolloutEngine:
         self._reaper = Reaper()
         before = {p.pid for p in me.children(recursive=True)}
         try:
-            self.llm = LLM(**kwargs)
+            with nullcontext() if cfg.topology == "tp_group" else _engine_sees_its_gpus(cfg.tensor_parallel_size):
+                self.llm = LLM(**kwargs)
         except Exception as e:
             self._reaper.close()
             raise RolloutEngineError(f"vLLM engine for {cfg.model} failed to start: {e}") from e

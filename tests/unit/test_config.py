@@ -263,3 +263,32 @@ def test_policy_loss_by_name_is_the_group_choice():
     validate(by_name, world_size=2)
     by_group = OmegaConf.to_object(_compose(["algorithm.advantage=gae", "algorithm/loss=ppo"]))
     assert by_name.algorithm.loss == by_group.algorithm.loss == PPOConfig()
+
+
+def test_gpu_only_transport_choices_are_checked_as_on_a_gpu(monkeypatch):
+    """What a GPU machine would be told (validated here with CUDA pretended present): nccl cannot serve a
+    colocated engine, whose first worker shares its leader's GPU; cuda_ipc can."""
+    import moe_rl.config as config
+
+    monkeypatch.setattr(config, "_has_cuda", lambda: True)
+    gpu = ["actor.packing=false"]  # packing on GPU needs Transformer Engine (another check)
+    with pytest.raises(ValueError, match="rollout.weight_transport: nccl broadcasts to engines on other GPUs"):
+        validate(OmegaConf.to_object(_compose([*gpu, "rollout.weight_transport=nccl"])), world_size=2)
+    validate(OmegaConf.to_object(_compose([*gpu, "rollout.weight_transport=cuda_ipc"])), world_size=2)
+
+
+@pytest.mark.parametrize(
+    "visible, count, first, tp, expected",
+    [
+        (None, 4, 1, 1, "1"),
+        ("4,5,6,7", 4, 2, 1, "6"),
+        ("4,5,6,7", 4, 1, 2, "5,6"),
+        ("GPU-a,GPU-b", 2, 0, 2, "GPU-a,GPU-b"),
+    ],
+)
+def test_an_engine_sees_its_leaders_gpu_and_the_next_ones(visible, count, first, tp, expected):
+    from moe_rl.rollout.engine import RolloutEngineError, engine_visible_devices
+
+    assert engine_visible_devices(visible, count, first, tp) == expected
+    with pytest.raises(RolloutEngineError, match="tensor_parallel_size=2: an engine led by the rank on device 3"):
+        engine_visible_devices(visible, 4, 3, 2)
