@@ -25,6 +25,7 @@ post-load processing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import shutil
@@ -404,6 +405,20 @@ def buckets(items: Iterable, limit: int, size) -> Iterator[list]:
         yield bucket
 
 
+def _under_vllm_config(method):
+    """Run an engine-side update step under the worker's vLLM config, as vLLM runs its own weight updates
+    (v1/worker/gpu_worker.py start/update/finish_weight_update): post-load kernel setup may read it."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.model_runner.vllm_config):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class WeightReceiver:
     """The engine side of the `rpc` transport, mixed into the vLLM worker extension (runs in the
     engine's worker process; `self.model_runner` is vLLM's).
@@ -420,6 +435,7 @@ class WeightReceiver:
         refuse_padded_cpu_experts(self.model_runner.get_model())
         return True
 
+    @_under_vllm_config
     def moe_rl_begin_weight_update(self) -> bool:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -431,6 +447,7 @@ class WeightReceiver:
         initialize_layerwise_reload(model)
         return True
 
+    @_under_vllm_config
     def moe_rl_load_weights(self, payload: bytes) -> int:
         """Load one bucket of HF-named tensors (a safetensors blob) into the model."""
         from safetensors.torch import load
@@ -439,6 +456,7 @@ class WeightReceiver:
         self.model_runner.get_model().load_weights(weights=tensors.items())
         return len(tensors)
 
+    @_under_vllm_config
     def moe_rl_load_shm_stream(self, address: str, key: bytes) -> dict:
         """One whole weight update (begin, buckets, finish) from the buckets the leader announces on this
         worker's socket (`_ShmStream`) as (shared-memory file, its size, manifest), until it says None: copy
@@ -465,6 +483,7 @@ class WeightReceiver:
         repack = self.moe_rl_finish_weight_update()
         return {"tensors": loaded, "load_seconds": seconds + time.perf_counter() - t0, "repack_seconds": repack}
 
+    @_under_vllm_config
     def moe_rl_load_cuda_ipc(self, payload: bytes, manifest: list) -> int:
         """Load one bucket from the leader's device buffer (cuda_ipc; not yet run on a GPU). `payload`: the
         pickled {GPU UUID: the buffer's `reduce_tensor` arguments}; rebuilt on this worker's device index as
@@ -496,6 +515,7 @@ class WeightReceiver:
         self._moe_rl_nccl = stateless_init_process_group(host, port, 1 + self.rank, world_size, self.device)
         return True
 
+    @_under_vllm_config
     def moe_rl_load_nccl(self, nbytes: int, manifest: list) -> int:
         """Receive one bucket by the leader's broadcast and load it (nccl; not yet run on a GPU)."""
         data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -506,6 +526,7 @@ class WeightReceiver:
         self.model_runner.get_model().load_weights(weights=tensors)
         return len(tensors)
 
+    @_under_vllm_config
     def moe_rl_finish_weight_update(self) -> float:
         """Finish the layerwise reload; the seconds the CPU experts' repack took (0 without CPU experts)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

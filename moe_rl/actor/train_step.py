@@ -98,7 +98,8 @@ def train_minibatch(
     pack: run the plan's bins as packed micro-batches (actor.packing); the loss still sees per-sample rows.
     head: per-token scores other than log-probs for loss_fn (the critic's values); default LogprobHead.
     ddp: megatron DDP wrappers of `chunks` (GPU, actor.distributed_optimizer): gradients live in their buffers
-    and megatron's finalize_model_grads reduces them (and moves the expert bias) instead of sync_gradients.
+    and megatron's finalize_model_grads reduces them instead of sync_gradients (the expert bias still moves only
+    after a step that was taken: a skipped step leaves it as it was).
     """
     from contextlib import nullcontext
 
@@ -145,7 +146,12 @@ def train_minibatch(
     else:  # not yet run on a GPU
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads(ddp)
+        config = chunks[0].config  # the one megatron reads through the DDP wrapper
+        enabled, config.moe_router_enable_expert_bias = config.moe_router_enable_expert_bias, False
+        try:  # the expert bias moves below, after the step and only if it was taken, as without DDP
+            finalize_model_grads(ddp)
+        finally:
+            config.moe_router_enable_expert_bias = enabled
         grads = [p.main_grad for c in chunks for p in c.parameters() if getattr(p, "main_grad", None) is not None]
     finite = all_finite([*losses, *grads])
     if finite:
@@ -155,7 +161,7 @@ def train_minibatch(
     if not ok:  # this rank's or another's loss/gradients are not finite (or megatron found inf)
         for c in chunks:
             c.zero_grad(set_to_none=True)
-    update_expert_bias(chunks, apply=ok and ddp is None)  # under DDP finalize_model_grads has moved it
+    update_expert_bias(chunks, apply=ok)
     out = {"actor/grad_norm": float(norm) if ok else float("nan"), "skipped": 0.0 if ok else 1.0}
     return out | _from_last_stage(_weighted_means([r for r in results if r]))
 
