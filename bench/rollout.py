@@ -1,6 +1,7 @@
 """Rollout benchmarks, printed as one JSON document:
 
-1. generation tokens/s with route capture on vs off (same prompts, seeds, model; ratio);
+1. generation tokens/s with route capture on vs off (same prompts, seeds, model; ratio), and each
+   engine's start and first (warm-up) call, which pays one-time costs a step-1 rollout sees;
 2. route bytes per token for a 48-layer, 128-expert, top-8 model: the uint8 record vs int32
    and base64(int32) transports;
 3. weight-sync throughput (bucketed safetensors through the engine RPC, into the engine's
@@ -92,8 +93,12 @@ def main() -> None:
     gen = {}
     for capture in ("none", "hook"):
         cfg = RolloutConfig(model=str(path), dtype="float32", capture=capture)
+        t0 = time.perf_counter()
         with RolloutEngine(cfg, lay.moe_layers, lay.num_experts, lay.topk) as eng:
+            start_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
             eng.generate(prompts[:2], SamplingConfig(n=1, max_tokens=4))  # warm-up
+            first_s = time.perf_counter() - t0
             best = float("inf")
             for _ in range(a.repeats):
                 t0 = time.perf_counter()
@@ -101,6 +106,7 @@ def main() -> None:
                 best = min(best, time.perf_counter() - t0)
             tokens = sum(len(r) for r in batch.response_ids)
             gen[capture] = {"seconds": best, "response_tokens": tokens, "tokens_per_s": tokens / best}
+            gen[capture] |= {"engine_start_seconds": start_s, "first_call_seconds": first_s}
             if capture == "hook":
                 ckpt = HFCheckpoint(path)
                 named = [(k, ckpt.get(k)) for k in ckpt.weight_map]
