@@ -637,6 +637,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             "nccl broadcasts to engines on other GPUs, but a colocated engine's first worker shares its leader's GPU "
             "(NCCL refuses two ranks on one device); use cuda_ipc",
         )
+    elif r.weight_transport == "cuda_ipc" and r.tensor_parallel_size > 1:
+        bad(
+            "rollout.weight_transport",
+            f"cuda_ipc maps the bucket on the leader's GPU, which only the first of rollout.tensor_parallel_size="
+            f"{r.tensor_parallel_size} engine workers shares; use shm (host memory, any engine layout)",
+        )
     if r.sleep_while_training:
         why = {
             "needs CUDA (vLLM's sleep mode frees device memory; the CPU engine has none to free)": not _has_cuda(),

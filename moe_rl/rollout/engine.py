@@ -95,11 +95,12 @@ class RolloutConfig:
     """Upper bound of one weight-sync bucket."""
     weight_transport: str = "shm"
     """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps, the whole
-    update one engine call whose buckets are announced on a socket; CPU) | rpc
-    (a safetensors blob through collective_rpc) | cuda_ipc (GPU, colocated: the bucket stays on the leader's
-    device, the worker maps it by CUDA IPC handle) | nccl (GPU, engines on other devices than their leader's: the
-    leader broadcasts each bucket to the workers; refused with placement colocated, whose first worker shares the
-    leader's GPU, and separate placement is not built on GPU yet). cuda_ipc and nccl are not yet run on a GPU."""
+    update one engine call whose buckets are announced on a socket; CPU, and on GPU through host memory) | rpc
+    (a safetensors blob through collective_rpc) | cuda_ipc (GPU, colocated, tensor_parallel_size 1: the bucket
+    stays on the leader's device, the worker maps it by CUDA IPC handle) | nccl (GPU, engines on other devices
+    than their leader's: the leader broadcasts each bucket to the workers; refused with placement colocated,
+    whose first worker shares the leader's GPU, and separate placement is not built on GPU yet). cuda_ipc and
+    nccl are not yet run on a GPU."""
     seed: int | None = None
     """Engine seed; None = 0. The trainer sets it from trainer.seed (setting it there is an error)."""
     block_size: int | None = None

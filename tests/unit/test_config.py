@@ -267,7 +267,7 @@ def test_policy_loss_by_name_is_the_group_choice():
 
 def test_gpu_only_transport_choices_are_checked_as_on_a_gpu(monkeypatch):
     """What a GPU machine would be told (validated here with CUDA pretended present): nccl cannot serve a
-    colocated engine, whose first worker shares its leader's GPU; cuda_ipc can."""
+    colocated engine, whose first worker shares its leader's GPU; cuda_ipc can, but only an engine of one worker."""
     import moe_rl.config as config
 
     monkeypatch.setattr(config, "_has_cuda", lambda: True)
@@ -275,6 +275,9 @@ def test_gpu_only_transport_choices_are_checked_as_on_a_gpu(monkeypatch):
     with pytest.raises(ValueError, match="rollout.weight_transport: nccl broadcasts to engines on other GPUs"):
         validate(OmegaConf.to_object(_compose([*gpu, "rollout.weight_transport=nccl"])), world_size=2)
     validate(OmegaConf.to_object(_compose([*gpu, "rollout.weight_transport=cuda_ipc"])), world_size=2)
+    tp_engine = [*gpu, "rollout.weight_transport=cuda_ipc", "rollout.tensor_parallel_size=2", "parallel.tp=2"]
+    with pytest.raises(ValueError, match="rollout.weight_transport: cuda_ipc maps the bucket on the leader's GPU"):
+        validate(OmegaConf.to_object(_compose(tp_engine)), world_size=2)
 
 
 @pytest.mark.parametrize(
