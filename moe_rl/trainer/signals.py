@@ -25,6 +25,7 @@ class StopFlag:
         import signal
 
         self.requested = False
+        self.exiting = False
         self.first_at = 0.0
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
@@ -33,8 +34,17 @@ class StopFlag:
         import signal
 
         name = signal.Signals(signum).name
+        if self.exiting:  # a signal during that exit's cleanup: leave now, never raise inside the cleanup
+            # (seen: a SIGUSR1 raised inside multiprocessing's atexit join of the engine core, and the rank hung)
+            print(
+                f"[moe-rl] pid {os.getpid()}: {name} while exiting: exiting without cleanup",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(128 + signum)  # the engine's reaper removes what this process leaves
         if self.requested and time.monotonic() - self.first_at > self.REPEAT_S:
             print(f"[moe-rl] pid {os.getpid()}: second {name}: exiting now", file=sys.stderr, flush=True)
+            self.exiting = True
             raise SystemExit(128 + signum)
         if not self.requested:
             print(

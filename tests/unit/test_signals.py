@@ -1,0 +1,41 @@
+"""StopFlag: the first signal asks for a checkpoint, a second exits, and one more during that exit's cleanup
+leaves at once instead of raising inside the cleanup (where it once interrupted multiprocessing's join of
+the engine core and the rank hung)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+CHILD = r"""
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from moe_rl.trainer.signals import StopFlag
+
+flag = StopFlag()
+os.kill(os.getpid(), signal.SIGTERM)
+assert flag.requested and not flag.exiting
+os.kill(os.getpid(), signal.SIGTERM)  # a repeat within REPEAT_S: the same request
+time.sleep(StopFlag.REPEAT_S + 0.1)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)  # the second request: SystemExit
+    print("not stopped", flush=True)
+finally:  # the exit's cleanup, when one more signal arrives
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1)
+        print("cleanup finished", flush=True)
+    except SystemExit:
+        print("cleanup interrupted", flush=True)
+"""
+
+
+def test_a_signal_during_the_exit_leaves_without_raising_inside_the_cleanup():
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(REPO)], capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + 10, out  # SIGUSR1
+    assert "SIGTERM: checkpoint at the next step boundary" in out and "second SIGTERM: exiting now" in out, out
+    assert "SIGUSR1 while exiting: exiting without cleanup" in out, out
+    assert "cleanup interrupted" not in out and "not stopped" not in out, out
