@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 class StopFlag:
     """SIGTERM/SIGUSR1 (Slurm preemption, torchrun shutdown) ask for a checkpoint at the next step
-    boundary; a second signal exits at once. Ranks agree on stopping with one all-reduce.
+    boundary; a second signal exits at once, and one more during that exit leaves without cleanup (never
+    raising inside it). Ranks agree on stopping with one all-reduce.
 
     A repeat within `REPEAT_S` seconds is the same request, not a second one: under Slurm a rank
     gets the signal twice within milliseconds (`scancel --signal` reaches every process of the
