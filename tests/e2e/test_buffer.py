@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import ONE_ENGINE, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -21,6 +21,7 @@ def test_advantage_prioritized_buffer_learns_and_never_trains_zero_variance_grou
         "logging.wandb.mode=disabled",
         "trainer.steps=30",
         "trainer.checkpoint_every=0",
+        ONE_ENGINE,
     ]
     cmd += ["buffer.enable=true", "buffer.priority=advantage", "buffer.filter_zero_variance=true"]
     run_job(cmd, timeout=1200)

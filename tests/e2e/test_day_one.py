@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import ONE_ENGINE, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
@@ -38,6 +38,7 @@ def _train(run_dir: Path, overrides: list[str]) -> tuple[list[dict], str]:
         "logging.wandb.mode=disabled",
         "trainer.checkpoint_every=0",
         "data.reward=moe_rl.data.rewards:toy_low_token_reward",
+        ONE_ENGINE,
     ]
     out = run_job([*TORCHRUN, f"hydra.run.dir={run_dir}", *common, *overrides], timeout=900)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import ONE_ENGINE
 from tests.e2e.test_train_moe import _train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
@@ -24,7 +25,9 @@ def test_sigmoid_router_family_learns_and_exports(arch, attention_weight, tmp_pa
     from moe_rl.tools.export_hf import export
     from tests.reference import load_hf
 
-    history = _train(tmp_path, [f"model.tiny_arch={arch}", "trainer.steps=20", "logging.wandb.mode=disabled"])
+    history = _train(
+        tmp_path, [f"model.tiny_arch={arch}", "trainer.steps=20", "logging.wandb.mode=disabled", ONE_ENGINE]
+    )
     first = sum(h["reward/mean"] for h in history[:5]) / 5
     last = sum(h["reward/mean"] for h in history[-5:]) / 5
     print(f"\n{arch} mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")

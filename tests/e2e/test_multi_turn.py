@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from moe_rl.rollout import dump
+from tests.conftest import ONE_ENGINE
 from tests.e2e.test_train_moe import _train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
-MULTI_TURN = ["rollout.block_size=32", "logging.wandb.mode=disabled"]
+MULTI_TURN = ["rollout.block_size=32", "logging.wandb.mode=disabled", ONE_ENGINE]
 
 
 def _check_dumps(run_dir: Path, steps: int, exact_steps: int = 2) -> None:

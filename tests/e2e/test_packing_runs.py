@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import ONE_ENGINE
 from tests.e2e.test_layouts import _train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
 # actor fp32, engine bf16. grad_clip far below Adam's eps keeps Adam linear (update ~ lr * g / eps), so the
 # second mini-batch sees fp32 rounding of the first update, not its sign flips (as grad_invariance_worker).
-STEP = ["trainer.steps=1", "sampling.max_tokens=128", "actor.router_replay=r3", "actor.grad_clip=1e-6"]
+STEP = ["trainer.steps=1", "sampling.max_tokens=128", "actor.router_replay=r3", "actor.grad_clip=1e-6", ONE_ENGINE]
 KEYS = ("actor/grad_norm", "actor/ppo_kl", "mismatch/k3_kl", "reward/mean", "actor/clipfrac", "actor/entropy")
 REL_TOL = 1e-5
 

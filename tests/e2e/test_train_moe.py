@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, run_job
+from tests.conftest import ONE_ENGINE, REPO, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
@@ -87,6 +87,7 @@ def test_overrides_r2_ep2_tis(tmp_path):
     """EP=2 chains a dense and an expert megatron optimizer: stop after 2 steps, resume the third.
     A checkpoint without its optimizer state is then refused, never resumed with a fresh optimizer."""
     overrides = ["parallel.ep=2", "actor.router_replay=r2", "algorithm/correction=tis", "logging.wandb.mode=disabled"]
+    overrides.append(ONE_ENGINE)
     _train(tmp_path, ["trainer.steps=2", *overrides])
     history = _train(tmp_path, ["trainer.steps=3", *overrides])
     assert [h["step"] for h in history] == [1, 2, 3]
@@ -189,7 +190,7 @@ def test_dumps_then_train_from_dump(tmp_path):
     """dump_every=1 writes one file per rank and step; trainer.mode=from_dump trains on them
     without an engine, and its first mini-batch still has pi_theta == pi_old."""
     base = ["logging.wandb.mode=disabled", "logging.router_agreement_every=0"]
-    logged = _train(tmp_path / "rollouts", ["trainer.steps=2", "trainer.dump_every=1", *base])
+    logged = _train(tmp_path / "rollouts", ["trainer.steps=2", "trainer.dump_every=1", ONE_ENGINE, *base])
     from moe_rl.rollout import dump
 
     # Metrics are over the global batch: recomputed here from every rank's dump of the step.

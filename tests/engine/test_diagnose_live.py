@@ -119,11 +119,12 @@ def test_live_torchrun_world2_ep2(bf16_model, tmp_path):
     _check(report, files)
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["deepseek_v3"])
 def test_live_sigmoid_router_fp32_routes_agree_and_bf16_replay_closes_the_gap(arch, tiny_models, tmp_path):
-    """GLM-4.5 / DeepSeek-V3 routing (sigmoid + expert bias, grouped, shared expert; MLA for DeepSeek): in
-    fp32 the engine's captured routes are the actor's own; in bf16 they differ, and replaying them removes
-    that and lowers k3."""
+    """DeepSeek-V3 routing (sigmoid + expert bias, grouped, shared expert, MLA): in fp32 the engine's captured
+    routes are the actor's own; in bf16 they differ, and replaying them removes that and lowers k3. GLM-4.5 takes
+    the same router path without MLA; its engine routes are compared with transformers' in
+    test_rollout_engine.py (this CLI run cost 2.7 min of the suite's time on a 2-core machine)."""
     cmd = [sys.executable, "-m", "moe_rl.diagnostics"]
     report, files = _run(cmd, tiny_models[arch], tmp_path / "fp32", [], dtype="float32")
     r = report["router"]
