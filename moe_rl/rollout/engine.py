@@ -68,7 +68,8 @@ class RolloutConfig:
     data-parallel ranks and runs on the lowest rank among them (rollout/engine_groups.py)."""
     tensor_parallel_size: int = 1
     """Tensor-parallel size of each engine: its workers are processes of their own (vLLM's mp executor),
-    each holding a shard and a KV cache (under tp_group: the ranks of the group)."""
+    each holding a shard and a KV cache (under tp_group: the ranks of the group). With 1 on CPU the engine core
+    process runs its one worker itself."""
     placement: str = "colocated"
     """colocated (the engine shares its rank's cores or device) | separate (CPU: the rank's cores split in
     halves, trainer threads pinned to one, the engine's to the other; rollout/placement.py). With
@@ -80,9 +81,11 @@ class RolloutConfig:
     kv_cache_gib: int = 1
     """CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_busy_loop_s: float | None = 0.05
-    """CPU: how long the engine's core and worker processes spin for the next message after one before they sleep
-    on a socket (vLLM's own default, null here: 1 s). Their spin competes with the trainer's ranks for the cores:
-    0.05 keeps back-to-back decode steps fast and halved the default run's update time (docs/performance.md)."""
+    """CPU, engines with tensor_parallel_size > 1: how long the engine's core and worker processes spin for the next
+    message after one before they sleep on a socket (vLLM's own default, null here: 1 s). Their spin competes with
+    the trainer's ranks for the cores: 0.05 keeps back-to-back decode steps fast and halved the default run's
+    update time (docs/performance.md). With one worker, which the engine core runs itself, there is no such
+    message queue and nothing spins."""
     gpu_memory_utilization: float = 0.5
     """Share of GPU memory for the engine's weights and KV cache (GPU)."""
     sleep_while_training: bool = False
@@ -228,6 +231,15 @@ class RolloutEngine:
             )
         elif cfg.tensor_parallel_size > 1:  # routes are taken from worker 0: every TP worker routes all tokens
             kwargs.update(tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="mp")
+        elif not torch.cuda.is_available():
+            # vLLM-CPU turns the one-worker executor ("uni") into its multiprocess one, whose single worker is a
+            # process of its own beside the engine core: one more process to start, import vLLM in (~11 s of CPU
+            # on a 2-core machine) and watch. Named by class, the one-worker executor stays: the engine core runs
+            # its worker itself. Same kernels, same thread settings (VLLM_CPU_OMP_THREADS_BIND applies in the
+            # engine core), so the same tokens and log-probs.
+            from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+            kwargs["distributed_executor_backend"] = UniProcExecutor
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
         if cfg.sleep_while_training:

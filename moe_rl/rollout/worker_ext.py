@@ -1,5 +1,5 @@
-"""Methods that run inside vLLM's worker process (`worker_extension_cls`), called through
-`LLM.collective_rpc("moe_rl_...")`: route capture here, weight updates in
+"""Methods that run inside vLLM's worker (`worker_extension_cls`; the engine core process runs a CPU engine's
+one worker), called through `LLM.collective_rpc("moe_rl_...")`: route capture here, weight updates in
 `moe_rl.weight_sync.WeightReceiver` (mixed in). What they use of vLLM:
 
 - `MoERunner.layer_id` and `BaseRouter.set_capture_fn` (fused_moe): the routed expert ids;

