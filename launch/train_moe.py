@@ -17,18 +17,19 @@ import sys
 import time
 
 import hydra
-from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moe_rl.config import ConfigKeyError, TrainConfig, check_overrides, register_configs  # noqa: E402
-
-register_configs()
+# The top level imports hydra only: processes that multiprocessing's spawn starts from a rank import this script
+# again (megatron's checkpoint writer starts one at the first save), and with moe_rl.config they would import torch
+# too, about 5 s of CPU each on a 2-core machine.
 
 
 def _check_command_line() -> None:
     """A misspelled key fails here with the closest valid key, said once (by rank 0), not by
     every rank in Hydra's words."""
+    from moe_rl.config import ConfigKeyError, check_overrides
+
     try:
         check_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
     except ConfigKeyError as e:
@@ -42,7 +43,9 @@ def _check_command_line() -> None:
 @hydra.main(config_path="../conf", config_name="train_moe", version_base="1.3")
 def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
+    from moe_rl.config import TrainConfig
     from moe_rl.trainer.loop import train
 
     train_cfg: TrainConfig = OmegaConf.to_object(cfg)
@@ -50,5 +53,8 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    from moe_rl.config import register_configs
+
+    register_configs()
     _check_command_line()
     main()
