@@ -87,22 +87,24 @@ def test_math_and_calculator_environments_run(tmp_path, env):
 
 
 def test_bf16_r3_removes_the_multi_turn_mismatch_that_live_routing_leaves(tmp_path):
-    """A matched multi-turn comparison (bf16 actor and engine, toy task, 6 steps, same seeds): R3 replays the
-    stitched routes with no dispatch mismatch, and its k3 KL(mu || pi_old) is at most a tenth of live routing's."""
+    """A matched multi-turn comparison (bf16 actor and engine, toy task, 3 steps, same seeds, one engine for both
+    ranks): R3 replays the stitched routes with no dispatch mismatch, and its k3 KL(mu || pi_old) is at most a tenth
+    of live routing's (about 0.06 on every step: docs/performance.md)."""
     base = [
-        "trainer.steps=6",
+        "trainer.steps=3",
         "rollout.multi_turn.env=toy",
         "model.dtype=bfloat16",
         "rollout.dtype=bfloat16",
         "trainer.checkpoint_every=0",
         "logging.router_agreement_every=0",
+        ONE_ENGINE,
         *MULTI_TURN,
     ]
     r3 = _train(tmp_path / "r3", base)
     off = _train(tmp_path / "off", [*base, "actor.router_replay=off"])
     k3 = {name: [h["mismatch/k3_kl"] for h in run] for name, run in (("r3", r3), ("off", off))}
     print(f"\nmismatch/k3_kl per step: r3 {k3['r3']}, off {k3['off']}")
-    print(f"mean: r3 {sum(k3['r3']) / 6:.3e}, off {sum(k3['off']) / 6:.3e}")
+    print(f"mean: r3 {sum(k3['r3']) / 3:.3e}, off {sum(k3['off']) / 3:.3e}")
     assert all(h["router/replay_mismatches"] == 0 and h["router/replay_checked"] > 0 for h in r3)
     assert all(h["multi_turn/turns_mean"] >= 2.5 for h in r3 + off)
     assert sum(k3["r3"]) <= 0.1 * sum(k3["off"])
