@@ -119,5 +119,27 @@ def torchrun(module: str, nproc: int, args: list[str], timeout: int = 600) -> st
     return run_job([*cmd, *args], timeout=timeout)
 
 
+def grouped_launches(module: str, root: Path, jobs: dict[str, tuple[int, list[str]]], timeout: int = 1800):
+    """`get(name)` makes sure job `name` (world size, worker arguments) has run. The jobs of one world size run
+    together in one torchrun launch of `module` (tests/distributed/jobs.py) when the first of them is asked for;
+    a failed launch fails each of its jobs with its output."""
+    outcome: dict[int, str | None] = {}
+
+    def get(name: str) -> None:
+        nproc = jobs[name][0]
+        if nproc not in outcome:
+            spec = Path(root) / f"jobs_world{nproc}.json"
+            spec.write_text(json.dumps([argv for world, argv in jobs.values() if world == nproc]))
+            try:
+                torchrun("tests.distributed.jobs", nproc, [module, str(spec)], timeout=timeout)
+                outcome[nproc] = None
+            except pytest.fail.Exception as e:
+                outcome[nproc] = str(e)
+        if outcome[nproc] is not None:
+            pytest.fail(f"the world-{nproc} launch of {module} failed: {outcome[nproc]}", pytrace=False)
+
+    return get
+
+
 def read_json_results(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]

@@ -1,6 +1,7 @@
 """torchrun worker: Megatron actor vs transformers under one parallel layout.
 
   torchrun --nproc-per-node=2 -m tests.distributed.parity_worker --tp 2 --out DIR MODEL [MODEL ...]
+  (several layouts of one world size in one launch: tests/distributed/jobs.py)
 
 For each model folder, writes DIR/<model name>.rank<r>.json with logit, log-prob and router
 differences against transformers and the HF -> Megatron -> HF round-trip result.
@@ -108,8 +109,9 @@ def check_model(path: str, parallel, out_dir: Path, seed: int) -> None:
     (out_dir / f"{Path(path).name}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
 
 
-def main() -> None:
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+def run(argv: list[str]) -> None:
+    """One layout: every model given, each on a freshly set-up megatron parallel state."""
+    from moe_rl.actor.parallel import ParallelConfig, init_distributed
 
     p = argparse.ArgumentParser()
     p.add_argument("models", nargs="+")
@@ -120,13 +122,19 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, cp=a.cp)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, m in enumerate(a.models):
         init_distributed(parallel, seed=1234)
         check_model(m, parallel, out, seed=a.seed + i)
+
+
+def main() -> None:
+    from moe_rl.actor.parallel import destroy_distributed
+
+    run(sys.argv[1:])
     destroy_distributed()
 
 

@@ -1,6 +1,7 @@
 """torchrun worker: routing replay under one parallel layout.
 
   torchrun --nproc-per-node=N -m tests.distributed.replay_worker --tp 2 --out DIR MODEL
+  (several models and layouts of one world size in one launch: tests/distributed/jobs.py)
 
 Writes DIR/rank<r>.json with:
   record_replay_identical   replaying the routes a forward recorded gives bit-identical log-probs (R2)
@@ -51,12 +52,13 @@ def train_grads(chunks, replay, ids, mask, routes, micro_batch_size):
     return grads
 
 
-def main() -> None:
+def run(argv: list[str]) -> None:
+    """One model under one layout (megatron's parallel state set up for it)."""
     from megatron.core import parallel_state as ps
 
     from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from moe_rl.actor.parallel import ParallelConfig, init_distributed
     from moe_rl.actor.replay import RouteReplay
     from moe_rl.actor.weights import load_hf_weights
     from moe_rl.routing.model_layout import moe_layout
@@ -68,7 +70,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep)
     init_distributed(parallel)
     cfg = load_hf_config(a.model)
@@ -129,6 +131,12 @@ def main() -> None:
     res["pp"] = ps.get_pipeline_model_parallel_world_size()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
+
+
+def main() -> None:
+    from moe_rl.actor.parallel import destroy_distributed
+
+    run(sys.argv[1:])
     destroy_distributed()
 
 

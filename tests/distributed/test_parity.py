@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import read_json_results, torchrun
+from tests.conftest import grouped_launches, read_json_results
 
 pytestmark = pytest.mark.distributed
 
@@ -20,13 +20,29 @@ LAYOUTS = {
 }
 
 
+MODELS = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def parity_run(tiny_models, tmp_path_factory):
+    """`parity_run(layout)` -> its results folder. The layouts of one world size share a torchrun launch."""
+    root = tmp_path_factory.mktemp("parity")
+    models = [str(tiny_models[m]) for m in MODELS]
+    jobs = {name: (nproc, [*args, "--out", str(root / name), *models]) for name, (nproc, args) in LAYOUTS.items()}
+    launch = grouped_launches("tests.distributed.parity_worker", root, jobs)
+
+    def get(layout: str):
+        launch(layout)
+        return root / layout
+
+    return get
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parallel_parity_with_transformers(layout, tiny_models, tmp_path):
-    nproc, args = LAYOUTS[layout]
-    models = [str(tiny_models[a]) for a in ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")]
-    torchrun("tests.distributed.parity_worker", nproc, [*args, "--out", str(tmp_path), *models])
-    results = read_json_results(tmp_path)
-    assert len(results) == len(models) * nproc, f"expected one result per model and rank, got {len(results)}"
+def test_parallel_parity_with_transformers(layout, parity_run):
+    nproc = LAYOUTS[layout][0]
+    results = read_json_results(parity_run(layout))
+    assert len(results) == len(MODELS) * nproc, f"expected one result per model and rank, got {len(results)}"
     last_stage = 0
     for r in results:
         where = f"{r['model']} rank {r['rank']} ({layout})"
@@ -37,7 +53,7 @@ def test_parallel_parity_with_transformers(layout, tiny_models, tmp_path):
         assert r["router_compared"] > 0, where
         assert sum(r["router_mismatches"].values()) == 0, f"{where}: {r['router_mismatches']}"
         assert r["roundtrip"] == {"missing": [], "extra": [], "unequal": [], "n": r["roundtrip"]["n"]}, where
-    assert last_stage >= len(models)
+    assert last_stage >= len(MODELS)
     # every MoE layer was checked on some rank (pipeline stages split them)
     for model in {r["model"] for r in results}:
         layers = set().union(*(r["moe_layers_on_rank"] for r in results if r["model"] == model))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import read_json_results, torchrun
+from tests.conftest import grouped_launches, read_json_results, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -17,11 +17,31 @@ LAYOUTS = {
 }
 
 
+SIGMOID = [("glm4_moe", "world1"), ("glm4_moe", "ep2"), ("deepseek_v3", "world1")]
+
+
+@pytest.fixture(scope="module")
+def replay_run(tiny_models, tmp_path_factory):
+    """`replay_run(arch, layout)` -> its results folder. The jobs of one world size share a torchrun launch."""
+    root = tmp_path_factory.mktemp("replay")
+    pairs = [("qwen3_moe", layout) for layout in LAYOUTS] + SIGMOID
+    jobs = {}
+    for arch, layout in pairs:
+        nproc, args = LAYOUTS[layout]
+        jobs[f"{arch}-{layout}"] = (nproc, [str(tiny_models[arch]), *args, "--out", str(root / f"{arch}-{layout}")])
+    launch = grouped_launches("tests.distributed.replay_worker", root, jobs)
+
+    def get(arch: str, layout: str):
+        launch(f"{arch}-{layout}")
+        return root / f"{arch}-{layout}"
+
+    return get
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_replay_exact_under_layout(layout, tiny_models, tmp_path):
-    nproc, args = LAYOUTS[layout]
-    torchrun("tests.distributed.replay_worker", nproc, [str(tiny_models["qwen3_moe"]), *args, "--out", str(tmp_path)])
-    results = read_json_results(tmp_path)
+def test_replay_exact_under_layout(layout, replay_run):
+    nproc = LAYOUTS[layout][0]
+    results = read_json_results(replay_run("qwen3_moe", layout))
     assert len(results) == nproc
     for r in results:
         where = f"{layout} rank {r['rank']}"
@@ -38,14 +58,13 @@ def test_replay_exact_under_layout(layout, tiny_models, tmp_path):
     assert set().union(*(r["layers_on_rank"] for r in results)) == {0, 2, 3}
 
 
-@pytest.mark.parametrize("arch, layout", [("glm4_moe", "world1"), ("glm4_moe", "ep2"), ("deepseek_v3", "world1")])
-def test_replay_exact_with_sigmoid_grouped_router(arch, layout, tiny_models, tmp_path):
+@pytest.mark.parametrize("arch, layout", SIGMOID)
+def test_replay_exact_with_sigmoid_grouped_router(arch, layout, replay_run):
     """GLM-4.5 / DeepSeek-V3 routing (sigmoid, expert bias, 2 groups with 1 kept, gates scaled by 2.5):
     replaying random experts, which ignore the groups and the bias, still takes each gate from the live
     unbiased sigmoid score at the replayed expert, renormalised and scaled, as transformers does when forced."""
-    nproc, args = LAYOUTS[layout]
-    torchrun("tests.distributed.replay_worker", nproc, [str(tiny_models[arch]), *args, "--out", str(tmp_path)])
-    results = read_json_results(tmp_path)
+    nproc = LAYOUTS[layout][0]
+    results = read_json_results(replay_run(arch, layout))
     assert len(results) == nproc
     for r in results:
         where = f"{layout} rank {r['rank']}"
