@@ -77,30 +77,25 @@ def test_a_resumed_critic_equals_the_uninterrupted_one(tmp_path, straight):
     assert (tmp_path / "checkpoints" / "step_000004" / "critic" / "optimizer" / "metadata.json").is_file()
 
 
-def test_critic_under_expert_parallelism_with_warmup(tmp_path):
-    """EP=2, and critic.warmup_steps=2: the first two steps train only the critic (no actor update, no weight
-    sync), the third both."""
-    overrides = ["trainer.steps=3", "parallel.ep=2", "trainer.checkpoint_every=0", "critic.warmup_steps=2"]
-    history = _train(tmp_path, overrides)
-    assert [h["step"] for h in history] == [1, 2, 3]
-    assert all(h["critic/replay_mismatches"] == 0 and math.isfinite(h["critic/value_loss"]) for h in history)
-    assert [("time/update" in h, "time/weight_sync" in h, "time/critic_update" in h) for h in history] == [
+def test_critic_under_context_and_expert_parallelism_with_warmup_equals_one_rank(tmp_path):
+    """parallel.cp=2 x parallel.ep=2 on 2 ranks (one launch for both layouts: each costs about a minute of start-up
+    on a 2-core machine). Context parallelism: each rank computes the values of its zig-zag half of every sequence
+    and they are gathered back whole; expert parallelism: the critic's experts are split over the ranks.
+    critic.warmup_steps=2: the first two steps train only the critic (no actor update, no weight sync), the third
+    both. So the engine keeps its weights and both runs sample the same two steps; step 2's values come from the
+    critic trained at step 1 (forward and backward through the gather and the expert exchange)."""
+    common = ["trainer.checkpoint_every=0", "critic.warmup_steps=2"]
+    one = _train(tmp_path / "w1", ["trainer.steps=2", *common], nproc=1)
+    both = _train(tmp_path / "cp2_ep2", ["trainer.steps=3", "parallel.cp=2", "parallel.ep=2", *common])
+    assert [h["step"] for h in both] == [1, 2, 3]
+    assert all(h["critic/replay_mismatches"] == 0 and math.isfinite(h["critic/value_loss"]) for h in both)
+    assert [("time/update" in h, "time/weight_sync" in h, "time/critic_update" in h) for h in both] == [
         (False, False, True),
         (False, False, True),
         (True, True, True),
     ]
-
-
-def test_critic_under_context_parallelism_equals_one_rank(tmp_path):
-    """parallel.cp=2: each rank computes the values of its zig-zag half of every sequence and they are gathered
-    back whole. With critic.warmup_steps=2 the engine keeps its weights, so both runs sample the same two steps;
-    step 2's values come from the critic trained at step 1 (forward and backward through the gather)."""
-    common = ["trainer.steps=2", "trainer.checkpoint_every=0", "critic.warmup_steps=2"]
-    one = _train(tmp_path / "w1", common, nproc=1)
-    cp = _train(tmp_path / "cp2", [*common, "parallel.cp=2"])
-    assert [h["step"] for h in cp] == [1, 2]
     assert one[1]["critic/values_mean"] != 0.0  # a trained head: the values themselves are compared
-    for got, ref in zip(cp, one, strict=True):
+    for got, ref in zip(both[:2], one, strict=True):
         assert got["reward/mean"] == ref["reward/mean"]  # the same samples
         for k in ("critic/value_loss", "critic/values_mean", "critic/grad_norm", "critic/explained_variance"):
             assert abs(got[k] - ref[k]) <= 1e-4 * abs(ref[k]) + 1e-7, (got["step"], k, got[k], ref[k])
