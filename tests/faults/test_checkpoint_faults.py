@@ -19,7 +19,7 @@ def _finish(r: Run, timeout: float = 600) -> int:
     try:
         return r.proc.wait(timeout=timeout)
     finally:
-        r.wait_gone(timeout=30)
+        r.wait_gone(timeout=60)
         r.kill_all()
 
 
@@ -68,7 +68,7 @@ def test_sigterm_twice_during_a_save_never_leaves_a_trusted_partial_checkpoint(t
             except ProcessLookupError:
                 pass
         r.proc.wait(timeout=120)
-        r.wait_gone(timeout=30)
+        r.wait_gone(timeout=60)
         assert r.new_leftovers(within=10) == set()
     finally:
         r.kill_all()

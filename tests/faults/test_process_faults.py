@@ -30,7 +30,8 @@ def run(tmp_path):
 
 def _kill_and_wait(r: Run, victim, timeout: float) -> float:
     """kill -9 `victim`; every process of the run must be gone and every file it created removed
-    within `timeout` seconds. Returns the seconds that took."""
+    within `timeout` seconds. Returns the seconds that took. The bounds allow for a loaded machine: in CI this runs
+    beside two other lanes of tests on 2 cores (launch/test.sh), which makes a step 3x slower."""
     t0 = time.time()
     victim.send_signal(signal.SIGKILL)
     r.wait_gone(timeout=timeout)
@@ -42,7 +43,7 @@ def test_kill9_of_one_rank_leaves_nothing_behind(run):
     r = run()
     r.wait_for_steps(2)
     assert len(r.engines()) >= 2, r.output()[-3000:]
-    seconds = _kill_and_wait(r, r.ranks()[1], timeout=30)
+    seconds = _kill_and_wait(r, r.ranks()[1], timeout=60)
     print(f"\nkill -9 of rank 1: every process of the run gone {seconds:.1f} s later")
     assert r.proc.returncode != 0
 
@@ -55,7 +56,7 @@ def test_kill9_of_torchrun_checkpoints_and_leaves_nothing_behind(run):
     r = run()
     r.wait_for_steps(1)
     assert len(r.ranks()) == 2 and r.engines()
-    seconds = _kill_and_wait(r, r.seen[r.proc.pid], timeout=30)
+    seconds = _kill_and_wait(r, r.seen[r.proc.pid], timeout=90)  # a step, a checkpoint, the exit
     print(f"\nkill -9 of torchrun: every process of the run gone {seconds:.1f} s later")
     assert "stopped by a signal after saving a checkpoint" in r.output(), r.output()[-4000:]
     assert len(r.metrics()) < 8  # stopped early, not trained to the end unsupervised

@@ -105,15 +105,16 @@ def test_cpu_rope_on_multi_head_3d_tensors_matches_the_native_rope(neox):
 
 def test_busy_loop_plugin_sets_the_spin_only_when_asked(monkeypatch):
     """rollout.cpu_busy_loop_s reaches an engine's processes as MOE_RL_VLLM_BUSY_LOOP_S, read by moe-rl's vLLM
-    plugin: set, the message-queue readers those processes create spin that long; null (unset), vLLM's own 1 s."""
+    plugin: set, the message-queue readers those processes create spin that long; null (unset), vLLM's default stays."""
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     from moe_rl.compat import vllm_plugin
 
-    monkeypatch.setattr(SpinCondition.__init__, "__defaults__", SpinCondition.__init__.__defaults__)  # undone after
+    # a default of this test's own (undone after): an engine started in this process earlier ran the plugin here too
+    monkeypatch.setattr(SpinCondition.__init__, "__defaults__", (7.0,))
     monkeypatch.delenv(vllm_plugin.BUSY_LOOP_ENV, raising=False)
     vllm_plugin.register()
-    assert SpinCondition.__init__.__defaults__ == (1,)
+    assert SpinCondition.__init__.__defaults__ == (7.0,)  # untouched: vLLM's own
     monkeypatch.setenv(vllm_plugin.BUSY_LOOP_ENV, "0.05")
     vllm_plugin.register()
     assert SpinCondition.__init__.__defaults__ == (0.05,)
