@@ -4,8 +4,8 @@
 #   bash launch/test.sh                                            # everything (CI)
 #   bash launch/test.sh -m "not distributed and not engine and not e2e"   # fast subset: pytest with these arguments
 #
-# Without arguments the suite runs as two concurrent lanes and a serial tail, so that it fits CI's
-# budget on 2 cores (a multi-process run keeps about one core busy, the other waits on it):
+# Without arguments the suite runs as two concurrent lanes and a tail, so that it fits CI's budget on 2 cores
+# (a multi-process run keeps about one core busy, the other waits on it):
 #   lane A  tests/e2e but the critic's, packing's, buffer's, bad inputs' and day-one  full training runs (torchrun with engines)
 #   lane B  tests/engine tests/kernels tests/unit tests/distributed   in-process engines, kernels, unit
 #           tests, the multi-process actor checks (no engines), then the critic's, packing's, replay

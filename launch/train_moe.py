@@ -20,9 +20,8 @@ import hydra
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The top level imports hydra only: processes that multiprocessing's spawn starts from a rank import this script
-# again (megatron's checkpoint writer starts one at the first save), and with moe_rl.config they would import torch
-# too, about 5 s of CPU each on a 2-core machine.
+# The top level imports hydra only: a process that multiprocessing's spawn starts from a rank imports this script
+# again (megatron's checkpoint writer starts one at the first save) and needs none of moe-rl or torch for that.
 
 
 def _check_command_line() -> None:
