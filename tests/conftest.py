@@ -120,12 +120,13 @@ def torchrun(module: str, nproc: int, args: list[str], timeout: int = 600) -> st
 
 
 def grouped_launches(module: str, root: Path, jobs: dict[str, tuple[int, list[str]]], timeout: int = 1800):
-    """`get(name)` makes sure job `name` (world size, worker arguments) has run. The jobs of one world size run
-    together in one torchrun launch of `module` (tests/distributed/jobs.py) when the first of them is asked for;
-    a failed launch fails each of its jobs with its output."""
+    """`get(name)` makes sure job `name` (world size, worker arguments that write to `root / name`) has run and
+    returns that folder. The jobs of one world size run together in one torchrun launch of `module`
+    (tests/distributed/jobs.py) when the first of them is asked for; a failed launch fails each of its jobs with
+    its output."""
     outcome: dict[int, str | None] = {}
 
-    def get(name: str) -> None:
+    def get(name: str) -> Path:
         nproc = jobs[name][0]
         if nproc not in outcome:
             spec = Path(root) / f"jobs_world{nproc}.json"
@@ -137,6 +138,7 @@ def grouped_launches(module: str, root: Path, jobs: dict[str, tuple[int, list[st
                 outcome[nproc] = str(e)
         if outcome[nproc] is not None:
             pytest.fail(f"the world-{nproc} launch of {module} failed: {outcome[nproc]}", pytrace=False)
+        return Path(root) / name
 
     return get
 

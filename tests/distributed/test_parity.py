@@ -29,13 +29,7 @@ def parity_run(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
     models = [str(tiny_models[m]) for m in MODELS]
     jobs = {name: (nproc, [*args, "--out", str(root / name), *models]) for name, (nproc, args) in LAYOUTS.items()}
-    launch = grouped_launches("tests.distributed.parity_worker", root, jobs)
-
-    def get(layout: str):
-        launch(layout)
-        return root / layout
-
-    return get
+    return grouped_launches("tests.distributed.parity_worker", root, jobs)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

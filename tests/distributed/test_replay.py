@@ -22,26 +22,20 @@ SIGMOID = [("glm4_moe", "world1"), ("glm4_moe", "ep2"), ("deepseek_v3", "world1"
 
 @pytest.fixture(scope="module")
 def replay_run(tiny_models, tmp_path_factory):
-    """`replay_run(arch, layout)` -> its results folder. The jobs of one world size share a torchrun launch."""
+    """`replay_run("arch-layout")` -> its results folder. The jobs of one world size share a torchrun launch."""
     root = tmp_path_factory.mktemp("replay")
     pairs = [("qwen3_moe", layout) for layout in LAYOUTS] + SIGMOID
     jobs = {}
     for arch, layout in pairs:
         nproc, args = LAYOUTS[layout]
         jobs[f"{arch}-{layout}"] = (nproc, [str(tiny_models[arch]), *args, "--out", str(root / f"{arch}-{layout}")])
-    launch = grouped_launches("tests.distributed.replay_worker", root, jobs)
-
-    def get(arch: str, layout: str):
-        launch(f"{arch}-{layout}")
-        return root / f"{arch}-{layout}"
-
-    return get
+    return grouped_launches("tests.distributed.replay_worker", root, jobs)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_replay_exact_under_layout(layout, replay_run):
     nproc = LAYOUTS[layout][0]
-    results = read_json_results(replay_run("qwen3_moe", layout))
+    results = read_json_results(replay_run(f"qwen3_moe-{layout}"))
     assert len(results) == nproc
     for r in results:
         where = f"{layout} rank {r['rank']}"
@@ -64,7 +58,7 @@ def test_replay_exact_with_sigmoid_grouped_router(arch, layout, replay_run):
     replaying random experts, which ignore the groups and the bias, still takes each gate from the live
     unbiased sigmoid score at the replayed expert, renormalised and scaled, as transformers does when forced."""
     nproc = LAYOUTS[layout][0]
-    results = read_json_results(replay_run(arch, layout))
+    results = read_json_results(replay_run(f"{arch}-{layout}"))
     assert len(results) == nproc
     for r in results:
         where = f"{layout} rank {r['rank']}"

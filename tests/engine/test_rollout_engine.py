@@ -123,7 +123,7 @@ def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core(engines):
     """vLLM-CPU would start the one worker as a process of its own; moe-rl names the one-worker executor, so the
     engine core runs it: one engine process, and no shared-memory message queue between them, so nothing spins
     after a message. (rollout.cpu_busy_loop_s reaches the workers of an engine with tensor parallelism:
-    test_an_engine_with_tensor_parallelism_... ; vLLM's own 1 s with null: tests/unit/test_compat_vllm.py.)"""
+    test_an_engine_with_tensor_parallelism_... ; null keeps vLLM's default: tests/unit/test_compat_vllm.py.)"""
     eng = engines("mixtral")
     cores = [p for p in eng._procs if "EngineCore" in p.name()]
     assert len(cores) == 1 and eng.rpc("moe_rl_ping") == [cores[0].pid]  # the worker answers from the engine core
