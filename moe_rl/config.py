@@ -445,6 +445,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("rollout.model", "is set from model.path by the trainer; set model.path instead")
     if cfg.rollout.seed is not None:
         bad("rollout.seed", "is set from trainer.seed by the trainer; set trainer.seed instead")
+    if cfg.rollout.cpu_start_method not in ("fork", "spawn"):
+        bad("rollout.cpu_start_method", f"{cfg.rollout.cpu_start_method!r}: choose fork or spawn")
     if cfg.actor.router_replay not in ("r3", "r2", "off"):
         bad("actor.router_replay", f"{cfg.actor.router_replay!r}: choose r3, r2 or off")
     if cfg.actor.router_replay == "r3" and cfg.rollout.capture == "none":

@@ -5,7 +5,9 @@ function says what it needs and when to delete it."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from contextlib import contextmanager
 
 
 def on_prepare_inputs(runner, begin_step: Callable[[list[str], list[int], list[int]], None]) -> None:
@@ -190,3 +192,66 @@ def _rope_on_flat_heads(forward, positions, query, key=None):
     flat_k = None if key is None else key.reshape(key.shape[0], -1)
     flat_q, flat_k = forward(positions, flat_q, flat_k)
     return flat_q.view(query.shape), None if key is None else flat_k.view(key.shape)
+
+
+_FORKING_ENGINE = False  # True while `engine_core_by_fork` starts an engine: read by the at-fork hook in the child
+_INHERITED_WORLDS: list = []  # the trainer's torch.distributed state as a forked engine received it (never torn down)
+
+
+@contextmanager
+def engine_core_by_fork():
+    """Start a CPU engine's processes by fork instead of vLLM-CPU's spawn: the rank has already imported torch and
+    vLLM, which a spawned engine core imports again (~10 s of CPU per engine here, docs/performance.md). vLLM-CPU
+    sets VLLM_WORKER_MULTIPROC_METHOD=spawn in `CpuPlatform.check_and_update_config` with no opt-out; this wraps
+    that method for the engine being built and puts back the start method the caller had. In the forked child
+    (`_forget_the_trainer`): the trainer's torch.distributed world is set aside, or vLLM would take it for its
+    own and build its groups on the trainer's ranks; and vLLM's "plugins loaded" flag is cleared, so the engine's
+    processes load the general plugins (moe-rl's among them) as a spawned engine core does. CPU only: with CUDA
+    initialized vLLM spawns regardless. Delete when vLLM-CPU leaves the start method to the caller."""
+    global _FORKING_ENGINE
+    from vllm.platforms.cpu import CpuPlatform
+
+    _register_fork_hook()
+    before = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    original = CpuPlatform.__dict__["check_and_update_config"]
+
+    def check_and_update_config(cls, vllm_config):
+        original.__func__(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    _FORKING_ENGINE = True
+    try:
+        yield
+    finally:
+        _FORKING_ENGINE = False
+        CpuPlatform.check_and_update_config = original
+        if before is None:
+            os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+        else:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = before
+
+
+_fork_hook_registered = False
+
+
+def _register_fork_hook() -> None:
+    global _fork_hook_registered
+    if not _fork_hook_registered:
+        os.register_at_fork(after_in_child=_forget_the_trainer)
+        _fork_hook_registered = True
+
+
+def _forget_the_trainer() -> None:
+    global _FORKING_ENGINE
+    if not _FORKING_ENGINE:  # another fork of this process (a checkpoint writer, a worker of the engine's own)
+        return
+    _FORKING_ENGINE = False
+    import torch.distributed.distributed_c10d as c10d
+    import vllm.plugins
+
+    # Kept, not destroyed: its sockets are the trainer's (closing them here would close nothing there, but a
+    # destructor that joins the trainer's threads would wait forever).
+    _INHERITED_WORLDS.append(c10d._world)
+    c10d._world = c10d._World()
+    vllm.plugins.plugins_loaded = False

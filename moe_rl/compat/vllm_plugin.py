@@ -18,8 +18,11 @@ def register() -> None:
     ):
         # The model already runs eagerly on CPU (enforce_eager); what vLLM still compiles is the sampler's rank count
         # (`batched_count_greater_than`, integer results either way), whose inductor compile took 1.4 of the first
-        # rollout's 1.5 s. The engine processes only (set before the worker imports torch), never the trainer's.
+        # rollout's 1.5 s. The engine processes only, never the trainer's: set before the worker imports torch, or
+        # on dynamo's config where the engine was forked from a rank that had imported it.
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        if "torch._dynamo" in sys.modules:  # an engine core forked from a rank (compat.vllm.engine_core_by_fork)
+            sys.modules["torch._dynamo"].config.disable = True
     value = os.environ.get(BUSY_LOOP_ENV)
     if not value:
         return

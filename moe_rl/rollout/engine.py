@@ -86,6 +86,12 @@ class RolloutConfig:
     the trainer's ranks for the cores: 0.05 keeps back-to-back decode steps fast and halved the default run's
     update time (docs/performance.md). With one worker, which the engine core runs itself, there is no such
     message queue and nothing spins."""
+    cpu_start_method: str = "fork"
+    """CPU: how an engine's processes start. fork: from the rank, which has already imported torch and vLLM (about
+    10 s of CPU less per engine start, docs/performance.md); only from a process with one OpenMP thread (torchrun's
+    OMP_NUM_THREADS=1), else the engine is spawned and a line says why | spawn: vLLM-CPU's own choice, a fresh
+    interpreter. Same tokens and log-probs either way. With CUDA vLLM always spawns (a forked child cannot use the
+    parent's CUDA context), so this is not read there."""
     gpu_memory_utilization: float = 0.5
     """Share of GPU memory for the engine's weights and KV cache (GPU)."""
     sleep_while_training: bool = False
@@ -126,6 +132,29 @@ def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _engine_start(cfg: RolloutConfig):
+    """The context an engine starts in: forked from this rank on CPU where rollout.cpu_start_method says so."""
+    if cfg.cpu_start_method not in ("fork", "spawn"):
+        raise ValueError(f"rollout.cpu_start_method={cfg.cpu_start_method!r}: choose fork or spawn")
+    if torch.cuda.is_available() or cfg.cpu_start_method == "spawn" or cfg.topology == "tp_group":
+        return nullcontext()
+    threads = torch.get_num_threads()
+    if threads != 1 or os.environ.get("OMP_NUM_THREADS") != "1":
+        # A process that has run OpenMP with a team of threads cannot fork: libgomp's thread pool does not cross
+        # fork, and the child's first parallel region waits forever on threads that do not exist (seen: an engine
+        # started from pytest hung in its KV-cache allocation). torchrun starts ranks with OMP_NUM_THREADS=1.
+        print(
+            f"[moe-rl] rollout.cpu_start_method=fork: this engine is spawned instead, since this process may have run "
+            f"OpenMP with several threads (torch.get_num_threads()={threads}, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}); fork needs both 1, as torchrun sets them",
+            flush=True,
+        )
+        return nullcontext()
+    from moe_rl.compat.vllm import engine_core_by_fork
+
+    return engine_core_by_fork()
 
 
 def engine_visible_devices(visible: str | None, device_count: int, first: int, count: int) -> str:
@@ -258,7 +287,10 @@ class RolloutEngine:
         self._reaper = Reaper()
         before = {p.pid for p in me.children(recursive=True)}
         try:
-            with nullcontext() if cfg.topology == "tp_group" else _engine_sees_its_gpus(cfg.tensor_parallel_size):
+            with (
+                _engine_start(cfg),
+                nullcontext() if cfg.topology == "tp_group" else _engine_sees_its_gpus(cfg.tensor_parallel_size),
+            ):
                 self.llm = LLM(**kwargs)
         except Exception as e:
             self._reaper.close()

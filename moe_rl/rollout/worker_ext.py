@@ -38,10 +38,19 @@ class MoeRLWorkerExtension(WeightReceiver):
         return [o.busy_loop_s for o in gc.get_objects() if type(o) is SpinCondition and o.is_reader]
 
     def moe_rl_sampler_compiled(self) -> bool:
-        """Whether this worker's sampler rank count is a torch.compile'd function (moe-rl's plugin: not on CPU)."""
+        """Whether this worker compiles its sampler's rank count with torch.compile (moe-rl's plugin: not on CPU). A
+        forked engine inherits the function as its rank wrapped it; dynamo's disable flag then runs it eagerly."""
+        import torch._dynamo
         from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
-        return hasattr(batched_count_greater_than, "_torchdynamo_orig_callable")
+        return hasattr(batched_count_greater_than, "_torchdynamo_orig_callable") and not torch._dynamo.config.disable
+
+    def moe_rl_forked_from_trainer(self) -> bool:
+        """Whether this process was forked from a trainer rank (rollout.cpu_start_method=fork), which set the rank's
+        torch.distributed world aside as it started (compat.vllm.engine_core_by_fork)."""
+        from moe_rl.compat import vllm as compat_vllm
+
+        return bool(compat_vllm._INHERITED_WORLDS)
 
     def moe_rl_init_worker(self) -> bool:
         """Per-process CPU setup (runs in each worker process, hence a method here)."""

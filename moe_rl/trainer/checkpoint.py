@@ -166,7 +166,7 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
     files (the replay buffer) into the folder before it is complete."""
     from megatron.core import dist_checkpointing
 
-    from moe_rl.compat.megatron_checkpoint import drop_dead_results_queue
+    from moe_rl.compat.megatron_checkpoint import results_in_this_process
 
     rank, _ = _rank_world()
     path = step_dir(root, step)
@@ -181,7 +181,7 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
         (partial / "optimizer").mkdir()
     if dist.is_initialized():
         dist.barrier()
-    drop_dead_results_queue()
+    results_in_this_process()
     dist_checkpointing.save({**model_sharded_state_dict(chunks), "rng_state": _rng_object()}, str(partial / "model"))
     _save_optimizer(partial / "optimizer", chunks, optimizer)
     if rank == 0:
@@ -261,12 +261,15 @@ def save_part(folder: str | Path, chunks, optimizer) -> None:
     inside a checkpoint being written (checkpoint.save's `extra`)."""
     from megatron.core import dist_checkpointing
 
+    from moe_rl.compat.megatron_checkpoint import results_in_this_process
+
     folder = Path(folder)
     if _rank_world()[0] == 0:
         (folder / "model").mkdir(parents=True)
         (folder / "optimizer").mkdir()
     if dist.is_initialized():
         dist.barrier()
+    results_in_this_process()
     dist_checkpointing.save(model_sharded_state_dict(chunks), str(folder / "model"))
     _save_optimizer(folder / "optimizer", chunks, optimizer)
 

@@ -38,6 +38,8 @@ def main(model: str, out: Path) -> None:
                     "lp_diff": lp_diff,
                     "total_rows": t.item(),
                     "first_prompt": batch.prompt_ids[0],
+                    "forked": eng.rpc("moe_rl_forked_from_trainer"),
+                    "sampler_compiled": eng.rpc("moe_rl_sampler_compiled"),
                 }
             )
         )

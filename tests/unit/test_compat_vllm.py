@@ -4,6 +4,7 @@ layer (and nothing else), puts its cache back untouched, and the filter drops ex
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -118,3 +119,34 @@ def test_busy_loop_plugin_sets_the_spin_only_when_asked(monkeypatch):
     monkeypatch.setenv(vllm_plugin.BUSY_LOOP_ENV, "0.05")
     vllm_plugin.register()
     assert SpinCondition.__init__.__defaults__ == (0.05,)
+
+
+def test_an_engine_is_forked_only_from_a_process_with_one_openmp_thread(monkeypatch, capsys):
+    """rollout.cpu_start_method=fork forks the engine core only where OpenMP has never run a team of threads
+    (libgomp's pool does not cross fork: a child forked from pytest hung in its first parallel region); elsewhere
+    the engine is spawned and a line says why. The fork context wraps vLLM-CPU's config check only while the engine
+    starts, and puts back the caller's start method."""
+    from contextlib import nullcontext
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    from moe_rl.rollout.engine import RolloutConfig, _engine_start
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert isinstance(_engine_start(RolloutConfig()), nullcontext)
+    assert "this engine is spawned instead" in capsys.readouterr().out
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert isinstance(_engine_start(RolloutConfig(cpu_start_method="spawn")), nullcontext)
+    with pytest.raises(ValueError, match="rollout.cpu_start_method='forkserver'"):
+        _engine_start(RolloutConfig(cpu_start_method="forkserver"))
+    assert capsys.readouterr().out == ""
+
+    original = CpuPlatform.__dict__["check_and_update_config"]
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    fork = _engine_start(RolloutConfig())
+    assert not isinstance(fork, nullcontext)
+    with fork:
+        assert CpuPlatform.__dict__["check_and_update_config"] is not original
+    assert CpuPlatform.__dict__["check_and_update_config"] is original
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
