@@ -205,8 +205,9 @@ def engine_core_by_fork():
     sets VLLM_WORKER_MULTIPROC_METHOD=spawn in `CpuPlatform.check_and_update_config` with no opt-out; this wraps
     that method for the engine being built and puts back the start method the caller had. In the forked child
     (`_forget_the_trainer`): the trainer's torch.distributed world is set aside, or vLLM would take it for its
-    own and build its groups on the trainer's ranks; and vLLM's "plugins loaded" flag is cleared, so the engine's
-    processes load the general plugins (moe-rl's among them) as a spawned engine core does. CPU only: with CUDA
+    own and build its groups on the trainer's ranks; vLLM's "plugins loaded" flag is cleared, so the engine's
+    processes load the general plugins (moe-rl's among them) as a spawned engine core does; and the trainer's
+    signal handlers are reset to a fresh interpreter's. CPU only: with CUDA
     initialized vLLM spawns regardless. Delete when vLLM-CPU leaves the start method to the caller."""
     global _FORKING_ENGINE
     from vllm.platforms.cpu import CpuPlatform
@@ -247,6 +248,8 @@ def _forget_the_trainer() -> None:
     if not _FORKING_ENGINE:  # another fork of this process (a checkpoint writer, a worker of the engine's own)
         return
     _FORKING_ENGINE = False
+    import signal
+
     import torch.distributed.distributed_c10d as c10d
     import vllm.plugins
 
@@ -255,3 +258,8 @@ def _forget_the_trainer() -> None:
     _INHERITED_WORLDS.append(c10d._world)
     c10d._world = c10d._World()
     vllm.plugins.plugins_loaded = False
+    # The trainer's Python signal handlers (its checkpoint-on-SIGTERM/SIGUSR1 flag) are not the engine's: back to
+    # what a fresh interpreter has, which vLLM's engine core then overrides for SIGTERM and SIGINT as it does.
+    for sig in signal.valid_signals():
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)

@@ -52,6 +52,12 @@ class MoeRLWorkerExtension(WeightReceiver):
 
         return bool(compat_vllm._INHERITED_WORLDS)
 
+    def moe_rl_signal_handler(self, name: str) -> str:
+        """This process's handler of signal `name` (e.g. "SIGUSR1"): a forked engine does not keep the trainer's."""
+        import signal
+
+        return str(signal.getsignal(getattr(signal, name)))
+
     def moe_rl_init_worker(self) -> bool:
         """Per-process CPU setup (runs in each worker process, hence a method here)."""
         from moe_rl.compat.vllm import flatten_cpu_rope_heads, request_amx_permission

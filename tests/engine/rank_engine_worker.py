@@ -5,6 +5,7 @@ torchrun --nproc-per-node=2 -m tests.engine.rank_engine_worker MODEL OUT_DIR
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ def main(model: str, out: Path) -> None:
 
     init_distributed(ParallelConfig())
     rank = dist.get_rank()
+    signal.signal(signal.SIGUSR1, lambda *_: None)  # as the trainer's StopFlag does: not the engine's to keep
     eng = start_engine(model)
     try:
         prompts = _prompts(seed=100 + rank, count=8)  # each rank its own prompts
@@ -39,6 +41,7 @@ def main(model: str, out: Path) -> None:
                     "total_rows": t.item(),
                     "first_prompt": batch.prompt_ids[0],
                     "forked": eng.rpc("moe_rl_forked_from_trainer"),
+                    "engine_sigusr1": eng.rpc("moe_rl_signal_handler", "SIGUSR1"),
                     "sampler_compiled": eng.rpc("moe_rl_sampler_compiled"),
                 }
             )

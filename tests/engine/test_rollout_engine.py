@@ -284,7 +284,8 @@ def test_shutdown_leaves_no_processes(tiny_models):
 def test_one_engine_per_rank_under_torchrun(tiny_models, tmp_path):
     """Each rank's engine routes its own prompts as transformers does. Under torchrun (OMP_NUM_THREADS=1) the engine
     core is forked from its rank (rollout.cpu_start_method=fork): it set the rank's gloo world aside (the ranks'
-    all-reduce after the engine started still works), and it samples eagerly as a spawned engine does."""
+    all-reduce after the engine started still works), keeps none of the rank's signal handlers, and samples
+    eagerly as a spawned engine does."""
     from tests.conftest import read_json_results, torchrun
 
     torchrun("tests.engine.rank_engine_worker", 2, [str(tiny_models["qwen3_moe"]), str(tmp_path)])
@@ -295,6 +296,7 @@ def test_one_engine_per_rank_under_torchrun(tiny_models, tmp_path):
         assert r["rows"] > 0 and r["bad"] == 0 and r["lp_diff"] < 1e-4, r
         assert r["total_rows"] == sum(x["rows"] for x in results)
         assert r["forked"] == [True] and r["sampler_compiled"] == [False], r
+        assert r["engine_sigusr1"] == [str(signal.SIG_DFL)], r  # the rank's handler stayed in the rank
 
 
 def test_an_engine_with_tensor_parallelism_routes_like_transformers_and_takes_a_weight_sync(

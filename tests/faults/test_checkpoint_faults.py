@@ -35,11 +35,11 @@ def test_truncated_checkpoint_is_named_then_the_older_one_resumes(tmp_path):
 
     t0 = time.time()
     resumed = Run(run_dir, 2, ["trainer.steps=3"])  # trainer.resume=auto
+    # It ends by itself, before any model is built (no hang): 62 s was seen beside CI's lanes, so no tighter bound
     code = _finish(resumed, timeout=120)
-    seconds = time.time() - t0
     out = resumed.output()
-    print(f"\ndamaged checkpoint refused in {seconds:.1f} s")
-    assert code != 0 and seconds < 60
+    print(f"\ndamaged checkpoint refused in {time.time() - t0:.1f} s")
+    assert code != 0
     assert str(victim) in out and "truncated" in out and f"trainer.resume={older}" in out, out[-4000:]
     assert "Loading safetensors" not in out  # failed before any model or engine was built
 

@@ -35,7 +35,10 @@ def _kill_and_wait(r: Run, victim, timeout: float) -> float:
     t0 = time.time()
     victim.send_signal(signal.SIGKILL)
     r.wait_gone(timeout=timeout)
-    assert r.new_leftovers(within=timeout - (time.time() - t0)) == set()
+    left = r.new_leftovers(within=timeout - (time.time() - t0))
+    assert left == set(), f"left behind: {left}; the run's last output (its reapers' lines included):\n" + "\n".join(
+        r.output().splitlines()[-40:]
+    )
     return time.time() - t0
 
 

@@ -125,7 +125,7 @@ def test_schema_errors_name_the_key(override, match):
     [
         (["rollout.model=/x"], 2, "config rollout.model: is set from model.path"),
         (["rollout.seed=0"], 2, "config rollout.seed: is set from trainer.seed"),
-        (["rollout.cpu_start_method=forkserver"], 2, "config rollout.cpu_start_method: 'forkserver': choose fork or spawn"),
+        (["rollout.cpu_start_method=forkserver"], 2, "config rollout.cpu_start_method: 'forkserver': choose fork"),
         (["algorithm.loss.agg=mean"], 2, "config algorithm.loss.agg"),
         (["actor.router_replay=r4"], 2, "config actor.router_replay"),
         (["rollout.capture=none"], 2, "r3 replays the rollout engine's routes"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 
@@ -45,3 +46,33 @@ def test_a_clean_close_keeps_what_the_owner_started_since():
     assert engine.wait(timeout=10) is not None  # the watched engine was killed
     assert mine <= candidate_files(), "the reaper removed a file the owner holds for another engine"
     del lock
+
+
+OWNER = r"""
+import os, socket, subprocess, sys, tempfile, time, uuid
+from moe_rl.rollout.reaper import Reaper
+
+reaper = Reaper()
+path = os.path.join(tempfile.gettempdir(), str(uuid.uuid4()))  # named as vLLM names its ZMQ socket files
+holder = subprocess.Popen([sys.executable, "-c", f"import socket, time; s = socket.socket(socket.AF_UNIX); "
+                           f"s.bind({path!r}); print('bound', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+assert holder.stdout.readline().strip() == b"bound"
+reaper.watch([])
+print(reaper.proc.pid, path, flush=True)
+reaper.close()  # the file is held by a process the reaper does not kill on a clean close
+holder.kill()
+holder.wait()
+"""
+
+
+def test_a_file_held_at_a_clean_close_is_removed_once_the_owner_has_exited():
+    """A clean close leaves what another process still holds at that moment: the reaper looks again once its
+    owner has exited."""
+    owner = subprocess.run([sys.executable, "-c", OWNER], capture_output=True, text=True, timeout=60)
+    assert owner.returncode == 0, owner.stderr
+    reaper_pid, path = owner.stdout.split()
+    try:
+        psutil.Process(int(reaper_pid)).wait(timeout=30)
+    except psutil.NoSuchProcess:
+        pass
+    assert not os.path.exists(path), f"{path} left behind"
