@@ -207,12 +207,11 @@ def engine_core_by_fork():
     (`_forget_the_trainer`): the trainer's torch.distributed world is set aside, or vLLM would take it for its
     own and build its groups on the trainer's ranks; vLLM's "plugins loaded" flag is cleared, so the engine's
     processes load the general plugins (moe-rl's among them) as a spawned engine core does; and the trainer's
-    signal handlers are reset to a fresh interpreter's. CPU only: with CUDA
-    initialized vLLM spawns regardless. Delete when vLLM-CPU leaves the start method to the caller."""
+    signal handlers are reset to a fresh interpreter's. CPU only: with CUDA initialized vLLM spawns regardless.
+    Delete when vLLM-CPU leaves the start method to the caller."""
     global _FORKING_ENGINE
     from vllm.platforms.cpu import CpuPlatform
 
-    _register_fork_hook()
     before = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
     original = CpuPlatform.__dict__["check_and_update_config"]
 
@@ -231,16 +230,6 @@ def engine_core_by_fork():
             os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
         else:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = before
-
-
-_fork_hook_registered = False
-
-
-def _register_fork_hook() -> None:
-    global _fork_hook_registered
-    if not _fork_hook_registered:
-        os.register_at_fork(after_in_child=_forget_the_trainer)
-        _fork_hook_registered = True
 
 
 def _forget_the_trainer() -> None:
@@ -263,3 +252,6 @@ def _forget_the_trainer() -> None:
     for sig in signal.valid_signals():
         if callable(signal.getsignal(sig)):
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_forget_the_trainer)
