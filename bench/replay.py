@@ -3,7 +3,8 @@
 1. forward+backward time of the Megatron actor with replayed routes vs live routing (same
    model, batch and micro-batching, alternating runs, best of N; ratio);
 2. route bytes per rank for a 64 x 4096-token batch of a 48-layer, 128-expert, top-8 model:
-   on the host (this rank's data-parallel shard) and on the device (its SP/CP slice).
+   its data-parallel shard on the route holder (the others hold none) and each rank's replay targets
+   of a pass (its SP/CP slice).
 
   python bench/replay.py
   python bench/replay.py --batch 8 --seq 512 --repeats 5
@@ -21,20 +22,25 @@ import numpy as np
 
 
 def route_memory(batch=64, seq=4096, layers=48, experts=128, topk=8, dp=8, tp=2, cp=2) -> dict:
+    """Route bytes per rank, from the slicing functions the actor uses. Of a data-parallel rank's TP x CP ranks
+    only the route holder keeps the shard's routes; every rank queues its own positions of a pass as replay
+    targets in the record's dtype (int64 before 2026-11-26, when every TP/CP rank also kept the whole shard)."""
     from moe_rl.routing.layout import dp_shard, rank_positions
     from moe_rl.routing.records import route_dtype
 
     item = np.dtype(route_dtype(experts)).itemsize
     full = batch * seq * layers * topk * item
     shard = dp_shard(batch, dp, 0)
-    host = (shard.stop - shard.start) * seq * layers * topk * item
+    rows = shard.stop - shard.start
+    host = rows * seq * layers * topk * item
     pos = rank_positions(seq, tp=tp, tp_rank=0, cp=cp, cp_rank=0, sequence_parallel=tp > 1)
-    device = (shard.stop - shard.start) * len(pos) * layers * topk * 8  # int64 indices for gather
+    targets = rows * len(pos) * layers * topk
     return {
         "layout": {"dp": dp, "tp": tp, "cp": cp},
         "full_batch_bytes": full,
-        "host_bytes_per_rank": host,
-        "device_bytes_per_rank_int64": device,
+        "host_bytes_route_holder": host,
+        "pass_targets_bytes_per_rank": targets * item,
+        "pass_targets_bytes_per_rank_as_int64": targets * 8,
         "broadcast_full_batch_over_host_shard": full / host,
     }
 

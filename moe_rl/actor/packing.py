@@ -212,8 +212,10 @@ def _block_causal_mask(sample: torch.Tensor) -> torch.Tensor:
 
 def _pack_routes(routes: torch.Tensor, valid: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[n, T, L, K] per-sample routes -> [1, seq_len, L, K] in packed order, filler ids (distinct,
-    valid expert ids) on padding."""
-    _, _, layers, k = routes.shape
+    valid expert ids) on padding. Zero-width routes (held by another rank: actor/replay.py) stay zero-width."""
+    _, width, layers, k = routes.shape
+    if width == 0:
+        return routes[:1]
     filler = torch.from_numpy(filler_row(layers, k, routes.numpy().dtype))
     out = filler.expand(seq_len, layers, k).clone()
     real = routes[valid[:, : routes.shape[1]]]

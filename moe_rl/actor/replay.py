@@ -16,13 +16,20 @@ a global action switch. Each hook keeps FIFO queues:
 On exit every queue must be empty: every route was used exactly once (else `RouteError`).
 Replay replaces only the top-k selection; probabilities are gathered from the live scores,
 so the router still gets gradients.
+
+Under tensor (sequence) and context parallelism a pipeline stage's ranks of one data-parallel rank see
+different positions of the same samples. Only the first of them (TP rank 0, CP rank 0: `holds_routes`) holds
+the samples' routes; at the start of each pass it cuts every rank's positions out of each micro-batch and
+sends them (`RouteShare`). The others carry zero-width `[B, 0, L_moe, K]` routes in their place and never
+hold more than their own positions of one pass. R2's recordings are gathered on that rank the same way.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -101,7 +108,7 @@ class RouterHook:
                 f"MoE layer {self.layer}: replay target {tuple(target.shape)} does not match "
                 f"{scores.shape[0]} tokens x top-{topk} at this router"
             )
-        idx = target.to(scores.device)
+        idx = target.to(scores.device, torch.long)  # queued in the routes' narrow dtype
         live = missing_rows(target)  # no recorded route (multi-turn missing_routes=live); on the host: no device sync
         if live.any():
             _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
@@ -156,6 +163,86 @@ def record_topk(chunks: list[torch.nn.Module]) -> Iterator[dict[int, list[torch.
             h.mode = "idle"
 
 
+def holds_routes() -> bool:
+    """Whether this rank holds its data-parallel rank's routes for its pipeline stage (TP rank 0, CP rank 0);
+    the source sends routes to these ranks only."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return True
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+
+
+def _rank_layout() -> dict:
+    """This rank's place in the positions of a micro-batch (routing.layout.rank_positions' arguments)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return dict(tp=1, tp_rank=0, cp=1, cp_rank=0, sequence_parallel=False)
+    tp = ps.get_tensor_model_parallel_world_size()
+    return dict(
+        tp=tp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        cp=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        sequence_parallel=tp > 1,
+    )
+
+
+@dataclass(frozen=True)
+class RouteShare:
+    """The ranks that see positions of the same samples in one pipeline stage (its tensor x context-parallel
+    group) and which of them holds the routes. Build with `route_share` (collective over that group)."""
+
+    group: dist.ProcessGroup | None  # None: this rank alone
+    ranks: list[int]  # global ranks, in group order
+    layouts: list[dict]  # each group rank's `_rank_layout()`, in group order
+    me: int  # this rank's index in `ranks`
+
+    @property
+    def holder(self) -> int:
+        """Global rank of the routes' holder."""
+        return self.ranks[next(i for i, lay in enumerate(self.layouts) if lay["tp_rank"] == lay["cp_rank"] == 0)]
+
+    @property
+    def is_holder(self) -> bool:
+        return self.ranks[self.me] == self.holder
+
+    def scatter(self, per_rank: Callable[[dict], object]):
+        """On the holder, `per_rank(layout)` for every rank of the group, each sent to its rank; returns this
+        rank's (peers never call `per_rank`)."""
+        if self.group is None:
+            return per_rank(self.layouts[0])
+        out = [None]
+        items = [per_rank(lay) for lay in self.layouts] if self.is_holder else None
+        dist.scatter_object_list(out, items, src=self.holder, group=self.group)
+        return out[0]
+
+    def from_holder(self, value: Callable[[], object]):
+        """`value()` computed on the holder, returned on every rank of the group."""
+        if self.group is None:
+            return value()
+        box = [value() if self.is_holder else None]
+        dist.broadcast_object_list(box, src=self.holder, group=self.group)
+        return box[0]
+
+
+def route_share() -> RouteShare:
+    """This rank's RouteShare. Collective over its tensor x context-parallel group (when that has several)."""
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.actor.parallel import all_gather_objects
+
+    layout = _rank_layout()
+    if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
+        return RouteShare(None, [0], [layout], 0)
+    group = ps.get_tensor_and_context_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return RouteShare(None, [dist.get_rank()], [layout], 0)
+    ranks = dist.get_process_group_ranks(group)
+    return RouteShare(group, ranks, all_gather_objects(layout, group), ranks.index(dist.get_rank()))
+
+
 class RouteReplay:
     """Replay / record controller bound to one model's routers.
 
@@ -177,6 +264,7 @@ class RouteReplay:
             self.hooks.append(install_hook(layer, router, verify))
         self.topk = chunks[0].config.moe_router_topk
         self.num_experts = chunks[0].config.num_moe_experts
+        self._share: RouteShare | None = None
 
     def dispatch_check(self, reset: bool = False) -> tuple[int, int]:
         """(token-layer rows checked, rows dispatched elsewhere than replayed) on this rank."""
@@ -186,43 +274,48 @@ class RouteReplay:
                 h.checked = h.mismatched = 0
         return out
 
-    # ---- parallel layout of this rank -----------------------------------------------------
-    @staticmethod
-    def _layout() -> dict:
-        from megatron.core import parallel_state as ps
+    # ---- which positions reach which rank ----------------------------------------------------
+    @property
+    def share(self) -> RouteShare:
+        """Built at the first pass (every rank of the group runs it), then kept."""
+        if self._share is None:
+            self._share = route_share()
+        return self._share
 
-        tp = ps.get_tensor_model_parallel_world_size()
-        return dict(
-            tp=tp,
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            cp=ps.get_context_parallel_world_size(),
-            cp_rank=ps.get_context_parallel_rank(),
-            sequence_parallel=tp > 1,
-        )
-
-    def _targets(self, routes: torch.Tensor, seq_len: int) -> dict[int, torch.Tensor]:
-        """Per-layer `[s_local * b, K]` int64 targets of one micro-batch's `[b, T, L_moe, K]` routes."""
+    def _targets(self, routes: torch.Tensor, seq_len: int, layout: dict) -> dict[int, torch.Tensor]:
+        """Per-layer `[s_local * b, K]` targets (the routes' dtype) of one micro-batch's `[b, T, L_moe, K]` routes,
+        at the positions of the rank with `layout`."""
         if routes.dim() != 4 or routes.shape[2] != len(self.moe_layers) or routes.shape[3] != self.topk:
             raise RouteError(
                 f"micro-batch routes have shape {tuple(routes.shape)}; expected [b, T, "
                 f"{len(self.moe_layers)}, {self.topk}]"
+            )
+        if routes.shape[1] == 0:
+            raise RouteError(
+                f"rank {dist.get_rank() if dist.is_initialized() else 0} holds the routes of its tensor/context-"
+                "parallel group but was given zero-width routes (those are for the other ranks of the group)"
             )
         if routes.shape[1] < seq_len:  # pad rows: distinct ids, never duplicates
             pad = torch.from_numpy(filler_row(len(self.moe_layers), self.topk, routes.numpy().dtype))
             routes = torch.cat([routes, pad.expand(routes.shape[0], seq_len - routes.shape[1], -1, -1)], dim=1)
         elif routes.shape[1] > seq_len:
             raise RouteError(f"routes have {routes.shape[1]} positions for a {seq_len}-token micro-batch")
-        local = slice_sequence(routes, rank_positions(seq_len, **self._layout()))
-        return {h.layer: to_router_order(local[:, :, self.col[h.layer]]).long() for h in self.hooks}
+        local = slice_sequence(routes, rank_positions(seq_len, **layout))
+        return {h.layer: to_router_order(local[:, :, self.col[h.layer]]) for h in self.hooks}
 
     # ---- replay ---------------------------------------------------------------------------
     @contextmanager
     def replay(self, microbatches: list[MicroBatch], key: str = "routes") -> Iterator[None]:
-        """Replay `mb.extra[key]` ([b, T, L_moe, K], host) for each micro-batch, in order."""
+        """Replay `mb.extra[key]` ([b, T, L_moe, K], host) for each micro-batch, in order. Collective over the
+        tensor x context-parallel group: its route holder sends each rank its positions; the others' routes
+        (zero-width) are not read."""
         for mb in microbatches:
             if key not in mb.extra:
                 raise RouteError(f"micro-batch {mb.index.tolist()} carries no {key!r} to replay")
-            targets = self._targets(mb.extra[key], mb.input_ids.shape[1])
+        per_mb = self.share.scatter(
+            lambda layout: [self._targets(mb.extra[key], mb.input_ids.shape[1], layout) for mb in microbatches]
+        )
+        for targets in per_mb:
             for h in self.hooks:
                 h.forward_q.append(targets[h.layer])
         for h in self.hooks:
@@ -247,8 +340,8 @@ class RouteReplay:
 
         Yields a dict whose "routes" entry (set on exit) is a host `[num_samples, >= length, L_moe, K]`
         array holding this rank's layers (other layers hold filler ids), gathered over
-        sequence/context-parallel ranks and unpacked per sample (packed micro-batches), so it can be
-        re-sliced for any later micro-batching.
+        sequence/context-parallel ranks on their route holder (zero-width on the others) and unpacked
+        per sample (packed micro-batches), so it can be re-sliced for any later micro-batching.
         """
         for h in self.hooks:
             h.recorded.clear()
@@ -262,15 +355,10 @@ class RouteReplay:
         out["routes"] = self._assemble(microbatches, num_samples, length)
 
     def _assemble(self, microbatches: list[MicroBatch], num_samples: int, length: int) -> np.ndarray:
-        from megatron.core import parallel_state as ps
-
+        """On the route holder, every rank's recorded positions; elsewhere zero-width (see the module doc)."""
         from moe_rl.routing.records import route_dtype
 
-        dtype = route_dtype(self.num_experts)
-        lay = self._layout()
-        width = length if microbatches[0].pack is not None else microbatches[0].input_ids.shape[1]
-        full = np.empty((num_samples, width, len(self.moe_layers), self.topk), dtype=dtype)
-        full[:] = filler_row(len(self.moe_layers), self.topk, dtype)
+        dtype, share = route_dtype(self.num_experts), self.share
         mine = []  # (micro-batch number, layer col, [rows, s_local, K])
         for h in self.hooks:
             if len(h.recorded) != len(microbatches):
@@ -279,19 +367,23 @@ class RouteReplay:
                 )
             for number, (mb, ids) in enumerate(zip(microbatches, h.recorded, strict=True)):
                 rows, seq_len = mb.input_ids.shape
-                local_pos = rank_positions(seq_len, **lay)
+                local_pos = rank_positions(seq_len, **share.layouts[share.me])
                 local = ids.reshape(len(local_pos), rows, self.topk).transpose(0, 1).cpu().numpy().astype(dtype)
                 mine.append((number, self.col[h.layer], local))
             h.recorded.clear()
-        parts = [(lay["tp_rank"], lay["cp_rank"], mine)]
-        group = ps.get_tensor_and_context_parallel_group() if dist.is_initialized() else None
-        if group is not None and dist.get_world_size(group) > 1:
-            parts = [None] * dist.get_world_size(group)
-            dist.all_gather_object(parts, (lay["tp_rank"], lay["cp_rank"], mine), group=group)
-        for tp_rank, cp_rank, entries in parts:
+        parts = [mine]
+        if share.group is not None:
+            parts = [None] * len(share.ranks) if share.is_holder else None
+            dist.gather_object(mine, parts, dst=share.holder, group=share.group)
+        if not share.is_holder:
+            return np.empty((num_samples, 0, len(self.moe_layers), self.topk), dtype=dtype)
+        width = length if microbatches[0].pack is not None else microbatches[0].input_ids.shape[1]
+        full = np.empty((num_samples, width, len(self.moe_layers), self.topk), dtype=dtype)
+        full[:] = filler_row(len(self.moe_layers), self.topk, dtype)
+        for layout, entries in zip(share.layouts, parts, strict=True):
             for number, col, ids in entries:
                 mb = microbatches[number]
-                pos = rank_positions(mb.input_ids.shape[1], **{**lay, "tp_rank": tp_rank, "cp_rank": cp_rank})
+                pos = rank_positions(mb.input_ids.shape[1], **layout)
                 if mb.pack is None:
                     full[np.ix_(mb.index.numpy(), pos, [col])] = ids[:, :, None, :]
                     continue

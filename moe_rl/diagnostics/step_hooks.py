@@ -69,11 +69,15 @@ class StepDiagnostics:
         from moe_rl.rollout import dump
 
         a, cfg = self.actor, self.cfg
-        # a dump holds every MoE layer's routes: each pipeline stage has its own layers' (collective over PP)
-        layers, moe_layers = a.route_layers, a.layout.moe_layers
-        padded = replace(padded, routes=all_layers(padded.routes, layers, moe_layers))
+        # every rank's dump holds its samples' routes in full: the route holder of each tensor/context-parallel
+        # group sends them to the others (collective over that group), and every MoE layer's: each pipeline
+        # stage has its own layers' (collective over PP)
+        layers, moe_layers, share = a.route_layers, a.layout.moe_layers, a.replay.share
+        routes = share.from_holder(lambda: padded.routes)
+        padded = replace(padded, routes=all_layers(routes, layers, moe_layers))
         if views.get("routes_live") is not None:
-            views = {**views, "routes_live": all_layers(views["routes_live"], layers, moe_layers)}
+            live = share.from_holder(lambda: views["routes_live"])
+            views = {**views, "routes_live": all_layers(live, layers, moe_layers)}
         dump.write_rank(
             self.dump_dir,
             step,
@@ -110,14 +114,18 @@ def all_layers(routes: torch.Tensor | None, layers: list[int], moe_layers: list[
 
 def router_agreement(replay, padded, routes: torch.Tensor) -> float:
     """Fraction of (token, MoE layer) pairs where `routes` (recorded by `replay`, a RouteReplay: the layers
-    of this rank) pick the same expert set as the rollout engine's `padded.routes` (real tokens but the last)."""
+    of this rank) pick the same expert set as the rollout engine's `padded.routes` (real tokens but the last).
+    Computed by the route holder of the tensor/context-parallel group, which has both (collective over it)."""
     from moe_rl.routing.compare import route_sets_differ, routed_positions
     from moe_rl.routing.records import missing_rows
 
-    cols = sorted({replay.col[h.layer] for h in replay.hooks})
-    valid = routed_positions(padded.attention_mask)
-    engine = padded.routes[:, :, cols][valid]
-    differ, _ = route_sets_differ(routes[:, :, cols][valid], engine)
-    recorded = ~missing_rows(engine)  # rows without an engine route (multi-turn missing_routes=live) do not count
-    agree = ~differ if recorded.all() else (~differ)[recorded]
-    return float(agree.float().mean()) if agree.numel() else 1.0
+    def agreement() -> float:
+        cols = sorted({replay.col[h.layer] for h in replay.hooks})
+        valid = routed_positions(padded.attention_mask)
+        engine = padded.routes[:, :, cols][valid]
+        differ, _ = route_sets_differ(routes[:, :, cols][valid], engine)
+        recorded = ~missing_rows(engine)  # rows without an engine route (multi-turn missing_routes=live) do not count
+        agree = ~differ if recorded.all() else (~differ)[recorded]
+        return float(agree.float().mean()) if agree.numel() else 1.0
+
+    return replay.share.from_holder(agreement)

@@ -83,6 +83,13 @@ class RolloutBatch:
         cols = layer_columns(layers, self.moe_layers)
         return replace(self, routes=[r[:, cols] for r in self.routes], moe_layers=list(layers))
 
+    def routes_held_elsewhere(self) -> RolloutBatch:
+        """The batch with zero-length routes in place of each sample's: for a rank whose routes another rank of
+        its tensor/context-parallel group holds and cuts for it (actor/replay.py). Padded, they stay zero-width."""
+        if self.routes is None:
+            return self
+        return replace(self, routes=[r[:0] for r in self.routes])
+
     def to_padded(self, pad_id: int = 0, pad_to_multiple: int = 1, min_length: int = 0) -> PaddedBatch:
         """Right-padded tensors; log-probs and routes aligned to token positions.
 
@@ -98,9 +105,10 @@ class RolloutBatch:
         loss_mask = torch.zeros(b, t, dtype=torch.float32)
         roll = torch.zeros(b, t, dtype=torch.float32)
         routes = None
+        elsewhere = self.routes is not None and b > 0 and all(len(r) == 0 for r in self.routes)
         if self.routes is not None:
             dtype = route_dtype(self.num_experts)
-            routes = np.empty((b, t, len(self.moe_layers), self.topk), dtype=dtype)
+            routes = np.empty((b, 0 if elsewhere else t, len(self.moe_layers), self.topk), dtype=dtype)
             routes[:] = filler_row(len(self.moe_layers), self.topk, dtype)
         for i, (p, r) in enumerate(zip(self.prompt_ids, self.response_ids, strict=True)):
             n = len(p) + len(r)
@@ -108,7 +116,7 @@ class RolloutBatch:
             attn[i, :n] = 1
             loss_mask[i, len(p) : n] = 1 if self.response_masks is None else torch.from_numpy(self.response_masks[i])
             roll[i, len(p) : n] = torch.from_numpy(np.asarray(self.rollout_logprobs[i], dtype=np.float32))
-            if routes is not None:
+            if routes is not None and not elsewhere:
                 routes[i, :n] = self.routes[i]
         return PaddedBatch(ids, attn, loss_mask, roll, None if routes is None else torch.from_numpy(routes))
 
@@ -121,4 +129,4 @@ class PaddedBatch:
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor  # 1 on response tokens
     rollout_logprobs: torch.Tensor
-    routes: torch.Tensor | None  # [B, T, L_moe, K] uint8 / int16
+    routes: torch.Tensor | None  # [B, T, L_moe, K] uint8 / int16; [B, 0, L_moe, K] where another rank holds them

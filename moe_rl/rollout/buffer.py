@@ -239,6 +239,9 @@ def assemble(groups: list[Group], pad_id: int, length: int, filler: torch.Tensor
         for g in groups:
             t = g.tensors[key]
             extra = length - t.shape[1]
+            if key == "routes" and t.shape[1] == 0:  # held by another rank (actor/replay.py): stays zero-width
+                parts.append(t)
+                continue
             if key == "routes":
                 tail = filler.to(t.dtype).expand(t.shape[0], extra, *filler.shape)
             else:

@@ -116,17 +116,21 @@ class EngineSource:
     def _sample(self, step: int, prompts: list):  # data.prompts.Prompt, tokenized once by the PromptSource
         """This data-parallel rank's samples (None if the engine stopped with a signal): the leader
         gathers the prompts of every data-parallel rank it serves, samples them in one call and
-        sends each rank its data-parallel rank's share, with the routes of that rank's MoE layers only."""
+        sends each rank its data-parallel rank's share, with the routes of that rank's MoE layers only, and only
+        to the rank that holds them for its tensor/context-parallel group (the others get zero-width routes)."""
+        from moe_rl.actor.replay import holds_routes
+
         g = self.groups
         # Whole Prompts travel, not token ids: only the leader knows whether an agent samples them, and its
         # environments need every served rank's answers.
-        asked = [(g.dp_rank, prompts, self.route_layers)]
+        mine = (g.dp_rank, prompts, self.route_layers, holds_routes())
+        asked = [mine]
         if g.group is not None:
             asked = [None] * len(g.group_ranks) if g.is_leader else None
-            dist.gather_object((g.dp_rank, prompts, self.route_layers), asked, dst=g.leader, group=g.group)
+            dist.gather_object(mine, asked, dst=g.leader, group=g.group)
         shares = None
         if g.is_leader:
-            by_dp = {d: p for d, p, _ in asked}
+            by_dp = {d: p for d, p, _, _ in asked}
             prompts = [p if self.agent is not None else p.ids for d in g.served for p in by_dp[d]]
             sampling = self.sampling
             if sampling.seed is not None:  # per step and data-parallel rank: reproducible after a resume
@@ -139,10 +143,7 @@ class EngineSource:
             parts = (
                 None if full is None else dict(zip(g.served, full.split_by_prompt(self.prompts_per_step), strict=True))
             )
-            shares = [
-                None if parts is None else parts[d].only_layers(full.moe_layers if layers is None else layers)
-                for d, _, layers in asked
-            ]
+            shares = [None if parts is None else _share(parts[d], layers, holds) for d, _, layers, holds in asked]
         if g.group is None:
             return shares[0]
         mine = [None]
@@ -152,6 +153,13 @@ class EngineSource:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+
+
+def _share(part, layers: list[int] | None, holds_routes: bool):
+    """A data-parallel rank's samples as one rank of it gets them: its stage's MoE `layers` (None: all), and routes
+    only if it holds them for its tensor/context-parallel group."""
+    part = part.only_layers(part.moe_layers if layers is None else layers)
+    return part if holds_routes else part.routes_held_elsewhere()
 
 
 class DumpSource:
@@ -179,6 +187,7 @@ class DumpSource:
         self.route_cols = None if route_layers in (None, layers) else layer_columns(route_layers, layers)
 
     def next(self, step: int) -> Rollout:
+        from moe_rl.actor.replay import holds_routes
         from moe_rl.rollout import dump
 
         folder = self.steps[step % len(self.steps)]
@@ -200,6 +209,8 @@ class DumpSource:
             raise dump.DumpError(f"{folder}: actor.router_replay=r3 needs engine routes; the dump has none")
         if routes is not None and self.route_cols is not None:
             routes = routes[:, :, self.route_cols]
+        if routes is not None and not holds_routes():  # its group's route holder sends this rank its positions
+            routes = routes[:, :0].clone()
         b = tensors["input_ids"].shape[0]
         if b % self.mini_batches:
             raise dump.DumpError(

@@ -4,8 +4,11 @@
   (several models and layouts of one world size in one launch: tests/distributed/jobs.py)
 
 Writes DIR/rank<r>.json with:
+  holds_routes              whether this rank holds the routes of its tensor/context-parallel group; the
+                            others are given zero-width routes throughout, as the trainer gives them
+  recorded_width            positions of the routes a recording pass left on this rank (0 off the holder)
   record_replay_identical   replaying the routes a forward recorded gives bit-identical log-probs (R2)
-  recorded_vs_hf_mismatch   recorded routes (gathered over SP/PP) vs transformers' router top-k
+  recorded_vs_hf_mismatch   recorded routes (gathered over SP on the holder) vs transformers' router top-k
   forced_vs_hf              max |logp| difference: replayed random routes vs transformers forced to them
   forced_vs_live            max |logp| difference between replayed random routes and live routing
   router_grad_min           smallest |grad| norm over this rank's routers under replay
@@ -59,7 +62,7 @@ def run(argv: list[str]) -> None:
     from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
     from moe_rl.actor.parallel import ParallelConfig, init_distributed
-    from moe_rl.actor.replay import RouteReplay
+    from moe_rl.actor.replay import RouteReplay, holds_routes
     from moe_rl.actor.weights import load_hf_weights
     from moe_rl.routing.model_layout import moe_layout
     from tests.reference import hf_forward, hf_forward_forced, load_hf, random_batch, random_routes
@@ -85,26 +88,31 @@ def run(argv: list[str]) -> None:
     ids, mask = random_batch(cfg.vocab_size, batch=4, length=12, seed=5)
     res: dict = {"rank": dist.get_rank()}
 
+    holder = res["holds_routes"] = holds_routes()
     live = compute_logprobs(chunks, ids, mask, micro_batch_size=2, replay=replay, record=True)
+    res["recorded_width"] = live["routes"].shape[1]
     rep = compute_logprobs(chunks, ids, mask, micro_batch_size=2, replay=replay, routes=live["routes"])
     res["record_replay_identical"] = bool(torch.equal(live["logprobs"], rep["logprobs"]))
 
-    # recorded routes of this rank's layers vs transformers' own top-k on real tokens
+    # recorded routes of this rank's layers vs transformers' own top-k on real tokens (where they are held)
     hf = load_hf(a.model)
     _, ref_topk = hf_forward(hf, ids, mask)
     mine = {h.layer for h in replay.hooks}
-    bad = 0
-    for col, layer in enumerate(lay.moe_layers):
-        if layer in mine:
-            got = live["routes"][:, :, col].long().sort(-1).values
-            want = ref_topk[layer].sort(-1).values
-            bad += int(((got != want).any(-1) & mask.bool()).sum())
+    bad = None
+    if holder:
+        bad = 0
+        for col, layer in enumerate(lay.moe_layers):
+            if layer in mine:
+                got = live["routes"][:, :, col].long().sort(-1).values
+                want = ref_topk[layer].sort(-1).values
+                bad += int(((got != want).any(-1) & mask.bool()).sum())
     res["recorded_vs_hf_mismatch"] = bad
     res["layers_on_rank"] = sorted(mine)
 
-    forced = random_routes(4, 12, len(lay.moe_layers), lay.topk, lay.num_experts, seed=9)
+    every = random_routes(4, 12, len(lay.moe_layers), lay.topk, lay.num_experts, seed=9)
+    forced = every if holder else every[:, :0]  # a peer's positions come from its group's holder
     lp_forced = compute_logprobs(chunks, ids, mask, micro_batch_size=2, replay=replay, routes=forced)["logprobs"]
-    hf_logits = hf_forward_forced(hf, ids, mask, {layer: forced[:, :, c] for c, layer in enumerate(lay.moe_layers)})
+    hf_logits = hf_forward_forced(hf, ids, mask, {layer: every[:, :, c] for c, layer in enumerate(lay.moe_layers)})
     hf_lp = torch.log_softmax(hf_logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     m = mask[:, 1:].float()
     res["forced_vs_hf"] = ((lp_forced[:, 1:] - hf_lp) * m).abs().max().item()

@@ -8,7 +8,7 @@ consecutive for the advantages, and no importance weight added anywhere."""
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -306,6 +306,13 @@ def test_assembled_groups_carry_the_sampled_tokens_mu_and_routes():
     assert (out.routes[~out_real] == filler).all()
     assert (out.input_ids[~out_real] == PAD).all()
     assert not out.loss_mask[~out_real].any() and not out.rollout_logprobs[~out_real].any()
+
+    # on a tensor/context-parallel peer the routes are held by another rank: zero-width in, zero-width out
+    peer = replace(rollout, padded=replace(rollout.padded, routes=rollout.padded.routes[:, :0]))
+    peer_buffer = ReplayBuffer(16, 100, seed=seed)
+    peer_buffer.add(peer, grpo_advantages(peer.rewards, n), n, step=2)
+    peer_out = assemble(peer_buffer.sample(3, 3), PAD, length, filler).padded
+    assert peer_out.routes.shape == (3 * n, 0, layers, topk) and torch.equal(peer_out.input_ids, out.input_ids)
 
 
 def test_replayed_groups_give_the_actor_the_original_logprobs(tiny_models, world1):

@@ -180,3 +180,16 @@ def test_thd_sequences_match_the_mask_and_megatrons_thd_rope_matches_sample_posi
     assert torch.allclose(rotated[real], expected[real], atol=1e-6)  # padding: positions of no sample
     shifted = _apply_rotary_pos_emb_bshd(q[:, None], freqs[:16])[:, 0]  # row positions: the control
     assert not torch.allclose(rotated[7:], shifted[7:], atol=1e-3)
+
+
+def test_routes_pack_in_token_order_and_routes_held_elsewhere_stay_zero_width():
+    from moe_rl.actor.packing import pack_bin
+
+    lengths, ids = torch.tensor([5, 3, 7]), torch.randint(1, 50, (3, 7))
+    routes = torch.randint(0, 8, (3, 7, 2, 2), dtype=torch.uint8)
+    _, _, out = pack_bin(ids, lengths, [2, 0], 16, {"routes": routes})
+    assert out["routes"].shape == (1, 16, 2, 2)
+    assert torch.equal(out["routes"][0, :7], routes[2]) and torch.equal(out["routes"][0, 7:12], routes[0, :5])
+    # a tensor/context-parallel peer (actor/replay.py): its group's route holder packs and cuts for it
+    _, _, peer = pack_bin(ids, lengths, [2, 0], 16, {"routes": routes[:, :0]})
+    assert peer["routes"].shape == (1, 0, 2, 2)

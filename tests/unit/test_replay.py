@@ -79,12 +79,23 @@ def test_short_routes_are_padded_with_distinct_ids_not_duplicates(actor):
     cfg, chunks, replay, lay = actor
     ids, mask = random_batch(cfg.vocab_size, 2, 8, seed=4)
     routes = random_routes(2, 5, len(lay.moe_layers), lay.topk, lay.num_experts, seed=5)  # 3 rows short
-    targets = replay._targets(routes, 8)
+    targets = replay._targets(routes, 8, replay.share.layouts[0])
     for t in targets.values():
         rows = t.reshape(8, 2, -1)[5:]
         assert (rows == torch.arange(lay.topk)).all()
     out = compute_logprobs(chunks, ids, mask, replay=replay, routes=routes)
     assert torch.isfinite(out["logprobs"]).all()
+
+
+def test_the_route_holder_refuses_zero_width_routes(actor):
+    """Zero-width routes stand for routes another rank holds; the rank that should hold them says so instead of
+    replaying filler."""
+    cfg, chunks, replay, lay = actor
+    ids, mask = random_batch(cfg.vocab_size, 2, 8, seed=4)
+    elsewhere = random_routes(2, 8, len(lay.moe_layers), lay.topk, lay.num_experts, seed=5)[:, :0]
+    assert replay.share.is_holder  # one rank: it holds its own
+    with pytest.raises(RouteError, match="holds the routes of its tensor/context-parallel group but was given zero"):
+        compute_logprobs(chunks, ids, mask, replay=replay, routes=elsewhere)
 
 
 def test_recorded_routes_replay_bit_identically_with_other_microbatching(actor):
@@ -141,7 +152,7 @@ def _expected_positions(s: int, tp: int, tp_rank: int, cp: int, cp_rank: int) ->
 
 
 @pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
-def test_only_this_ranks_slice_reaches_the_device(actor, monkeypatch, tp, cp):
+def test_only_this_ranks_slice_reaches_the_device(actor, tp, cp):
     """Each rank's targets hold exactly its own positions (s_local * b rows per layer, no
     full-batch broadcast), and the ranks of a (tp, cp) group cover every position once."""
     _, _, replay, lay = actor
@@ -151,14 +162,13 @@ def test_only_this_ranks_slice_reaches_the_device(actor, monkeypatch, tp, cp):
     for c in range(cp):
         for t in range(tp):
             layout = dict(tp=tp, tp_rank=t, cp=cp, cp_rank=c, sequence_parallel=tp > 1)
-            monkeypatch.setattr(RouteReplay, "_layout", staticmethod(lambda layout=layout: layout))
-            targets = replay._targets(routes, s)
+            targets = replay._targets(routes, s, layout)
             pos = _expected_positions(s, tp, t, cp, c)
             seen += pos
             assert sorted(targets) == lay.moe_layers
             for layer, got in targets.items():
                 col = lay.moe_layers.index(layer)
-                want = routes[:, pos, col].transpose(0, 1).reshape(-1, lay.topk).long()  # token s_i * b + b_i
+                want = routes[:, pos, col].transpose(0, 1).reshape(-1, lay.topk)  # token s_i * b + b_i
                 assert torch.equal(got, want), (tp, cp, t, c, layer)
     assert sorted(seen) == list(range(s))
 
