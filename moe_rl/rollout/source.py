@@ -123,11 +123,11 @@ class EngineSource:
         g = self.groups
         # Whole Prompts travel, not token ids: only the leader knows whether an agent samples them, and its
         # environments need every served rank's answers.
-        mine = (g.dp_rank, prompts, self.route_layers, holds_routes())
-        asked = [mine]
+        request = (g.dp_rank, prompts, self.route_layers, holds_routes())
+        asked = [request]
         if g.group is not None:
             asked = [None] * len(g.group_ranks) if g.is_leader else None
-            dist.gather_object(mine, asked, dst=g.leader, group=g.group)
+            dist.gather_object(request, asked, dst=g.leader, group=g.group)
         shares = None
         if g.is_leader:
             by_dp = {d: p for d, p, _, _ in asked}
