@@ -164,21 +164,20 @@ def record_topk(chunks: list[torch.nn.Module]) -> Iterator[dict[int, list[torch.
 
 
 def holds_routes() -> bool:
-    """Whether this rank holds its data-parallel rank's routes for its pipeline stage (TP rank 0, CP rank 0);
-    the source sends routes to these ranks only."""
-    from megatron.core import parallel_state as ps
+    """Whether this rank holds its data-parallel rank's routes for its pipeline stage; the source sends routes to
+    these ranks only."""
+    return _holds(_rank_layout())
 
-    if not ps.model_parallel_is_initialized():
-        return True
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+
+def _holds(layout: dict) -> bool:
+    """The route holder of a tensor x context-parallel group: its TP rank 0, CP rank 0."""
+    return layout["tp_rank"] == layout["cp_rank"] == 0
 
 
 def _rank_layout() -> dict:
     """This rank's place in the positions of a micro-batch (routing.layout.rank_positions' arguments)."""
     from megatron.core import parallel_state as ps
 
-    if not ps.model_parallel_is_initialized():
-        return dict(tp=1, tp_rank=0, cp=1, cp_rank=0, sequence_parallel=False)
     tp = ps.get_tensor_model_parallel_world_size()
     return dict(
         tp=tp,
@@ -202,7 +201,7 @@ class RouteShare:
     @property
     def holder(self) -> int:
         """Global rank of the routes' holder."""
-        return self.ranks[next(i for i, lay in enumerate(self.layouts) if lay["tp_rank"] == lay["cp_rank"] == 0)]
+        return self.ranks[next(i for i, lay in enumerate(self.layouts) if _holds(lay))]
 
     @property
     def is_holder(self) -> bool:
@@ -234,8 +233,6 @@ def route_share() -> RouteShare:
     from moe_rl.actor.parallel import all_gather_objects
 
     layout = _rank_layout()
-    if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
-        return RouteShare(None, [0], [layout], 0)
     group = ps.get_tensor_and_context_parallel_group()
     if dist.get_world_size(group) == 1:
         return RouteShare(None, [dist.get_rank()], [layout], 0)
