@@ -1,5 +1,11 @@
 # Shared by the sbatch templates (sourced).
 
+# torchrun kills its ranks 30 s after it forwards a stop signal to them (its --shutdown-timeout), and a large
+# model's checkpoint takes longer: give the save as long as the templates' --signal=B:TERM@<seconds> lead (300 s
+# at most), after which Slurm ends the job anyway. Not more: the same wait applies when a rank has crashed and
+# the others are stuck in a collective with it.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
+
 # Ranks per node: the GPUs Slurm gave us, else the fallback (CPU ranks).
 gpus_on_node() {
   local n

@@ -45,6 +45,15 @@ def _job_log(log_dir: Path, job: int) -> str:
     return path.read_text() if path.is_file() else "(no job log)"
 
 
+def _story(text: str, run_dir: Path) -> str:
+    """The job log without the engines' and megatron's INFO chatter (so that both attempts fit in a failure
+    message), and the checkpoint folders the run left."""
+    noise = ("][INFO] - ", "Loading safetensors", "utils.cpp:", "Writing model shards")
+    lines = [line for line in text.splitlines() if line.strip() and not any(n in line for n in noise)]
+    folders = sorted(p.name for p in (run_dir / "checkpoints").glob("*"))
+    return "\n".join(lines)[-12000:] + f"\ncheckpoints in {run_dir}: {folders or 'none'}"
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
@@ -83,16 +92,17 @@ def requeued(slurm, tmp_path_factory) -> dict:
         if state in ("FAILED", "CANCELLED", "TIMEOUT") or (state == "COMPLETED" and "Restarts=0" in restarts):
             break
         time.sleep(2)
-    return dict(job=job, state=state, restarts=restarts, text=_job_log(log_dir, job), metrics=_metrics(run_dir))
+    text, metrics = _job_log(log_dir, job), _metrics(run_dir)
+    return dict(job=job, state=state, restarts=restarts, text=text, story=_story(text, run_dir), metrics=metrics)
 
 
 def test_stop_signal_checkpoints_requeues_and_resumes(slurm, requeued):
     """The batch shell forwards the signal, the trainer checkpoints, the job requeues itself and the
     second start resumes from the checkpoint to the last step."""
-    job, state, restarts, text = (requeued[k] for k in ("job", "state", "restarts", "text"))
-    assert state == "COMPLETED", f"{state}\n{restarts}\n{text[-6000:]}\n{slurm.log_tails()}"
-    assert "Restarts=1" in restarts, f"job was not requeued:\n{text[-6000:]}"
-    assert "resumed from" in text and "(restart 1)" in text, text[-6000:]
+    job, state, restarts, text, story = (requeued[k] for k in ("job", "state", "restarts", "text", "story"))
+    assert state == "COMPLETED", f"{state}\n{restarts}\n{story}\n{slurm.log_tails()}"
+    assert "Restarts=1" in restarts, f"job was not requeued:\n{story}"
+    assert "resumed from" in text and "(restart 1)" in text, story
     assert f"[moe-rl] job {job} on" in text
     steps = [m["step"] for m in requeued["metrics"]]
     assert steps[-1] == 5 and sorted(set(steps)) == [1, 2, 3, 4, 5], steps
