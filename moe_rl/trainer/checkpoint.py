@@ -111,7 +111,8 @@ def problems(path: Path) -> list[str]:
 
 def resolve_resume(root: Path, how: str) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume for `trainer.resume` (auto | auto_skip_damaged | off | a path) and
-    warnings to print; verifies it first. Collective when distributed.
+    warnings to print; verifies it first. Collective when distributed. Under auto, a folder without any
+    completed save starts fresh (with a warning if a save was cut short there).
 
     A damaged or missing checkpoint raises CheckpointError naming the folder, the file, what is wrong
     and the newest older checkpoint that passes, with the override to resume from it; under
@@ -121,8 +122,10 @@ def resolve_resume(root: Path, how: str) -> tuple[Path | None, list[str]]:
     root = Path(root)
     if how in ("auto", "auto_skip_damaged"):
         marker = root / "latest"
-        if not marker.is_file():
-            return None, []
+        if not marker.is_file():  # no save ever completed: a fresh start, said aloud if one was cut short
+            cut = sorted(p.name for p in [*root.glob("step_*"), *root.glob(".step_*")] if p.is_dir())
+            note = f"{root} holds {', '.join(cut)} but no complete checkpoint (a save cut short): starting fresh"
+            return None, [note] if cut else []
         wanted = root / marker.read_text().strip()
     else:
         wanted = Path(how)

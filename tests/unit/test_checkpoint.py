@@ -247,6 +247,15 @@ def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch):
     assert "the save did not finish" in checkpoint.problems(path.parent / ".step_000003.partial")[0]
 
 
+def test_a_first_save_cut_short_starts_fresh_and_says_so(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert checkpoint.resolve_resume(root, "auto") == (None, [])  # nothing there: fresh, silently
+    (root / ".step_000002.partial" / "model").mkdir(parents=True)  # killed during its first save
+    path, notes = checkpoint.resolve_resume(root, "auto")
+    assert path is None and len(notes) == 1, notes
+    assert ".step_000002.partial" in notes[0] and "no complete checkpoint" in notes[0] and "starting fresh" in notes[0]
+
+
 def test_resaving_the_latest_step_keeps_it_until_the_new_one_is_complete(trained, monkeypatch):
     """After resuming an older checkpoint, a step is saved again on top of an existing folder
     (maybe the one `latest` names): a failed re-save must leave that folder whole."""
