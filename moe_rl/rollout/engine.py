@@ -33,6 +33,11 @@ class RolloutEngineError(RuntimeError):
     """The rollout engine failed (died, refused a request, or returned inconsistent data)."""
 
 
+# What vLLM's engine core answers a call with once a signal has started its shutdown (EngineCoreProc.
+# _reject_utility_in_shutdown): a plain Exception, not EngineDeadError.
+SHUTTING_DOWN = "Server shutting down"
+
+
 @dataclass
 class SamplingConfig:
     """Sampling for one rollout batch."""
@@ -408,6 +413,9 @@ class RolloutEngine:
         if isinstance(error, EngineDeadError):
             self._alive = False
             raise RolloutEngineError(f"{what}: the vLLM engine process died ({error}); see its log above") from error
+        if error is not None and str(error) == SHUTTING_DOWN:  # a stop signal reached the engine core too
+            self._alive = False
+            raise RolloutEngineError(f"{what}: the vLLM engine is shutting down (a stop signal?)") from error
         if isinstance(error, TimeoutError):
             raise RolloutEngineError(f"{what}: the vLLM engine did not answer in time") from error
         if error is not None:
@@ -456,6 +464,7 @@ class RolloutEngine:
         outputs = self._guard(
             "generate", self.llm.generate, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
+        self._refuse_cut_short(outputs)
         routes = self._guard("route capture", self.capture.collect, self.llm, outputs) if self.capture else None
         return self._to_batch(outputs, routes)
 
@@ -477,6 +486,7 @@ class RolloutEngine:
         outputs = self._guard(
             "generate", self.llm.generate, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
+        self._refuse_cut_short(outputs)
         routes = self._guard("route capture", self.capture.collect_partial, self.llm, outputs) if self.capture else {}
         turns = []
         for i, out in enumerate(outputs):
@@ -494,6 +504,20 @@ class RolloutEngine:
                 )
             )
         return turns
+
+    def _refuse_cut_short(self, outputs) -> None:
+        """vLLM returns a request it aborted (its engine core shutting down on a stop signal) or failed as
+        finished: such a sample is not the policy's whole response and is never trained on."""
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                if c.finish_reason in ("abort", "error"):
+                    if c.finish_reason == "abort":  # nothing of ours aborts a request: the engine is going away
+                        self._alive = False
+                    raise RolloutEngineError(
+                        f"generate: the engine ended prompt {i}, sample {c.index} with finish reason "
+                        f"'{c.finish_reason}' after {len(c.token_ids)} tokens (shutting down on a signal? see its "
+                        "log above)"
+                    )
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV (after a weight update: blocks computed with the old weights must not be reused)."""

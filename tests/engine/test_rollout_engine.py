@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -255,6 +256,30 @@ def test_small_buckets_and_dead_engine_gives_clear_error(tiny_models):
     time.sleep(1)
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"leaked engine processes: {alive}"
+
+
+def test_a_stop_signal_to_the_engine_core_mid_generate_is_an_engine_error_never_cut_short_samples(tiny_models):
+    """Under Slurm the stop signal reaches the engine core too (`scancel --signal` signals every process of the
+    job step). vLLM then aborts the running requests, returns them as finished, and answers further calls with a
+    plain Exception("Server shutting down"). generate must raise RolloutEngineError, which the trainer turns
+    into a checkpoint under a stop signal: never the aborted samples, never vLLM's Exception (seen: a rank
+    crashed with it and the job lost its checkpoint)."""
+    from tests.engine.conftest import start_engine
+
+    eng = start_engine(tiny_models["olmoe"], capture="none")  # nothing after generate: its own outputs decide
+    try:
+        eng.generate(_prompts(0, 2), SamplingConfig(n=2, max_tokens=8))  # warm
+        core = list(eng._procs)
+        timer = threading.Timer(1.0, lambda: [os.kill(c.pid, signal.SIGTERM) for c in core])
+        timer.start()
+        t0 = time.time()
+        with pytest.raises(RolloutEngineError, match="'abort'|shutting down|died") as err:
+            eng.generate(_prompts(1, 8), SamplingConfig(n=8, max_tokens=1500))
+        print(f"\nafter {time.time() - t0:.1f} s: {err.value}")
+        with pytest.raises(RolloutEngineError, match="shut down"):  # and the engine is known to be gone
+            eng.generate(_prompts(2, 1), SamplingConfig(n=1, max_tokens=4))
+    finally:
+        eng.shutdown()
 
 
 @pytest.mark.isolated  # compares machine-wide /dev/shm and socket files before and after
