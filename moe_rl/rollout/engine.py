@@ -306,6 +306,7 @@ class RolloutEngine:
         self._reaper.watch([p.pid for p in self._procs])
         self._alive = True
         self._rpc("moe_rl_init_worker")
+        self._reaper.own([f for f in self._rpc("moe_rl_store_file") if f])
         if self.capture is not None:
             self.capture.install(self.llm)
 

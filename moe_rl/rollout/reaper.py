@@ -15,6 +15,9 @@ the job does not kill it first):
   file no other process maps or has open. The owner's own holdings do not count (after a clean
   shutdown it still holds the client ends of the dead engine's sockets, which nobody will
   connect to again); files another run uses are never touched;
+- it also removes the files the engine names as its own (`Reaper.own`: the FileStore file of a one-worker
+  engine's rendezvous, `vllm_dist_*` in the temp folder, which only a destructor that a killed process never
+  runs would remove);
 - after a clean shutdown, if some file was still held by another process at that moment, it
   looks once more when the owner has exited, or after `LINGER_S` if the owner lives on. (A
   socket file was left once beside CI's other test lanes after the ranks' clean exit, with
@@ -72,6 +75,11 @@ class Reaper:
             ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
             if ready:
                 self.proc.stdout.readline()  # "killed"
+
+    def own(self, paths: list[str]) -> None:
+        """Files only this engine uses, removed with it (once its processes are gone)."""
+        if paths:
+            self._send("own " + json.dumps(sorted(paths)))
 
     def _send(self, line: str) -> None:
         try:
@@ -158,6 +166,7 @@ class _Watch:
         self.descendants: dict[int, psutil.Process] = {}
         self.before: set[str] = set()  # engine-kind files that existed before the engine started
         self.started: set[str] | None = None  # those that appeared while it started (known at "watch")
+        self.owned: set[str] = set()  # files the engine named as its own ("own")
         self.done = threading.Event()
 
     def owner_alive(self) -> bool:
@@ -205,8 +214,8 @@ class _Watch:
         return [p.pid for p in alive]
 
     def remove_files(self) -> list[str]:
-        """Remove the engine-kind files that appeared since the engine started and that no other process
-        holds. The owner's holdings do not count for files that appeared while the engine started (the
+        """Remove the files the engine owns, and the engine-kind files that appeared since it started and that
+        no other process holds. The owner's holdings do not count for files that appeared while the engine started (the
         client ends of its sockets); they do for later ones while the owner lives: another engine the
         owner started since (its semaphores and sockets, held by the owner alone until the engine's
         processes open them)."""
@@ -219,7 +228,7 @@ class _Watch:
             if later - in_use:
                 in_use |= later & files_in_use(None)
             stale -= in_use
-        for path in sorted(stale):
+        for path in sorted(stale | {p for p in self.owned if os.path.exists(p)}):
             try:
                 os.unlink(path)
                 removed.append(path)
@@ -242,6 +251,8 @@ def _read_commands(watch: _Watch) -> None:
         word, _, rest = line.strip().partition(" ")
         if word == "started":
             watch.started = set(json.loads(rest))
+        elif word == "own":
+            watch.owned |= set(json.loads(rest))
         elif word == "watch":
             watch.add_engine([int(a) for a in rest.split()])
             watch.scan()

@@ -65,6 +65,13 @@ class MoeRLWorkerExtension(WeightReceiver):
         flatten_cpu_rope_heads(self.model_runner.model)
         return request_amx_permission()
 
+    def moe_rl_store_file(self) -> str | None:
+        """The file of the worker's torch.distributed FileStore (vLLM's one-worker engines rendezvous through
+        a file in the temp folder), which only its destructor removes: the reaper removes it once the
+        engine's processes, killed at shutdown, are gone. None for other rendezvous."""
+        init = self.distributed_init_method or ""
+        return init.removeprefix("file://") if init.startswith("file://") else None
+
     def moe_rl_install_capture(self, moe_layers: list[int], topk: int, dtype: str) -> list[int]:
         import torch
         from vllm.model_executor.layers.fused_moe.layer import MoERunner

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -289,9 +291,13 @@ def test_shutdown_leaves_no_processes(tiny_models):
     from moe_rl.rollout.reaper import candidate_files
     from tests.engine.conftest import start_engine
 
-    files_before = candidate_files()
+    def stores() -> set[Path]:  # vLLM's FileStore files: a killed engine core never runs what removes them
+        return set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
+
+    files_before, stores_before = candidate_files(), stores()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     eng = start_engine(tiny_models["mixtral"])
+    assert stores() - stores_before, "the engine's FileStore file was expected in the temp folder"
     eng.generate([[4, 5, 6]], SamplingConfig(n=1, max_tokens=3))
     mine = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert mine
@@ -301,6 +307,7 @@ def test_shutdown_leaves_no_processes(tiny_models):
     assert not [p for p in mine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     # nor files: vLLM leaves its ZMQ socket files behind even on a clean shutdown; the reaper removes them
     assert candidate_files() - files_before == set()
+    assert stores() - stores_before == set()
     with pytest.raises(RolloutEngineError, match="shut down"):
         eng.generate([[1]], SamplingConfig(n=1, max_tokens=1))
 

@@ -22,12 +22,12 @@ QUIET = ["logging.wandb.mode=disabled", "logging.router_agreement_every=0"]
 
 
 def leftovers_snapshot() -> set[str]:
-    """/dev/shm entries and unix socket files in the temp folder."""
+    """/dev/shm entries, unix socket files and vLLM's FileStore files (vllm_dist_*) in the temp folder."""
     out = {f"/dev/shm/{n}" for n in os.listdir("/dev/shm")} if os.path.isdir("/dev/shm") else set()
     tmp = Path(tempfile.gettempdir())
     for p in tmp.iterdir():
         try:
-            if p.is_socket():
+            if p.is_socket() or p.name.startswith("vllm_dist_"):
                 out.add(str(p))
         except OSError:
             pass
