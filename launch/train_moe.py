@@ -53,7 +53,8 @@ def main(cfg) -> None:
 
 if __name__ == "__main__":
     from moe_rl.config import register_configs
+    from moe_rl.trainer.signals import run_then_exit
 
     register_configs()
     _check_command_line()
-    main()
+    run_then_exit(main)

@@ -66,4 +66,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from moe_rl.trainer.signals import run_then_exit
+
+    run_then_exit(main)

@@ -239,4 +239,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
-    main()
+    from moe_rl.trainer.signals import run_then_exit
+
+    run_then_exit(main)

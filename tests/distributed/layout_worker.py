@@ -49,4 +49,6 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
-    main(Path(sys.argv[1]))
+    from moe_rl.trainer.signals import run_then_exit
+
+    run_then_exit(lambda: main(Path(sys.argv[1])))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 CHILD = r"""
@@ -39,3 +41,41 @@ def test_a_signal_during_the_exit_leaves_without_raising_inside_the_cleanup():
     assert "SIGTERM: checkpoint at the next step boundary" in out and "second SIGTERM: exiting now" in out, out
     assert "SIGUSR1 while exiting: exiting without cleanup" in out, out
     assert "cleanup interrupted" not in out and "not stopped" not in out, out
+
+
+EXIT_CHILD = r"""
+import atexit, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from moe_rl.trainer.signals import run_then_exit
+
+how = sys.argv[2]
+
+
+def main():
+    atexit.register(lambda: print("atexit ran", flush=True))
+    sys.stdout.write("buffered, never flushed by main")  # the exit flushes it
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished", flush=True))).start()
+    if how == "code":
+        raise SystemExit(3)
+    if how == "message":
+        raise SystemExit("a message")
+    if how == "error":
+        raise ValueError("boom")
+
+
+run_then_exit(main)
+"""
+
+
+@pytest.mark.parametrize("how, code", [("return", 0), ("code", 3), ("message", 1), ("error", 1)])
+def test_run_then_exit_keeps_the_exit_code_output_atexit_and_threads(how, code):
+    """The rank's fast exit skips only the interpreter's teardown: the status, buffered output, atexit
+    handlers and non-daemon threads are as a plain `python` exit leaves them."""
+    cmd = [sys.executable, "-c", EXIT_CHILD, str(REPO), how]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == code, out
+    assert "atexit ran" in proc.stdout and "thread finished" in proc.stdout, out
+    assert "buffered, never flushed by main" in proc.stdout, out
+    assert ("a message" in proc.stderr) == (how == "message"), out
+    assert ("ValueError: boom" in proc.stderr) == (how == "error"), out
