@@ -214,11 +214,11 @@ class _Watch:
         return [p.pid for p in alive]
 
     def remove_files(self) -> list[str]:
-        """Remove the files the engine owns, and the engine-kind files that appeared since it started and that
-        no other process holds. The owner's holdings do not count for files that appeared while the engine started (the
-        client ends of its sockets); they do for later ones while the owner lives: another engine the
-        owner started since (its semaphores and sockets, held by the owner alone until the engine's
-        processes open them)."""
+        """Remove the files the engine owns, and the engine-kind files that appeared since it started and
+        that no other process holds. The owner's holdings do not count for files that appeared while the
+        engine started (the client ends of its sockets); they do for later ones while the owner lives:
+        another engine the owner started since (its semaphores and sockets, held by the owner alone until
+        the engine's processes open them)."""
         removed = []
         stale = candidate_files() - self.before
         if stale:
