@@ -269,6 +269,7 @@ def test_a_stop_signal_to_the_engine_core_mid_generate_is_an_engine_error_never_
     from tests.engine.conftest import start_engine
 
     eng = start_engine(tiny_models["olmoe"], capture="none")  # nothing after generate: its own outputs decide
+    timer = None
     try:
         eng.generate(_prompts(0, 2), SamplingConfig(n=2, max_tokens=8))  # warm
         core = list(eng._procs)
@@ -281,6 +282,8 @@ def test_a_stop_signal_to_the_engine_core_mid_generate_is_an_engine_error_never_
         with pytest.raises(RolloutEngineError, match="shut down"):  # and the engine is known to be gone
             eng.generate(_prompts(2, 1), SamplingConfig(n=1, max_tokens=4))
     finally:
+        if timer is not None:
+            timer.cancel()  # a test that failed early must not signal these pids later, perhaps reused
         eng.shutdown()
 
 
