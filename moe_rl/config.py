@@ -675,10 +675,14 @@ GROUPS = {"algorithm/loss": POLICY_LOSSES, "algorithm/correction": CORRECTIONS}
 
 
 def register_configs() -> None:
-    """The schema (`train_moe_schema`) and one group option per registered loss and correction."""
+    """The schema (`train_moe_schema`), one group option per registered loss and correction, and the
+    `${run_stamp:...}` resolver of the run directory."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import MISSING, OmegaConf
 
+    from moe_rl.trainer.run_dir import register_run_stamp
+
+    register_run_stamp()  # conf/train_moe.yaml's run directory
     cs = ConfigStore.instance()
     schema = OmegaConf.structured(TrainConfig)
     # Filled by the algorithm preset (conf/algorithm/): a typed slot could not take another

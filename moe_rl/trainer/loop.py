@@ -36,10 +36,12 @@ class Trainer:
         from moe_rl.objectives import Objective
         from moe_rl.trainer import checkpoint
         from moe_rl.trainer.logger import RunLogger
+        from moe_rl.trainer.run_dir import check_same_run_dir
         from moe_rl.weight_sync import WeightSync
 
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before anything is built
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+        check_same_run_dir(run_dir)  # before any rank writes to its own
         self.cfg, self.run_dir = cfg, run_dir
         self.rank = dist.get_rank()
         t = cfg.trainer
