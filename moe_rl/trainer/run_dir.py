@@ -2,9 +2,9 @@
 
 Hydra resolves `hydra.run.dir` in each process. With its `${now:...}`, two ranks that start on either side of a
 second boundary got two directories: rank 0 wrote the tiny model into its own, and rank 1 failed with "config.json
-not found" in the other (the quickstart failed that way whenever its ranks started a second apart). `${run_stamp:...}` is `now` agreed
-through torchrun's store; `check_same_run_dir` stops a job whose ranks still disagree (a launcher without
-torchrun's store, a `${now:}` of the user's own) before anything is written.
+not found" in the other (the quickstart failed that way whenever its ranks started a second apart).
+`${run_stamp:...}` is `now` agreed through torchrun's store; `check_same_run_dir` stops a job whose ranks still
+disagree (a launcher without torchrun's store, a `${now:}` of the user's own) before anything is written.
 """
 
 from __future__ import annotations
