@@ -216,7 +216,7 @@ def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
             clip_qkv=None,
             **common,
         )
-    cfg.torch_dtype = spec.dtype
+    cfg.dtype = spec.dtype
     return cfg
 
 

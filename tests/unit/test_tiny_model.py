@@ -36,7 +36,7 @@ def test_builds_loadable_folder_with_tokenizer(tmp_path):
     )
     cfg = AutoConfig.from_pretrained(tmp_path)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.mlp_only_layers) == (300, 3, [0, 2])
-    assert cfg.torch_dtype in (torch.bfloat16, "bfloat16")
+    assert cfg.dtype in (torch.bfloat16, "bfloat16")
     tok = AutoTokenizer.from_pretrained(tmp_path)
     text = "Question: what is 12 + 30? Answer: 42"
     ids = tok(text)["input_ids"]
