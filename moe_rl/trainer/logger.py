@@ -46,8 +46,11 @@ def run_config(cfg) -> dict:
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, cfg, enabled: bool = True, wandb_id: str | None = None):
-        """wandb_id: continue that wandb run (a resumed checkpoint's)."""
+    def __init__(
+        self, run_dir: Path, cfg, enabled: bool = True, wandb_id: str | None = None, resumed_step: int | None = None
+    ):
+        """wandb_id: continue that wandb run (a resumed checkpoint's). resumed_step: the step of the checkpoint this
+        run resumed; records of later steps in metrics.jsonl (logged before a crash, trained again now) move aside."""
         self.enabled = enabled
         self.run = None
         self.progress = None
@@ -55,6 +58,8 @@ class RunLogger:
             return
         self.total = cfg.trainer.steps
         self.path = Path(run_dir) / "metrics.jsonl"
+        if resumed_step is not None:
+            self._set_aside_steps_after(resumed_step)
         if sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -84,6 +89,27 @@ class RunLogger:
                 resume="allow" if wandb_id else None,
                 config=run_config(cfg),
             )
+
+    def _set_aside_steps_after(self, step: int) -> None:
+        """A run that resumes the checkpoint of `step` trains the steps after it again: their earlier records (a
+        crash between checkpoints) go to metrics.superseded.jsonl, so that metrics.jsonl holds each step once."""
+        if not self.path.is_file():
+            return
+        keep, later = [], []
+        for line in self.path.read_text().splitlines():
+            (later if json.loads(line)["step"] > step else keep).append(line)
+        if not later:
+            return
+        aside = self.path.with_name("metrics.superseded.jsonl")
+        with aside.open("a") as f:
+            f.write("".join(line + "\n" for line in later))
+        self.path.write_text("".join(line + "\n" for line in keep))
+        steps = sorted({json.loads(line)["step"] for line in later})
+        print(
+            f"[moe-rl] {self.path}: the records of steps {steps[0]}-{steps[-1]}, logged after the checkpoint of step "
+            f"{step} and trained again now, moved to {aside.name}",
+            flush=True,
+        )
 
     @property
     def run_id(self) -> str | None:

@@ -78,7 +78,13 @@ class Trainer:
         self.health = HealthMonitor(t.first_minibatch_tolerance)
         self.stop = StopFlag()
         resumed = self._resume()
-        self.logger = RunLogger(run_dir, cfg, enabled=self.rank == 0, wandb_id=(resumed or {}).get("wandb_run_id"))
+        self.logger = RunLogger(
+            run_dir,
+            cfg,
+            enabled=self.rank == 0,
+            wandb_id=(resumed or {}).get("wandb_run_id"),
+            resumed_step=self.step_index if resumed else None,
+        )
         if t.true_on_policy:  # the engine's side of the mode, before it starts
             from moe_rl.actor import batch_invariant, engine_ops
 

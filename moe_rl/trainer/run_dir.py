@@ -26,8 +26,9 @@ def agreed_now(pattern: str) -> str:
     store = TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=120)
     )
-    # A restarted attempt (torchrun --max-restarts) gets a stamp of its own, as it did with `${now:}`.
-    key = f"moe_rl/run_stamp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{pattern}"
+    # Not keyed by the attempt: a restarted attempt (torchrun --max-restarts) runs in the first one's directory
+    # and resumes its newest checkpoint (trainer.resume=auto); the agent's store outlives its workers.
+    key = f"moe_rl/run_stamp/{pattern}"
     return store.compare_set(key, "", stamp).decode()
 
 

@@ -17,13 +17,14 @@ pytestmark = pytest.mark.distributed
 TORCHRUN2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
-def test_ranks_that_start_seconds_apart_get_the_default_run_directory_alike():
-    out = run_job(
-        [*TORCHRUN2, "-m", "tests.distributed.late_rank", "launch/train_moe.py", "--cfg", "hydra", "--resolve"]
-    )
+def test_ranks_that_start_seconds_apart_get_the_default_run_directory_alike_and_keep_it_after_a_restart():
+    """Rank 1 starts 1.5 s after rank 0 and fails on the first attempt; torchrun restarts both. All four resolve the
+    same directory: a restarted attempt finds the first one's checkpoints (trainer.resume=auto)."""
+    cmd = [*TORCHRUN2, "--max-restarts=1", "-m", "tests.distributed.late_rank", "launch/train_moe.py"]
+    out = run_job([*cmd, "--cfg", "hydra", "--resolve"], env={"MOE_RL_TEST_FAIL_FIRST_ATTEMPT": "1"})
     run_dirs = re.findall(r"^\s+dir: (runs/\S+)$", out, re.M)  # hydra.run.dir as each rank resolved it
-    assert len(run_dirs) == 2, out
-    assert run_dirs[0] == run_dirs[1], out
+    assert len(run_dirs) == 4, out  # 2 ranks x 2 attempts
+    assert len(set(run_dirs)) == 1, out
 
 
 def test_ranks_given_different_run_directories_stop_before_writing_anything(tmp_path):

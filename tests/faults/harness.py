@@ -37,7 +37,7 @@ def leftovers_snapshot() -> set[str]:
 class Run:
     """`torchrun --nproc-per-node=N launch/train_moe.py` in its own session, its processes watched."""
 
-    def __init__(self, run_dir: Path, nproc: int, overrides: list[str]):
+    def __init__(self, run_dir: Path, nproc: int, overrides: list[str], torchrun_args: tuple[str, ...] = ()):
         self.run_dir = run_dir
         self.before = leftovers_snapshot()
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
@@ -45,7 +45,15 @@ class Run:
         self.log_path = run_dir.parent / f"{run_dir.name}.{len(list(run_dir.parent.glob(run_dir.name + '.*.log')))}.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [*TRAIN[:4], f"--nproc-per-node={nproc}", *TRAIN[4:], f"hydra.run.dir={run_dir}", *QUIET, *overrides],
+            [
+                *TRAIN[:4],
+                f"--nproc-per-node={nproc}",
+                *torchrun_args,
+                *TRAIN[4:],
+                f"hydra.run.dir={run_dir}",
+                *QUIET,
+                *overrides,
+            ],
             cwd=REPO,
             env=env,
             stdout=self.log,

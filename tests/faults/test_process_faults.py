@@ -4,6 +4,7 @@ socket file behind."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -18,8 +19,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow, pytest.mark
 def run(tmp_path):
     runs = []
 
-    def start(nproc=2, overrides=()):
-        r = Run(tmp_path / f"run{len(runs)}", nproc, ["trainer.steps=8", "trainer.checkpoint_every=0", *overrides])
+    def start(nproc=2, overrides=(), torchrun_args=()):
+        overrides = ["trainer.steps=8", "trainer.checkpoint_every=0", *overrides]
+        r = Run(tmp_path / f"run{len(runs)}", nproc, overrides, torchrun_args)
         runs.append(r)
         return r
 
@@ -75,3 +77,28 @@ def test_kill9_of_an_engine_is_a_clear_error_and_leaves_nothing_behind(run):
     print(f"\nkill -9 of an engine core: every process of the run gone {seconds:.1f} s later")
     assert r.proc.returncode != 0
     assert "RolloutEngineError" in r.output() and "died" in r.output(), r.output()[-4000:]
+
+
+def test_under_torchruns_restarts_kill9_of_a_rank_resumes_the_newest_checkpoint(run):
+    """`torchrun --max-restarts=1`: after kill -9 of a rank, torchrun starts the job again. The new attempt's ranks
+    connect (the old attempt's addresses, still in torchrun's store, used to make them fail about half of the time),
+    resume the newest checkpoint in the same run directory, train the steps after it again and finish; metrics.jsonl
+    holds each step once, the killed attempt's records of the repeated steps set aside."""
+    from moe_rl.trainer import checkpoint
+
+    r = run(
+        overrides=["trainer.steps=5", "trainer.checkpoint_every=2", "rollout.engines=1"],
+        torchrun_args=("--max-restarts=1",),
+    )
+    r.wait_for_steps(3)
+    r.ranks()[1].send_signal(signal.SIGKILL)
+    code = r.proc.wait(timeout=400)
+    out = r.output()
+    assert code == 0, out[-5000:]
+    assert f"resumed from {r.run_dir / 'checkpoints' / 'step_000002'} at step 2" in out, out[-5000:]
+    assert [m["step"] for m in r.metrics()] == [1, 2, 3, 4, 5]
+    superseded = [json.loads(line) for line in (r.run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in superseded] == [3]  # the killed attempt got to step 3, maybe not further
+    assert superseded[0]["reward/mean"] == r.metrics()[2]["reward/mean"]  # step 3 sampled again alike
+    latest = checkpoint.latest(r.run_dir / "checkpoints")
+    assert latest.name == "step_000005" and checkpoint.problems(latest) == []

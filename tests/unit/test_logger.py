@@ -43,3 +43,23 @@ def test_wandb_offline_files_land_in_the_run_directory(tmp_path, monkeypatch):
     log.close()
     runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_a_resumed_run_sets_aside_the_records_of_the_steps_it_trains_again(tmp_path, capsys):
+    cfg = TrainConfig()
+    cfg.logging.wandb.mode = "disabled"
+    first = RunLogger(tmp_path, cfg)
+    first.log(0, {"val/reward_mean": 0.1, "val/pass@k": 0.2, "val/pass@1": 0.1, "val/length_mean": 3, "val/prompts": 4})
+    for step in (1, 2, 3):  # a crash after step 3; the newest checkpoint is step 2's
+        first.log(step, {"reward/mean": step / 10})
+    first.close()
+    again = RunLogger(tmp_path, cfg, resumed_step=2)
+    again.log(3, {"reward/mean": 0.35})
+    again.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("reward/mean")) for r in records] == [(0, None), (1, 0.1), (2, 0.2), (3, 0.35)]
+    superseded = [json.loads(line) for line in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert superseded == [{"step": 3, "reward/mean": 0.3}]
+    assert "steps 3-3, logged after the checkpoint of step 2" in capsys.readouterr().out
+    RunLogger(tmp_path, cfg, resumed_step=3).close()  # nothing after step 3: nothing moves
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
