@@ -105,9 +105,10 @@ class RunLogger:
             f.write("".join(line + "\n" for line in later))
         self.path.write_text("".join(line + "\n" for line in keep))
         steps = sorted({json.loads(line)["step"] for line in later})
+        which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
         print(
-            f"[moe-rl] {self.path}: the records of steps {steps[0]}-{steps[-1]}, logged after the checkpoint of step "
-            f"{step} and trained again now, moved to {aside.name}",
+            f"[moe-rl] {self.path}: the records of {which}, logged after the checkpoint of step {step} and trained "
+            f"again now, moved to {aside.name}",
             flush=True,
         )
 

@@ -60,6 +60,6 @@ def test_a_resumed_run_sets_aside_the_records_of_the_steps_it_trains_again(tmp_p
     assert [(r["step"], r.get("reward/mean")) for r in records] == [(0, None), (1, 0.1), (2, 0.2), (3, 0.35)]
     superseded = [json.loads(line) for line in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
     assert superseded == [{"step": 3, "reward/mean": 0.3}]
-    assert "steps 3-3, logged after the checkpoint of step 2" in capsys.readouterr().out
+    assert "the records of step 3, logged after the checkpoint of step 2" in capsys.readouterr().out
     RunLogger(tmp_path, cfg, resumed_step=3).close()  # nothing after step 3: nothing moves
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
