@@ -95,6 +95,8 @@ def test_under_torchruns_restarts_kill9_of_a_rank_resumes_the_newest_checkpoint(
     code = r.proc.wait(timeout=400)
     out = r.output()
     assert code == 0, out[-5000:]
+    r.wait_gone(timeout=60)
+    assert r.new_leftovers(within=30) == set(), out[-3000:]  # neither attempt left a process or file behind
     assert f"resumed from {r.run_dir / 'checkpoints' / 'step_000002'} at step 2" in out, out[-5000:]
     assert [m["step"] for m in r.metrics()] == [1, 2, 3, 4, 5]
     superseded = [json.loads(line) for line in (r.run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
