@@ -52,6 +52,14 @@ class ParallelConfig:
         return dp
 
 
+def torchrun_store(timeout: timedelta):
+    """A client of the store torchrun's agent keeps for the job (it outlives the ranks of an attempt); None when the
+    ranks were not started by torchrun's agent."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+
+
 def _attempt_store(timeout: timedelta):
     """Under torchrun, its agent's store with this attempt's keys apart (None elsewhere: init_process_group's env://).
 
@@ -60,9 +68,8 @@ def _attempt_store(timeout: timedelta):
     a bare 2-rank gloo script (8 of 8 connected with this prefix). torch's rendezvous prefixed the keys per attempt
     before it shared its store (pytorch/pytorch#135712). Across nodes each agent counts its own restarts, so the
     prefix only separates attempts that every agent restarts alike (one node: always)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if (store := torchrun_store(timeout)) is None:
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"moe_rl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

@@ -18,14 +18,11 @@ def agreed_now(pattern: str) -> str:
     """The time formatted with `pattern` (strftime), the same on every rank of a torchrun job: the first rank
     to ask stores its stamp in the launcher's store and every rank reads that one. Elsewhere (one process, a
     launcher without torchrun's store) it is this process's time."""
-    stamp = datetime.now().strftime(pattern)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return stamp
-    from torch.distributed import TCPStore
+    from moe_rl.actor.parallel import torchrun_store
 
-    store = TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=120)
-    )
+    stamp = datetime.now().strftime(pattern)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or (store := torchrun_store(timedelta(seconds=120))) is None:
+        return stamp
     # Not keyed by the attempt: a restarted attempt (torchrun --max-restarts) runs in the first one's directory
     # and resumes its newest checkpoint (trainer.resume=auto); the agent's store outlives its workers.
     key = f"moe_rl/run_stamp/{pattern}"
