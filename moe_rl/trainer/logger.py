@@ -95,16 +95,15 @@ class RunLogger:
         crash between checkpoints) go to metrics.superseded.jsonl, so that metrics.jsonl holds each step once."""
         if not self.path.is_file():
             return
-        keep, later = [], []
-        for line in self.path.read_text().splitlines():
-            (later if json.loads(line)["step"] > step else keep).append(line)
+        records = [(json.loads(line)["step"], line) for line in self.path.read_text().splitlines()]
+        later = [(s, line) for s, line in records if s > step]
         if not later:
             return
         aside = self.path.with_name("metrics.superseded.jsonl")
         with aside.open("a") as f:
-            f.write("".join(line + "\n" for line in later))
-        self.path.write_text("".join(line + "\n" for line in keep))
-        steps = sorted({json.loads(line)["step"] for line in later})
+            f.write("".join(line + "\n" for _, line in later))
+        self.path.write_text("".join(line + "\n" for s, line in records if s <= step))
+        steps = sorted({s for s, _ in later})
         which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
         print(
             f"[moe-rl] {self.path}: the records of {which}, logged after the checkpoint of step {step} and trained "
