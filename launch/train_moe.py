@@ -24,19 +24,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # again (megatron's checkpoint writer starts one at the first save) and needs none of moe-rl or torch for that.
 
 
+def _refuse(error: Exception) -> None:
+    """A setting that cannot run: one line, said once (by rank 0), not a traceback from every rank."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[moe-rl] {error}", file=sys.stderr, flush=True)
+    else:  # torchrun stops the job at the first rank's exit: let rank 0 say it first
+        time.sleep(10)
+    raise SystemExit(2) from None
+
+
 def _check_command_line() -> None:
-    """A misspelled key fails here with the closest valid key, said once (by rank 0), not by
-    every rank in Hydra's words."""
+    """A misspelled key fails here with the closest valid key, not in Hydra's words."""
     from moe_rl.config import ConfigKeyError, check_overrides
 
     try:
         check_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
     except ConfigKeyError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"[moe-rl] {e}", file=sys.stderr, flush=True)
-        else:  # torchrun stops the job at the first rank's exit: let rank 0 say it first
-            time.sleep(10)
-        raise SystemExit(2) from None
+        _refuse(e)
 
 
 @hydra.main(config_path="../conf", config_name="train_moe", version_base="1.3")
@@ -44,11 +48,14 @@ def main(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from moe_rl.config import TrainConfig
+    from moe_rl.config import ConfigError, TrainConfig
     from moe_rl.trainer.loop import train
 
     train_cfg: TrainConfig = OmegaConf.to_object(cfg)
-    train(train_cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        train(train_cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as e:  # found before anything was built
+        _refuse(e)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,11 @@ from moe_rl.rollout.engine import RolloutConfig, SamplingConfig
 from moe_rl.rollout.placement import PLACEMENTS
 
 
+class ConfigError(ValueError):
+    """A setting that cannot run, found before anything is built: the message names the key. The launcher prints
+    it as one line, without a traceback."""
+
+
 @dataclass
 class ModelConfig:
     path: str = ""
@@ -319,9 +324,9 @@ def resolve_aliases(cfg: TrainConfig) -> None:
     if not alg.policy_loss or POLICY_LOSSES.name_of(alg.loss) == alg.policy_loss:
         return
     if alg.policy_loss not in POLICY_LOSSES.names():
-        raise ValueError(f"config algorithm.policy_loss: {alg.policy_loss!r}: choose one of {POLICY_LOSSES.names()}")
+        raise ConfigError(f"config algorithm.policy_loss: {alg.policy_loss!r}: choose one of {POLICY_LOSSES.names()}")
     if alg.loss != type(alg.loss)():
-        raise ValueError(
+        raise ConfigError(
             f"config algorithm.policy_loss: {alg.policy_loss!r} would drop the algorithm.loss.* settings of "
             f"{POLICY_LOSSES.name_of(alg.loss)!r}; choose the loss with algorithm/loss={alg.policy_loss} to set "
             "its keys"
@@ -406,7 +411,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     from moe_rl.objectives import ADVANTAGES
 
     def bad(key: str, msg: str):
-        raise ValueError(f"config {key}: {msg}")
+        raise ConfigError(f"config {key}: {msg}")
 
     alg = cfg.algorithm
     for key, registry, value in (("loss", POLICY_LOSSES, alg.loss), ("correction", CORRECTIONS, alg.correction)):
@@ -592,12 +597,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("rollout.placement", "separate engines on devices of their own are not built yet on GPU; use colocated")
     if t.max_staleness < 0:
         bad("trainer.max_staleness", f"{t.max_staleness}: must be >= 0 (0 = synchronous)")
-    if t.max_staleness and r.engines not in (0, dp):
-        bad(
-            "trainer.max_staleness",
-            f"{t.max_staleness} needs one engine per data-parallel rank; rollout.engines={r.engines} serves {dp} "
-            "ranks with fewer (set rollout.engines=0)",
-        )
     if t.max_staleness and t.mode != "train":
         bad("trainer.max_staleness", f"{t.max_staleness}: off-policy rollouts need trainer.mode=train, not {t.mode}")
     b = cfg.buffer
@@ -695,7 +694,7 @@ def register_configs() -> None:
             cs.store(group=group, name=name, node=cls)
 
 
-class ConfigKeyError(ValueError):
+class ConfigKeyError(ConfigError):
     """A command-line key that is not in the schema."""
 
 

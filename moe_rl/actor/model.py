@@ -76,7 +76,9 @@ def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
     stages = parallel.pp * (parallel.vpp or 1)
     need(conv.num_layers % stages == 0, f"parallel.pp*vpp={stages} does not divide num_hidden_layers={conv.num_layers}")
     if problems:
-        raise ValueError("invalid parallel layout for this model: " + "; ".join(problems))
+        from moe_rl.config import ConfigError
+
+        raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:

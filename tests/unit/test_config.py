@@ -237,10 +237,12 @@ def test_group_free_advantage_accepts_one_sample_per_prompt():
         ("sampling.max_tokens=0", "sampling.max_tokens"),
         ("data.path=/no/such.jsonl", "data.path"),
         ("data.reward=no_such_module:f", "data.reward"),
+        ("parallel.tp=3", "parallel"),
     ],
 )
 def test_settings_that_cannot_learn_fail_fast_before_any_engine(override, key, tmp_path):
-    """The trainer's own entry point: non-zero exit, the key named, no model and no engine built."""
+    """The trainer's own entry point: exit status 2 and one line naming the key (no traceback), no model and no
+    engine built."""
     import time
 
     extra = ["data.task=file"] if key == "data.path" else []
@@ -254,7 +256,7 @@ def test_settings_that_cannot_learn_fail_fast_before_any_engine(override, key, t
     )
     seconds = time.perf_counter() - t0
     text = out.stdout + out.stderr
-    assert out.returncode != 0 and f"config {key}" in text, text[-3000:]
+    assert out.returncode == 2 and f"[moe-rl] config {key}" in text and "Traceback" not in text, text[-3000:]
     assert "vLLM" not in text and not (tmp_path / "tiny_model").exists()  # nothing was built
     assert seconds < 60, seconds
 
