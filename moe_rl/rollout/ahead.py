@@ -45,12 +45,6 @@ class AheadSource:
     def __init__(self, inner: EngineSource, max_staleness: int, steps: int, engine_cores: list[int] | None = None):
         """`steps`: the run's last step (trainer.steps): nothing is sampled beyond it. `engine_cores`
         (rollout.placement=separate): the cores of the thread that drives generation."""
-        if inner.groups.group is not None:
-            raise ValueError(
-                "trainer.max_staleness >= 1 needs one engine per data-parallel rank (rollout.engines equal to the "
-                "data-parallel size): an engine serving several ranks exchanges prompts with collectives, which "
-                "cannot run beside the trainer's"
-            )
         if max_staleness < 1:
             raise ValueError(f"trainer.max_staleness={max_staleness}: AheadSource is for >= 1")
         self.inner, self.max_staleness, self.steps = inner, max_staleness, steps

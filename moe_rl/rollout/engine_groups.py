@@ -7,6 +7,10 @@ further data-parallel ranks when engines are fewer) has none. Per step the leade
 served data-parallel rank's prompts, samples them in one call with seeds that depend only on
 the step and the data-parallel rank, and sends each rank the samples of its data-parallel rank.
 So changing TP/PP/CP/EP changes neither what is sampled nor who trains on it.
+
+That exchange runs on a gloo group of its own, used by nothing else: under trainer.max_staleness it runs
+on the rollout thread while the trainer's collectives run on the main thread, and two threads must never
+share a group (their messages would interleave).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class EngineGroups:
     dp_size: int
     served: list[int]  # data-parallel ranks served by this rank's engine, in order
     leader: int  # global rank of that engine
-    group: dist.ProcessGroup | None  # every rank served by that engine (None: only this rank)
+    group: dist.ProcessGroup | None  # every rank served by that engine, for the exchange only (None: only this rank)
     group_ranks: list[int]
     leaders: list[int]  # every engine's leader (weight sync delivers to each)
 
@@ -55,7 +59,7 @@ def engine_groups(engines: int, dp_rank: int, dp_size: int) -> EngineGroups:
     mine, leaders = None, []
     for e in range(engines):  # every rank creates every group, in the same order
         ranks = [r for r in range(world) if e * per <= dp_of[r] < (e + 1) * per]
-        group = dist.new_group(ranks) if 1 < len(ranks) < world else (dist.group.WORLD if len(ranks) > 1 else None)
+        group = dist.new_group(ranks, backend="gloo") if len(ranks) > 1 else None
         leaders.append(min(ranks))
         if dist.get_rank() in ranks:
             mine = (list(range(e * per, (e + 1) * per)), ranks, group)

@@ -1,7 +1,8 @@
 """Off-policy rollouts (trainer.max_staleness=1, rollout.placement=separate) through `torchrun
 launch/train_moe.py`: the engine samples one batch ahead on cores of its own, every step trains samples
-at most one version old, and the loop still learns the toy task. A resume samples the batch that was in
-flight again from the same prompts (the data position counts trained steps), with the resumed weights.
+at most one version old, and the loop still learns the toy task; under tensor parallelism it samples what
+one rank samples. A resume samples the batch that was in flight again from the same prompts (the data
+position counts trained steps), with the resumed weights.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from tests.conftest import run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "launch/train_moe.py"]
-COMMON = ["logging.wandb.mode=disabled", "trainer.max_staleness=1", "rollout.placement=separate"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+COMMON = ["logging.wandb.mode=disabled", "trainer.max_staleness=1"]
 
 
-def _train(run_dir: Path, overrides: list[str]) -> list[dict]:
-    run_job([*TORCHRUN, f"hydra.run.dir={run_dir}", *COMMON, *overrides], timeout=900)
+def _train(run_dir: Path, overrides: list[str], nproc: int = 1) -> list[dict]:
+    """One rank: the engine on a core of its own (rollout.placement=separate); more: colocated (one core each)."""
+    placement = "separate" if nproc == 1 else "colocated"
+    cmd = [*TORCHRUN, f"--nproc-per-node={nproc}", "launch/train_moe.py", f"rollout.placement={placement}"]
+    run_job([*cmd, f"hydra.run.dir={run_dir}", *COMMON, *overrides], timeout=900)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -80,6 +84,22 @@ def test_resume_samples_the_in_flight_prompts_again(tmp_path, straight):
         b = _prompts(tmp_path / "split" / "dumps", step)
         assert a == b, f"step {step}: the resumed run trained other prompts"
     assert _prompts(run / "dumps", 3) != _prompts(run / "dumps", 2)
+
+
+def test_an_engine_serving_a_tensor_parallel_group_samples_ahead_as_one_rank(tmp_path, straight):
+    """parallel.tp=2 on 2 ranks: one engine serves both ranks, and every step its leader sends the peer its samples
+    from the rollout thread while the trainer's collectives run on the main thread (the exchange has a gloo group
+    of its own). Each step equals one rank's: the same samples (seeds depend on the data-parallel rank only), the
+    update and the mismatch within fp32 noise (one rank runs its engine on a core of its own here, which moves mu by
+    about 1e-6)."""
+    _, one = straight
+    history = _train(tmp_path, ["trainer.steps=3", "trainer.checkpoint_every=0", "parallel.tp=2"], nproc=2)
+    assert [h["staleness/max"] for h in history] == [0, 1, 1]
+    for got, ref in zip(history, one[:3], strict=True):
+        for k in ("reward/mean", "response/length_mean"):
+            assert got[k] == ref[k], (got["step"], k, got[k], ref[k])
+        for k in ("actor/grad_norm", "actor/entropy", "actor/clipfrac", "mismatch/kl", "mismatch/k3_kl"):
+            assert abs(got[k] - ref[k]) <= 1e-4 * abs(ref[k]) + 1e-7, (got["step"], k, got[k], ref[k])
 
 
 def test_mu_routes_and_version_of_every_sample_come_from_one_engine_version(straight, world1):
