@@ -159,7 +159,9 @@ class TrainerConfig:
     """Seed of the model init, the data order, the tiny model and the rollout engine (rollout.seed is
     set from it); sampling.seed seeds the sampler."""
     first_minibatch_tolerance: float = 1e-4
-    """Warn when |mean(log pi_theta - log pi_old)| on the first mini-batch exceeds this."""
+    """Warn when |mean(log pi_theta - log pi_old)| on the first mini-batch exceeds this (a broken weight sync or
+    replay: pi_old was computed from the same weights). Not checked with algorithm.prox_logp=loglinear, whose pi_prox
+    is interpolated from mu, not recomputed."""
     mode: str = "train"
     """train | rollout_only (rollout + old log-probs + a dump each step, no update) | from_dump
     (train on the dumps in dump_dir, cycling through its steps; no engine)."""

@@ -15,10 +15,12 @@ HEALTH = (
 )
 
 
-def health_warnings(metrics: dict[str, float], first_minibatch_tolerance: float) -> list[str]:
+def health_warnings(metrics: dict[str, float], first_minibatch_tolerance: float | None) -> list[str]:
+    """`first_minibatch_tolerance` None: pi_old is not a recompute of the weights being trained (A-3PO's
+    interpolated pi_prox), so pi_theta / pi_old on the first mini-batch checks nothing and is not warned about."""
     out = []
     kl0 = metrics.get("actor/first_minibatch_ppo_kl")
-    if kl0 is not None and abs(kl0) > first_minibatch_tolerance:
+    if kl0 is not None and first_minibatch_tolerance is not None and abs(kl0) > first_minibatch_tolerance:
         out.append(
             f"pi_theta != pi_old on the first mini-batch (ppo_kl {kl0:.2e} > {first_minibatch_tolerance:g}): "
             "broken weight sync or routing replay?"
@@ -71,7 +73,7 @@ class HealthMonitor:
     of collapse) and steps with nothing to learn (every group's rewards equal), the latter shown
     once and counted at the end."""
 
-    def __init__(self, first_minibatch_tolerance: float = 1e-4, window: int = 10, spike: float = 10.0):
+    def __init__(self, first_minibatch_tolerance: float | None = 1e-4, window: int = 10, spike: float = 10.0):
         self.tolerance = first_minibatch_tolerance
         self.norms: list[float] = []
         self.window, self.spike = window, spike

@@ -75,7 +75,8 @@ class Trainer:
         self.critic = self._build_critic() if cfg.algorithm.advantage == "gae" else None
         self.step_index = 0
         self.skips = SkipCounter(t.max_skipped_steps)
-        self.health = HealthMonitor(t.first_minibatch_tolerance)
+        recomputed = cfg.algorithm.prox_logp != "loglinear"  # else pi_prox is interpolated: no check to make
+        self.health = HealthMonitor(t.first_minibatch_tolerance if recomputed else None)
         self.stop = StopFlag()
         resumed = self._resume()
         self.logger = RunLogger(

@@ -27,7 +27,8 @@ def _train(run_dir: Path, overrides: list[str], nproc: int = 1) -> list[dict]:
     """One rank: the engine on a core of its own (rollout.placement=separate); more: colocated (one core each)."""
     placement = "separate" if nproc == 1 else "colocated"
     cmd = [*TORCHRUN, f"--nproc-per-node={nproc}", "launch/train_moe.py", f"rollout.placement={placement}"]
-    run_job([*cmd, f"hydra.run.dir={run_dir}", *COMMON, *overrides], timeout=900)
+    out = run_job([*cmd, f"hydra.run.dir={run_dir}", *COMMON, *overrides], timeout=900)
+    (run_dir / "console.log").write_text(out)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -54,6 +55,8 @@ def test_loglinear_proximal_policy_learns_without_the_old_logprob_pass(tmp_path)
     recompute pass; the step still reports the correction and the mismatch (from the update's forward)."""
     history = _train(tmp_path, ["trainer.steps=20", "trainer.checkpoint_every=0", "algorithm.prox_logp=loglinear"])
     assert all("time/old_logprobs" not in h for h in history)
+    # pi_prox is interpolated, not recomputed: the first mini-batch's ratio is not 1, and that is no warning
+    assert "pi_theta != pi_old" not in (tmp_path / "console.log").read_text()
     assert all(0 < h["icepop/weight_mean"] <= 5 and h["mismatch/ess"] > 0 and h["actor/entropy"] > 0 for h in history)
     assert sum(h["staleness/max"] == 1 for h in history) >= 10
     first = sum(h["reward/mean"] for h in history[:5]) / 5

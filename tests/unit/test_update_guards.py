@@ -123,3 +123,13 @@ def test_mismatch_warnings_name_the_stale_behaviour_policy_in_one_line():
     assert len(stale) == 1 and "mismatch/kl = 0.6, mismatch/ess = 0.2" in stale[0]
     assert "1 version(s) behind pi_old" in stale[0]
     assert health_warnings({"mismatch/kl": 0.01, "staleness/max": 1.0}, 1e-4) == []
+
+
+def test_the_first_minibatch_check_is_off_where_pi_old_is_interpolated():
+    """algorithm.prox_logp=loglinear: pi_prox is mu moved toward pi_theta, not a recompute, so pi_theta / pi_old
+    on the first mini-batch is not 1 by design; the loop passes no tolerance and nothing warns."""
+    from moe_rl.trainer.health import health_warnings
+
+    moved = {"actor/first_minibatch_ppo_kl": 0.28}
+    assert len(health_warnings(moved, 1e-4)) == 1 and "broken weight sync" in health_warnings(moved, 1e-4)[0]
+    assert health_warnings(moved, None) == []
