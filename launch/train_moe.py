@@ -59,6 +59,9 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    # vLLM logs through the root logger that Hydra configures (the run's train_moe.log; WARNING and above on the
+    # console) instead of its own handler on stdout.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from moe_rl.config import register_configs
     from moe_rl.trainer.signals import run_then_exit
 

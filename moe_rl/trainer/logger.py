@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 from pathlib import Path
+
+
+def say(line: str) -> None:
+    """A line of moe-rl's own for the console and, as an INFO record, for the run's train_moe.log (Hydra's file
+    handler; its console handler shows WARNING and above only, so the line appears once)."""
+    print(line, flush=True)
+    logging.getLogger("moe_rl").info(line)
 
 
 def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
@@ -31,6 +39,49 @@ def val_line(step: int, metrics: dict[str, float]) -> str:
         f"pass@1 {metrics['val/pass@1']:.3f} len {metrics['val/length_mean']:.1f} "
         f"({metrics['val/prompts']:.0f} prompts)"
     )
+
+
+def run_header(cfg, run_dir: Path, model_path: str, world: int) -> list[str]:
+    """What this run is, said before the engines start: where it writes, the model, the layout, the objective."""
+    from moe_rl.actor.model import load_hf_config
+    from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
+    from moe_rl.routing.model_layout import moe_layout
+
+    p, r, a = cfg.parallel, cfg.rollout, cfg.algorithm
+    hf_config = load_hf_config(model_path)
+    moe = moe_layout(hf_config)
+    params = model_parameters(model_path)
+    source = f"{model_path} ({hf_config.model_type})" if cfg.model.path else f"built-in tiny {cfg.model.tiny_arch}"
+    dp = p.data_parallel_size(world)
+    engines = f"{r.engines or dp} engine(s) of TP {r.tensor_parallel_size} in {r.dtype}"
+    if cfg.trainer.mode == "from_dump":
+        engines = f"no engine (samples from {cfg.trainer.dump_dir})"
+    objective = f"{POLICY_LOSSES.name_of(a.loss)} + {CORRECTIONS.name_of(a.correction)}, advantage {a.advantage}"
+    replay = cfg.actor.router_replay
+    return [
+        f"run {run_dir}: metrics.jsonl, checkpoints/, train_moe.log (these lines and every library's log)",
+        f"model {source}, {params / 1e6:,.1f}M parameters, {moe.num_layers} layers "
+        f"({len(moe.moe_layers)} MoE), {moe.num_experts} experts, top-{moe.topk}, {cfg.model.dtype}",
+        f"layout: world {world} = DP {dp} x TP {p.tp} x PP {p.pp} x CP {p.cp}, EP {p.ep}, ETP {p.etp}; {engines}",
+        f"{cfg.trainer.mode}: {cfg.trainer.steps} steps x {cfg.data.prompts_per_step} prompts x {cfg.sampling.n} "
+        f"samples per DP rank; {objective}; router replay {replay}"
+        + (f"; up to {cfg.trainer.max_staleness} version(s) off-policy" if cfg.trainer.max_staleness else ""),
+    ]
+
+
+def model_parameters(model_path: str) -> int:
+    """Parameters in an HF folder's safetensors files, from their headers (nothing is loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                n = 1
+                for d in st.get_slice(key).get_shape():
+                    n *= d
+                total += n
+    return total
 
 
 def run_config(cfg) -> dict:
@@ -105,10 +156,9 @@ class RunLogger:
         self.path.write_text("".join(line + "\n" for s, line in records if s <= step))
         steps = sorted({s for s, _ in later})
         which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-        print(
+        say(
             f"[moe-rl] {self.path}: the records of {which}, logged after the checkpoint of step {step} and trained "
-            f"again now, moved to {aside.name}",
-            flush=True,
+            f"again now, moved to {aside.name}"
         )
 
     @property
@@ -116,11 +166,11 @@ class RunLogger:
         return None if self.run is None else self.run.id
 
     def _print(self, line: str) -> None:
-        if self.progress is not None:
-            self.progress.start()  # idempotent
-            self.progress.console.print(line, highlight=False, soft_wrap=True)
-        else:
-            print(line, flush=True)
+        if self.progress is None:
+            return say(line)
+        self.progress.start()  # idempotent
+        self.progress.console.print(line, highlight=False, soft_wrap=True)
+        logging.getLogger("moe_rl").info(line)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

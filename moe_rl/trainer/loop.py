@@ -20,6 +20,7 @@ from moe_rl.objectives.proximal import loglinear_alpha
 from moe_rl.rollout.ahead import AheadSource
 from moe_rl.rollout.source import StepAbandoned
 from moe_rl.trainer.health import HealthMonitor, SkipCounter
+from moe_rl.trainer.logger import RunLogger, run_header, say
 from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 
@@ -35,7 +36,6 @@ class Trainer:
         from moe_rl.diagnostics.step_hooks import StepDiagnostics
         from moe_rl.objectives import Objective
         from moe_rl.trainer import checkpoint
-        from moe_rl.trainer.logger import RunLogger
         from moe_rl.trainer.run_dir import check_same_run_dir
         from moe_rl.weight_sync import WeightSync
 
@@ -49,7 +49,7 @@ class Trainer:
         self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
         self.resume_path, notes = checkpoint.resolve_resume(self.checkpoint_dir, t.resume)
         for note in notes if self.rank == 0 else []:
-            print(f"[moe-rl] WARNING: {note}", flush=True)
+            say(f"[moe-rl] WARNING: {note}")
         self.model_path = cfg.model.path or self._tiny_model(run_dir)
         check_divisibility(get_converter(load_hf_config(self.model_path)), cfg.parallel)  # before anything is built
         # Data and reward before the model and engines: a bad file fails in seconds.
@@ -68,8 +68,10 @@ class Trainer:
             )
         if not self.memory.resettable:
             notes.append("memory/peak_rss_gib is the process's lifetime peak (/proc/self/clear_refs is not writable)")
+        for line in run_header(cfg, run_dir, self.model_path, dist.get_world_size()) if self.rank == 0 else []:
+            say(f"[moe-rl] {line}")
         for note in notes if self.rank == 0 else []:
-            print(f"[moe-rl] {note}", flush=True)
+            say(f"[moe-rl] {note}")
         self.actor = Actor(cfg, self.model_path, record_routes=t.dump_every > 0 or t.mode == "rollout_only")
         self.diagnostics = StepDiagnostics(cfg, self.actor, Path(t.dump_dir or run_dir / "dumps"))
         self.critic = self._build_critic() if cfg.algorithm.advantage == "gae" else None
@@ -92,7 +94,7 @@ class Trainer:
             gpu = torch.cuda.is_available()
             os.environ.update(batch_invariant.engine_environment() if gpu else engine_ops.engine_environment())
             if not gpu and (note := engine_ops.vllm_version_warning()) and self.rank == 0:
-                print(f"[moe-rl] WARNING: {note}", flush=True)
+                say(f"[moe-rl] WARNING: {note}")
         self.source, engine = self._build_source()
         self.weight_sync = None
         if cfg.trainer.mode != "from_dump":  # every rank takes part in the sync's gathers; leaders load
@@ -121,10 +123,9 @@ class Trainer:
             d.path, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), cfg.sampling.max_tokens, d.task
         )  # context-parallel ranks share their samples
         if self.data.dropped and self.rank == 0:
-            print(
+            say(
                 f"[moe-rl] data: dropped {self.data.dropped} prompts of {d.path or d.task} longer than "
-                f"{self.data.token_limit} tokens ({self.data.limit_name}; data.overlong_prompts=drop)",
-                flush=True,
+                f"{self.data.token_limit} tokens ({self.data.limit_name}; data.overlong_prompts=drop)"
             )
         self.reward_fn = load_reward(d.reward)
 
@@ -192,7 +193,7 @@ class Trainer:
         if trainer_cores is not None:  # after the engine's processes started
             placement.pin(trainer_cores, engine_cores)
             if self.rank == 0:
-                print(f"[moe-rl] placement: trainer on cores {trainer_cores}, engine on {engine_cores}", flush=True)
+                say(f"[moe-rl] placement: trainer on cores {trainer_cores}, engine on {engine_cores}")
         source = EngineSource(
             engine,
             groups,
@@ -250,7 +251,7 @@ class Trainer:
         prompts = val.items  # in file order, every rank the same list
         if self.rank == 0:
             dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
-            print(f"[moe-rl] validation: {len(prompts)} prompts of {cfg.data.val_path}{dropped}", flush=True)
+            say(f"[moe-rl] validation: {len(prompts)} prompts of {cfg.data.val_path}{dropped}")
         groups = self.source.groups
         args = (self.tokenizer, self.reward_fn, cfg.val, cfg.sampling, self._engine_may_stop)
         return Validator(prompts, groups, engine, *args)
@@ -266,7 +267,7 @@ class Trainer:
             checkpoint.load_part(self.resume_path / "critic", self.critic.chunks, self.critic.optimizer)
         self.step_index = state["step"]
         if self.rank == 0:
-            print(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}", flush=True)
+            say(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}")
         return state
 
     def save_checkpoint(self) -> Path:
@@ -288,7 +289,7 @@ class Trainer:
 
         path = checkpoint.save(self.checkpoint_dir, self.step_index, a.chunks, a.optimizer, state, keep, extra)
         if self.rank == 0:
-            print(f"[moe-rl] checkpoint step {self.step_index} -> {path}", flush=True)
+            say(f"[moe-rl] checkpoint step {self.step_index} -> {path}")
         return path
 
     def _tiny_model(self, run_dir: Path) -> str:

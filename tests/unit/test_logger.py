@@ -63,3 +63,36 @@ def test_a_resumed_run_sets_aside_the_records_of_the_steps_it_trains_again(tmp_p
     assert "the records of step 3, logged after the checkpoint of step 2" in capsys.readouterr().out
     RunLogger(tmp_path, cfg, resumed_step=3).close()  # nothing after step 3: nothing moves
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_step_lines_also_reach_the_run_log_as_info_records(tmp_path, capsys, caplog):
+    """Hydra's file handler (train_moe.log) takes INFO records and its console handler WARNING and up: the line is
+    printed once and recorded once."""
+    import logging
+
+    cfg = TrainConfig()
+    cfg.logging.wandb.mode = "disabled"
+    log = RunLogger(tmp_path, cfg)
+    with caplog.at_level(logging.INFO, logger="moe_rl"):
+        log.log(1, {"reward/mean": 0.25})
+        log.warn(1, "something")
+    printed = capsys.readouterr().out.splitlines()
+    recorded = [r.getMessage() for r in caplog.records if r.name == "moe_rl" and r.levelno == logging.INFO]
+    assert printed == recorded and len(printed) == 2 and printed[1] == "step 1 warning: something"
+
+
+def test_the_run_header_names_the_model_layout_and_objective(tiny_models, tmp_path):
+    """Parameters counted from the safetensors headers equal transformers' count of the loaded model."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.trainer.logger import run_header
+
+    path = str(tiny_models["qwen3_moe"])
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), {"parallel": {"tp": 2, "ep": 2}}))
+    cfg.model.path = path
+    lines = run_header(cfg, tmp_path, path, world=4)
+    params = AutoModelForCausalLM.from_pretrained(path).num_parameters()
+    assert f"{params / 1e6:,.1f}M parameters" in lines[1] and "(qwen3_moe)" in lines[1]
+    assert "world 4 = DP 2 x TP 2 x PP 1 x CP 1, EP 2, ETP 1; 2 engine(s) of TP 1 in" in lines[2]
+    assert "train: 30 steps x 4 prompts x 8 samples per DP rank; gspo + icepop, advantage grpo" in lines[3]
