@@ -621,6 +621,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             bad("buffer.enable", f"the buffer trains on engine samples: trainer.mode=train, not {t.mode}")
         if t.max_staleness:
             bad("buffer.enable", "with trainer.max_staleness >= 1 (sampling ahead into the buffer) is not built yet")
+        if alg.advantage == "gae":
+            bad(
+                "buffer.enable",
+                "with algorithm.advantage=gae is not built yet: groups enter the buffer with their advantages, and "
+                "GAE's come from the critic's values at training time",
+            )
         if cfg.data.prompts_per_step % cfg.actor.mini_batches:
             bad(
                 "buffer.enable",

@@ -183,6 +183,7 @@ def test_schema_errors_name_the_key(override, match):
         (["buffer.enable=true", "buffer.max_gen_batches=0"], 1, "config buffer.max_gen_batches: 0: must be >= 1"),
         (["buffer.enable=true", "trainer.max_staleness=1"], 1, "config buffer.enable: with trainer.max_staleness"),
         (["buffer.enable=true", "data.prompts_per_step=3"], 1, "config buffer.enable: needs data.prompts_per_step=3"),
+        (["buffer.enable=true", "algorithm.advantage=gae", "algorithm/loss=ppo"], 1, "config buffer.enable: with alg"),
         (["algorithm.advantage=gae"], 1, "config algorithm.advantage: gae gives every token its own advantage"),
         (["algorithm.policy_loss=sgd"], 1, "config algorithm.policy_loss: 'sgd': choose one of \\['gspo', 'ppo'\\]"),
         (
