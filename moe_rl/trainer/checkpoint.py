@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -229,8 +230,19 @@ def load_model(path: str | Path, chunks, extra: dict | None = None) -> dict:
     return loaded
 
 
+def saved_world(path: str | Path) -> int | None:
+    """How many ranks wrote the checkpoint at `path` (from its per-rank RNG entries); None if it holds none."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(Path(path) / "model")).read_metadata().state_dict_metadata
+    worlds = {int(m.group(1)) for k in keys if (m := re.fullmatch(r"rng_state/shard_\d+_(\d+)", k))}
+    return worlds.pop() if len(worlds) == 1 else None
+
+
 def load(path: str | Path, chunks, optimizer) -> dict:
-    """Restore model, optimizer, this rank's RNG; returns trainer.json. Refuses partial checkpoints."""
+    """Restore model, optimizer and, where the checkpoint was written by as many ranks, this rank's RNG; returns
+    trainer.json. Refuses partial checkpoints. (The RNG states are per rank: under another world size there is no
+    rank whose state this one continues, and each rank keeps the state its start-up seeding gave it.)"""
 
     path = Path(path)
     for piece, what in (("optimizer/metadata.json", "optimizer state"), ("trainer.json", "trainer state")):
@@ -239,9 +251,12 @@ def load(path: str | Path, chunks, optimizer) -> dict:
                 f"cannot resume from {path}: its {what} ({piece}) is missing. Resuming without it would "
                 "silently restart that state; restore the file or start a fresh run (trainer.resume=off)."
             )
-    rng = load_model(path, chunks, {"rng_state": _rng_object()})["rng_state"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
+    if saved_world(path) == _rank_world()[1]:
+        rng = load_model(path, chunks, {"rng_state": _rng_object()})["rng_state"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+    else:
+        load_model(path, chunks)
     _load_optimizer(path / "optimizer", chunks, optimizer)
     return json.loads((path / "trainer.json").read_text())
 

@@ -7,6 +7,7 @@ of routing replay (R3 by default), and GSPO's ratio is per sequence.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from contextlib import contextmanager
@@ -262,13 +263,51 @@ class Trainer:
 
         if self.resume_path is None:
             return None
+        saved = self.resume_path / "trainer.json"  # its absence is checkpoint.load's error
+        notes = self._resume_elsewhere(json.loads(saved.read_text()) if saved.is_file() else {})  # may refuse
         state = checkpoint.load(self.resume_path, self.actor.chunks, self.actor.optimizer)
         if self.critic is not None:
             checkpoint.load_part(self.resume_path / "critic", self.critic.chunks, self.critic.optimizer)
         self.step_index = state["step"]
         if self.rank == 0:
             say(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}")
+            for note in notes:
+                say(f"[moe-rl] WARNING: {note}")
+        dp, saved_dp = _data_parallel_size(), state.get("data_parallel_size", _data_parallel_size())
+        state["data_position"] = state["data_position"] * saved_dp // dp  # per rank: the global count is kept
         return state
+
+    def _resume_elsewhere(self, state: dict) -> list[str]:
+        """What changes when a checkpoint resumes under another world or data-parallel size (written by older
+        versions: not recorded, taken as the same). The model and optimizer reload in any layout; the replay buffer,
+        held per rank, does not."""
+        world, dp = dist.get_world_size(), _data_parallel_size()
+        saved_world, saved_dp = state.get("world_size", world), state.get("data_parallel_size", dp)
+        if (saved_world, saved_dp) == (world, dp):
+            return []
+        if self.cfg.buffer.enable:
+            from moe_rl.trainer.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"cannot resume {self.resume_path} with buffer.enable: its replay buffer is held per rank, written by "
+                f"{saved_world} ranks with {saved_dp} data-parallel, and this run has {world} with {dp}. Resume with "
+                "that layout, or start a fresh run (trainer.resume=off)"
+            )
+        notes = []
+        if saved_world != world:
+            notes.append(
+                f"{self.resume_path} was written by {saved_world} ranks, this run has {world}: each rank's RNG state "
+                "is not restored (the one its start-up seeding gave it stays)"
+            )
+        if saved_dp != dp:
+            p = self.cfg.data.prompts_per_step
+            notes.append(
+                f"{self.resume_path} was trained with {saved_dp} data-parallel ranks, this run has {dp}: each rank's "
+                f"prompt stream (its shard of the data, shuffled per rank) is another one, so the prompts from here "
+                f"on differ from an uninterrupted run's; a step now trains {p * dp} prompts (was {p * saved_dp}: "
+                "data.prompts_per_step is per data-parallel rank)"
+            )
+        return notes
 
     def save_checkpoint(self) -> Path:
         from moe_rl.trainer import checkpoint
@@ -278,6 +317,7 @@ class Trainer:
                 f"refusing to save step {self.step_index}: the actor's weights are not finite on some rank"
             )
         state = {"data_position": self.data_position, "wandb_run_id": self.logger.run_id, "model_path": self.model_path}
+        state |= {"world_size": dist.get_world_size(), "data_parallel_size": _data_parallel_size()}
         a, keep = self.actor, self.cfg.trainer.checkpoint_keep
         buffer = getattr(self.source, "buffer", None)
 
@@ -563,3 +603,9 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     finally:
         trainer.close()
     return history
+
+
+def _data_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()

@@ -5,11 +5,12 @@ never reach the loss, and the loop still learns the toy task."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ONE_ENGINE, run_job
+from tests.conftest import ONE_ENGINE, REPO, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -61,3 +62,11 @@ def test_a_resumed_run_draws_and_trains_as_the_uninterrupted_one(tmp_path):
         return {k: v for k, v in h.items() if not k.startswith(("time/", "memory/")) and k != "perf/tokens_per_s"}
 
     assert [kept(h) for h in resumed] == [kept(h) for h in straight[2:]]
+
+    # The buffer is held per rank: under another layout the resume stops before anything is loaded
+    two = [a.replace("--nproc-per-node=1", "--nproc-per-node=2") for a in cmd]
+    run = [*two, f"hydra.run.dir={tmp_path / 'two'}", f"trainer.resume={tmp_path}/split/checkpoints/step_000004"]
+    proc = subprocess.run([*run, "trainer.steps=5"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "its replay buffer is held per rank, written by 1 ranks" in out, out[-3000:]
+    assert not (tmp_path / "two" / "metrics.jsonl").exists()

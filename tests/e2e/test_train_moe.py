@@ -100,6 +100,18 @@ def test_overrides_r2_ep2_tis(tmp_path):
     assert "tis/capped_fraction" in history[0]
     assert 0.99 < history[-1]["router/agreement"] <= 1.0
 
+    # The same checkpoint on one rank: model and optimizer reshard; the per-rank RNG states stay behind, and each
+    # rank's data position (12 prompts on each of 2 data-parallel ranks) becomes the global count on the one rank.
+    one = tmp_path / "one_rank"
+    w1 = [a.replace("--nproc-per-node=2", "--nproc-per-node=1") for a in TRAIN]
+    out = run_job([*w1, f"hydra.run.dir={one}", f"trainer.resume={tmp_path}/checkpoints/step_000003", "trainer.steps=4",
+                   *overrides[1:]], timeout=600)  # fmt: skip
+    assert "written by 2 ranks, this run has 1: each rank's RNG state is not restored" in out, out[-3000:]
+    assert "a step now trains 4 prompts (was 8" in out
+    saved = json.loads((one / "checkpoints" / "step_000004" / "trainer.json").read_text())
+    assert (saved["step"], saved["data_position"], saved["world_size"], saved["data_parallel_size"]) == (4, 28, 1, 1)
+    assert abs(json.loads((one / "metrics.jsonl").read_text())["actor/first_minibatch_ppo_kl"]) < 1e-4
+
     import shutil
 
     shutil.rmtree(tmp_path / "checkpoints" / "step_000003" / "optimizer")
