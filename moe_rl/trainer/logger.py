@@ -21,16 +21,20 @@ def say(line: str) -> None:
 
 
 def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """One line per step; a quantity the step did not produce (no update under trainer.mode=rollout_only) is left
+    out rather than shown as nan."""
     times = " ".join(f"{k[5:]}={v:.1f}s" for k, v in metrics.items() if k.startswith("time/"))
-    turns = f"turns {metrics['multi_turn/turns_mean']:.2f} " if "multi_turn/turns_mean" in metrics else ""
-    return (
-        f"step {step}/{total} reward {metrics.get('reward/mean', float('nan')):.3f} "
-        f"len {metrics.get('response/length_mean', 0):.1f} {turns}"
-        f"kl(mu||pi_old) {metrics.get('mismatch/kl', float('nan')):.2e} "
-        f"clipfrac {metrics.get('actor/clipfrac', float('nan')):.3f} "
-        f"gnorm {metrics.get('actor/grad_norm', float('nan')):.3f} "
-        f"rss {metrics.get('memory/peak_rss_gib', float('nan')):.2f}G | {times}"
+    shown = (
+        ("reward", "reward/mean", ".3f"),
+        ("len", "response/length_mean", ".1f"),
+        ("turns", "multi_turn/turns_mean", ".2f"),
+        ("kl(mu||pi_old)", "mismatch/kl", ".2e"),
+        ("clipfrac", "actor/clipfrac", ".3f"),
+        ("gnorm", "actor/grad_norm", ".3f"),
     )
+    fields = " ".join(f"{name} {metrics[key]:{fmt}}" for name, key, fmt in shown if key in metrics)
+    rss = f" rss {metrics['memory/peak_rss_gib']:.2f}G" if "memory/peak_rss_gib" in metrics else ""
+    return f"step {step}/{total} {fields}{rss} | {times}"
 
 
 def val_line(step: int, metrics: dict[str, float]) -> str:

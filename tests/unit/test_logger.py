@@ -96,3 +96,15 @@ def test_the_run_header_names_the_model_layout_and_objective(tiny_models, tmp_pa
     assert f"{params / 1e6:,.1f}M parameters" in lines[1] and "(qwen3_moe)" in lines[1]
     assert "world 4 = DP 2 x TP 2 x PP 1 x CP 1, EP 2, ETP 1; 2 engine(s) of TP 1 in" in lines[2]
     assert "train: 30 steps x 4 prompts x 8 samples per DP rank; gspo + icepop, advantage grpo" in lines[3]
+
+
+def test_a_step_without_an_update_shows_no_nan():
+    """trainer.mode=rollout_only logs no actor metrics: the step line leaves clipfrac and gnorm out (it showed
+    `clipfrac nan gnorm nan`); a training step's line keeps its fields in their order."""
+    from moe_rl.trainer.logger import step_line
+
+    common = {"reward/mean": 0.2, "response/length_mean": 22.7, "mismatch/kl": 5.86e-08, "memory/peak_rss_gib": 0.64}
+    line = step_line(1, 2, common | {"time/rollout": 6.9})
+    assert line == "step 1/2 reward 0.200 len 22.7 kl(mu||pi_old) 5.86e-08 rss 0.64G | rollout=6.9s"
+    trained = step_line(1, 2, common | {"actor/clipfrac": 0.232, "actor/grad_norm": 3.113})
+    assert "kl(mu||pi_old) 5.86e-08 clipfrac 0.232 gnorm 3.113 rss 0.64G |" in trained
