@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 
 class StopFlag:
-    """SIGTERM/SIGUSR1 (Slurm preemption, torchrun shutdown) ask for a checkpoint at the next step
-    boundary; a second signal exits at once, and one more during that exit leaves without cleanup (never
-    raising inside it). Ranks agree on stopping with one all-reduce.
+    """SIGTERM/SIGUSR1 (Slurm preemption, torchrun shutdown) and SIGINT (Ctrl-C, which torchrun forwards to the
+    ranks) ask for a checkpoint at the next step boundary; a second signal exits at once, and one more during that
+    exit leaves without cleanup (never raising inside it). Ranks agree on stopping with one all-reduce.
 
     A repeat within `REPEAT_S` seconds is the same request, not a second one: under Slurm a rank
     gets the signal twice within milliseconds (`scancel --signal` reaches every process of the
@@ -30,7 +30,7 @@ class StopFlag:
         self.requested = False
         self.exiting = False
         self.first_at = 0.0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame):

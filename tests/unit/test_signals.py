@@ -43,6 +43,28 @@ def test_a_signal_during_the_exit_leaves_without_raising_inside_the_cleanup():
     assert "cleanup interrupted" not in out and "not stopped" not in out, out
 
 
+def test_ctrl_c_asks_for_a_checkpoint_like_a_preemption():
+    """SIGINT (Ctrl-C, forwarded by torchrun to the ranks) is a stop request, not a KeyboardInterrupt mid-step (a
+    2-rank run then died with two tracebacks and without a checkpoint); a second one exits."""
+    child = r"""
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from moe_rl.trainer.signals import StopFlag
+
+flag = StopFlag()
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.1)
+print("requested", flag.requested, flush=True)
+time.sleep(StopFlag.REPEAT_S + 0.1)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(1)
+"""
+    proc = subprocess.run([sys.executable, "-c", child, str(REPO)], capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert "requested True" in out and "KeyboardInterrupt" not in out, out
+    assert proc.returncode == 128 + 2 and "second SIGINT: exiting now" in out, out
+
+
 EXIT_CHILD = r"""
 import atexit, sys, threading, time
 sys.path.insert(0, sys.argv[1])
