@@ -273,8 +273,8 @@ class Trainer:
             say(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}")
             for note in notes:
                 say(f"[moe-rl] WARNING: {note}")
-        dp, saved_dp = _data_parallel_size(), state.get("data_parallel_size", _data_parallel_size())
-        state["data_position"] = state["data_position"] * saved_dp // dp  # per rank: the global count is kept
+        dp = _data_parallel_size()  # data_position counts per rank: keep the global count
+        state["data_position"] = state["data_position"] * state.get("data_parallel_size", dp) // dp
         return state
 
     def _resume_elsewhere(self, state: dict) -> list[str]:
