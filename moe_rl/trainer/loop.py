@@ -273,6 +273,11 @@ class Trainer:
             say(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}")
             for note in notes:
                 say(f"[moe-rl] WARNING: {note}")
+            if self.step_index >= self.cfg.trainer.steps:  # a requeued finished job, or trainer.steps lowered
+                say(
+                    f"[moe-rl] nothing to train: the checkpoint is at step {self.step_index} and trainer.steps="
+                    f"{self.cfg.trainer.steps} (raise trainer.steps to go on)"
+                )
         dp = _data_parallel_size()  # data_position counts per rank: keep the global count
         state["data_position"] = state["data_position"] * state.get("data_parallel_size", dp) // dp
         return state
