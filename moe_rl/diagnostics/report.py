@@ -43,7 +43,9 @@ SCHEMA_VERSION = 1
 
 
 def load_dumps(folder: str | Path, step: int | None = None, model_fingerprint: dict | None = None):
-    """Concatenate the rank files of the chosen step(s) (all steps by default).
+    """Concatenate the rank files of the chosen step(s) (all steps by default), each data-parallel rank's samples
+    once: the tensor-, pipeline- and context-parallel peers of a rank dump the same samples (files written before
+    `dp_rank` was recorded count as one data-parallel rank each). Every file's metadata is kept.
 
     Returns (tensors, metas, files); tensors are right-padded to one length. Raises DumpError
     for missing folders, malformed files, or files from different models (or not `model_fingerprint`).
@@ -56,16 +58,20 @@ def load_dumps(folder: str | Path, step: int | None = None, model_fingerprint: d
     files = [f for s in steps for f in sorted(s.glob("rank_*.safetensors"))]
     if not files:
         raise dump.DumpError(f"{folder}: the step folders hold no rank_*.safetensors files")
-    parts, metas = [], []
+    parts, metas, pooled, seen = [], [], [], set()
     for f in files:
         tensors, meta = dump.read(f)
         expected = model_fingerprint or (metas[0]["model"] if metas else meta["model"])
         if meta["model"] != expected:
             raise dump.DumpError(f"{f} is from another model: {meta['model']} (expected {expected})")
-        parts.append(tensors)
         metas.append(meta)
+        samples = (meta["step"], meta.get("dp_rank", meta["rank"]))
+        if samples not in seen:
+            seen.add(samples)
+            parts.append(tensors)
+            pooled.append(f)
     keys = set(parts[0])
-    for f, p in zip(files, parts, strict=True):
+    for f, p in zip(pooled, parts, strict=True):
         if set(p) != keys:
             raise dump.DumpError(f"{f} holds {sorted(p)}, {files[0]} holds {sorted(keys)}")
     return _concat(parts), metas, files

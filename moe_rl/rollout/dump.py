@@ -16,7 +16,8 @@ One safetensors file per rank and step, `<dir>/step_000003/rank_00001.safetensor
                                                  sampled tokens only)
   (log-prob entry t scores token t given tokens < t)
 
-Metadata (strings): `meta` = JSON with step, rank, world_size, model path, `model` fingerprint
+Metadata (strings): `meta` = JSON with step, rank, world_size, dp_rank (the data-parallel rank whose samples the
+file holds: its TP/PP/CP peers write the same ones), model path, `model` fingerprint
 (model_type, vocab_size, num_layers, moe_layers, num_experts, topk), actor/engine dtypes,
 router_replay mode, sampling.n and `replay_check` ({token_layers, mismatched}: router rows
 dispatched under replay before the update and how many went to other experts than replayed).
@@ -78,12 +79,16 @@ def write_rank(
     each sample ([B], trainer.max_staleness) and metadata (model_path, model fingerprint, actor/rollout
     dtypes, router_replay, n)."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    # TP/PP/CP peers dump the same samples: readers that pool ranks (moe-rl-diagnose offline) keep one per dp_rank
+    dp_rank = ps.get_data_parallel_rank() if ps.model_parallel_is_initialized() else rank
     meta = {
         "step": step,
         "rank": rank,
         "world_size": world,
+        "dp_rank": dp_rank,
         **meta,
         "replay_check": {"token_layers": replay_check[0], "mismatched": replay_check[1]},
     }

@@ -100,6 +100,11 @@ def test_tp2_pp2_and_cp2_learn_and_step_1_equals_one_rank(layout, one_rank, tmp_
     history = _train(tmp_path, 2, [layout, "trainer.steps=20", *(["trainer.dump_every=10"] if pp else [])])
     if pp:
         _assert_dumps_hold_every_layer(tmp_path / "dumps" / "step_000000")
+        # both stages dump data-parallel rank 0's 32 samples; moe-rl-diagnose offline pools them once (it counted 64)
+        from moe_rl.diagnostics.report import load_dumps
+
+        pooled, metas, _ = load_dumps(tmp_path / "dumps", step=0)
+        assert [m["dp_rank"] for m in metas] == [0, 0] and pooled["input_ids"].shape[0] == 32
         # training on those dumps under PP=2 (each stage keeps its layers' routes) repeats step 1's update
         again = _train(
             tmp_path / "from_dump",
