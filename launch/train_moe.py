@@ -6,6 +6,7 @@ Examples:
   torchrun --nproc-per-node=2 launch/train_moe.py algorithm=ppo_tis algorithm.loss.clip_high=0.28
   python launch/train_moe.py trainer.steps=3 logging.wandb.mode=disabled    # world of 1
   python launch/train_moe.py --help                                         # every key with its default
+  python launch/train_moe.py --keys rollout                                 # rollout.* with defaults and comments
 
 Defaults: the dataclasses of moe_rl/config.py; conf/ picks groups (algorithm=gspo_icepop | ppo_tis | grpo).
 """
@@ -31,6 +32,20 @@ def _refuse(error: Exception) -> None:
     else:  # torchrun stops the job at the first rank's exit: let rank 0 say it first
         time.sleep(10)
     raise SystemExit(2) from None
+
+
+def _print_keys(prefix: str) -> None:
+    """`--keys [prefix]`: every key under prefix with its default and its comment (the docstring under the field)."""
+    import textwrap
+
+    from moe_rl.config import describe_keys
+
+    rows = describe_keys(prefix)
+    if not rows:
+        raise SystemExit(f"--keys {prefix}: no key starts with {prefix!r} (try --keys without a prefix)")
+    for key, default, comment in rows:
+        print(f"{key} = {default!r}")
+        print(textwrap.fill(comment, width=110, initial_indent="    ", subsequent_indent="    "))
 
 
 def _check_command_line() -> None:
@@ -65,6 +80,9 @@ if __name__ == "__main__":
     from moe_rl.config import register_configs
     from moe_rl.trainer.signals import run_then_exit
 
+    if sys.argv[1:2] == ["--keys"]:
+        _print_keys(sys.argv[2] if len(sys.argv) > 2 else "")
+        raise SystemExit(0)
     register_configs()
     _check_command_line()
     run_then_exit(main)

@@ -94,6 +94,7 @@ class ActorConfig:
     lr: float = 3e-3
     """Adam learning rate (high for the tiny model; ~1e-6 for real models)."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay (0 = none, as verl's actor default)."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = no clipping)."""
     distributed_optimizer: bool = False
@@ -221,6 +222,7 @@ class ValConfig:
     temperature: float = 0.0
     """0 = greedy."""
     top_p: float = 1.0
+    """Nucleus sampling for validation (1 = off; used when temperature > 0)."""
     max_tokens: int | None = None
     """null = sampling.max_tokens."""
     seed: int = 0
@@ -236,6 +238,7 @@ class WandbConfig:
     mode: str = "offline"
     """online | offline (files under <run dir>/wandb, `wandb sync` later) | disabled."""
     project: str = "moe-rl"
+    """wandb project the run is logged to."""
     entity: str | None = None
     """Team or user; null = wandb's default."""
     name: str | None = None
@@ -243,6 +246,7 @@ class WandbConfig:
     group: str | None = None
     """Group runs (e.g. one sweep) in the UI."""
     tags: list[str] = field(default_factory=list)
+    """Run tags, e.g. logging.wandb.tags=[r3,gspo]."""
 
 
 @dataclass
@@ -716,6 +720,55 @@ def _schema_keys(node: Any, prefix: str = "") -> list[str]:
         if is_dataclass(value):
             keys += _schema_keys(value, key + ".")
     return keys
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """{field: the docstring under it} of a config dataclass (its comment: the one place a key is documented)."""
+    import ast
+    import inspect
+    import textwrap
+
+    out = {}
+    for klass in reversed(cls.__mro__[:-1]):  # a subclass's comment wins
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError):
+            continue
+        for node, after in zip(body, body[1:], strict=False):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                    out[node.target.id] = " ".join(str(after.value.value).split())
+    return out
+
+
+SLOTS = {g.replace("/", ".") for g in GROUPS}
+"""The dataclass-valued keys a group option fills (algorithm.loss, algorithm.correction)."""
+
+
+def describe_keys(prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(key, default, comment) of every settable key that starts with `prefix` (`rollout`, `algorithm.loss`, ...),
+    the settings of every registered loss and correction included (under algorithm.loss.* / algorithm.correction.*,
+    named by option). What `launch/train_moe.py --keys` prints."""
+
+    def walk(node: Any, at: str, label: str = "") -> list[tuple[str, Any, str]]:
+        rows, comments = [], field_comments(type(node))
+        for f in fields(node):
+            value = getattr(node, f.name)
+            if is_dataclass(value):
+                continue
+            rows.append((f"{at}{f.name}", value, label + comments.get(f.name, "")))
+        for f in fields(node):
+            value = getattr(node, f.name)
+            if is_dataclass(value) and f"{at}{f.name}" not in SLOTS:
+                rows += walk(value, f"{at}{f.name}.")
+        return rows
+
+    rows = walk(TrainConfig(), "")
+    for group, registry in GROUPS.items():
+        slot = group.replace("/", ".")
+        for name, cls in sorted(registry.configs().items()):
+            rows += walk(cls(), f"{slot}.", f"[{group}={name}] ")
+    return [r for r in rows if r[0].startswith(prefix)]
 
 
 def check_overrides(overrides: list[str]) -> None:

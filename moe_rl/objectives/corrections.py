@@ -141,7 +141,9 @@ class SeqMaskConfig:
     """Sequence rejection on the sequence ratio (algorithm/correction=seq-mask)."""
 
     low: float = 0.5
+    """Sequences whose ratio prod_t pi_old / mu is below this are dropped from the loss."""
     high: float = 2.0
+    """Sequences whose ratio is above this are dropped."""
 
 
 @dataclass
@@ -150,7 +152,9 @@ class GeoMaskConfig:
     a per-token band, hence much narrower than seq-mask's."""
 
     low: float = 0.999
+    """Sequences whose geometric-mean token ratio is below this are dropped from the loss."""
     high: float = 1.001
+    """Sequences whose geometric-mean token ratio is above this are dropped."""
 
 
 def _token_metrics(weights: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -162,7 +162,9 @@ class PPOConfig:
     """Token-level clipped PPO (algorithm/loss=ppo)."""
 
     clip_low: float = 0.2
+    """Token ratio clip below 1: the ratio is clipped at 1 - clip_low."""
     clip_high: float = 0.2
+    """Token ratio clip above 1: at 1 + clip_high (DAPO's clip-higher raises it, e.g. 0.28)."""
     dual_clip: float | None = 3.0
     """Bound the loss at -A * dual_clip for A < 0 (> 1; null = off); verl's clip_ratio_c."""
     agg: str = "token-mean"

@@ -222,6 +222,30 @@ def test_cli_help_shows_examples():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "router_replay" in out.stdout and "Powered by Hydra" in out.stdout
+    assert "torchrun --nproc-per-node=2 launch/train_moe.py parallel.tp=2" in out.stdout  # the examples
+    assert "launch/train_moe.py --keys [prefix]" in out.stdout
+
+
+def test_every_key_has_a_comment_and_keys_prints_it():
+    """The docstring under each field is the key's only documentation: none may be missing (loss and correction
+    settings included), and `--keys <prefix>` prints it with the default."""
+    from moe_rl.config import _schema_keys, describe_keys
+
+    rows, keys = describe_keys(), _schema_keys(TrainConfig())
+    leaves = {k for k in keys if not any(other.startswith(k + ".") for other in keys)}
+    described = {k for k, _, _ in rows}
+    assert leaves <= described and all(
+        k.startswith(("algorithm.loss.", "algorithm.correction.")) for k in described - leaves
+    )
+    assert [k for k, _, c in rows if not c.split("] ")[-1].strip()] == []
+    out = subprocess.run(
+        [sys.executable, "launch/train_moe.py", "--keys", "rollout.kv_cache"],
+        capture_output=True,
+        text=True,
+        cwd=Path(CONF).parent,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.startswith("rollout.kv_cache_gib = 1\n    "), out.stdout + out.stderr
 
 
 def test_group_free_advantage_accepts_one_sample_per_prompt():
