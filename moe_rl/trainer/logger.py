@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -45,14 +46,12 @@ def val_line(step: int, metrics: dict[str, float]) -> str:
     )
 
 
-def run_header(cfg, run_dir: Path, model_path: str, world: int) -> list[str]:
+def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> list[str]:
     """What this run is, said before the engines start: where it writes, the model, the layout, the objective."""
-    from moe_rl.actor.model import load_hf_config
     from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
     from moe_rl.routing.model_layout import moe_layout
 
     p, r, a = cfg.parallel, cfg.rollout, cfg.algorithm
-    hf_config = load_hf_config(model_path)
     moe = moe_layout(hf_config)
     params = model_parameters(model_path)
     source = f"{model_path} ({hf_config.model_type})" if cfg.model.path else f"built-in tiny {cfg.model.tiny_arch}"
@@ -80,11 +79,7 @@ def model_parameters(model_path: str) -> int:
     total = 0
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                n = 1
-                for d in st.get_slice(key).get_shape():
-                    n *= d
-                total += n
+            total += sum(math.prod(st.get_slice(key).get_shape()) for key in st.keys())  # noqa: SIM118
     return total
 
 

@@ -52,7 +52,8 @@ class Trainer:
         for note in notes if self.rank == 0 else []:
             say(f"[moe-rl] WARNING: {note}")
         self.model_path = cfg.model.path or self._tiny_model(run_dir)
-        check_divisibility(get_converter(load_hf_config(self.model_path)), cfg.parallel)  # before anything is built
+        hf_config = load_hf_config(self.model_path)
+        check_divisibility(get_converter(hf_config), cfg.parallel)  # before anything is built
         # Data and reward before the model and engines: a bad file fails in seconds.
         self._build_data()
         self.objective = Objective(cfg.algorithm, cfg.sampling.n)
@@ -69,7 +70,8 @@ class Trainer:
             )
         if not self.memory.resettable:
             notes.append("memory/peak_rss_gib is the process's lifetime peak (/proc/self/clear_refs is not writable)")
-        for line in run_header(cfg, run_dir, self.model_path, dist.get_world_size()) if self.rank == 0 else []:
+        world = dist.get_world_size()
+        for line in run_header(cfg, run_dir, self.model_path, hf_config, world) if self.rank == 0 else []:
             say(f"[moe-rl] {line}")
         for note in notes if self.rank == 0 else []:
             say(f"[moe-rl] {note}")

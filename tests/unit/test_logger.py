@@ -86,12 +86,13 @@ def test_the_run_header_names_the_model_layout_and_objective(tiny_models, tmp_pa
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
+    from moe_rl.actor.model import load_hf_config
     from moe_rl.trainer.logger import run_header
 
     path = str(tiny_models["qwen3_moe"])
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), {"parallel": {"tp": 2, "ep": 2}}))
     cfg.model.path = path
-    lines = run_header(cfg, tmp_path, path, world=4)
+    lines = run_header(cfg, tmp_path, path, load_hf_config(path), world=4)
     params = AutoModelForCausalLM.from_pretrained(path).num_parameters()
     assert f"{params / 1e6:,.1f}M parameters" in lines[1] and "(qwen3_moe)" in lines[1]
     assert "world 4 = DP 2 x TP 2 x PP 1 x CP 1, EP 2, ETP 1; 2 engine(s) of TP 1 in" in lines[2]
