@@ -19,6 +19,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 STEP = ["trainer.steps=1", "sampling.max_tokens=128", "actor.router_replay=r3", "actor.grad_clip=1e-6", ONE_ENGINE]
 KEYS = ("actor/grad_norm", "actor/ppo_kl", "mismatch/k3_kl", "reward/mean", "actor/clipfrac", "actor/entropy")
 REL_TOL = 1e-5
+# actor/ppo_kl is a mean of log pi_theta - log pi_old over tokens whose log-probs are ~1 in size: their fp32
+# rounding (~1e-7 each, and the packed and padded passes sum in different orders) bounds how closely it can agree,
+# whatever its own size (measured: 7.5e-8 apart at 6.7e-3 on an Intel AVX-512 machine, 1.1e-5 relative).
+ABS_TOL = {"actor/ppo_kl": 1e-6}
 
 
 def test_packed_step_equals_padded_step_and_ep2(tmp_path):
@@ -31,4 +35,5 @@ def test_packed_step_equals_padded_step_and_ep2(tmp_path):
     for run, name in ((packed, "packed"), (packed_ep, "packed ep=2")):
         assert run["response/length_mean"] == padded["response/length_mean"]  # the same samples
         for key in KEYS:
-            assert abs(run[key] - padded[key]) <= REL_TOL * abs(padded[key]), (name, key, run[key], padded[key])
+            tol = REL_TOL * abs(padded[key]) + ABS_TOL.get(key, 0.0)
+            assert abs(run[key] - padded[key]) <= tol, (name, key, run[key], padded[key])
