@@ -21,6 +21,30 @@ def say(line: str) -> None:
     logging.getLogger("moe_rl").info(line)
 
 
+# vLLM warnings about settings moe-rl makes on purpose for its CPU engines (eager mode, no Triton CPU backend, no
+# tcmalloc/iomp preload): on the console they read as problems, twice per engine. They stay in train_moe.log.
+CPU_ENGINE_NOTES = (
+    "Triton is installed, but doesn't include CPU backend",
+    "Triton is not installed. triton-cpu is expected",
+    "Model Runner V2 requires Triton",
+    "Enforce eager set, disabling torch.compile",
+    "Inductor compilation was disabled by user settings",
+    "libtcmalloc is not found in LD_PRELOAD",
+    "libiomp is not found in LD_PRELOAD",
+)
+
+
+class QuietCpuEngineNotes(logging.Filter):
+    """Console filter (conf/train_moe.yaml, hydra.job_logging): drops vLLM's CPU_ENGINE_NOTES; every other record,
+    vLLM's other warnings included, passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("vllm"):
+            return True
+        message = record.getMessage()
+        return not any(note in message for note in CPU_ENGINE_NOTES)
+
+
 def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     """One line per step; a quantity the step did not produce (no update under trainer.mode=rollout_only) is left
     out rather than shown as nan."""

@@ -109,3 +109,42 @@ def test_a_step_without_an_update_shows_no_nan():
     assert line == "step 1/2 reward 0.200 len 22.7 kl(mu||pi_old) 5.86e-08 rss 0.64G | rollout=6.9s"
     trained = step_line(1, 2, common | {"actor/clipfrac": 0.232, "actor/grad_norm": 3.113})
     assert "kl(mu||pi_old) 5.86e-08 clipfrac 0.232 gnorm 3.113 rss 0.64G |" in trained
+
+
+def test_the_console_leaves_out_vllms_notes_on_the_cpu_engines_deliberate_settings(tmp_path, capsys):
+    """conf/train_moe.yaml's job logging, as Hydra composes it: a vLLM warning about a setting moe-rl makes on purpose
+    (eager mode, no tcmalloc) reaches train_moe.log only; vLLM's other warnings and everyone else's reach both."""
+    import logging.config
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from moe_rl.config import register_configs
+
+    register_configs()
+    conf = str(Path(__file__).resolve().parents[2] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        hydra_cfg = compose(config_name="train_moe", return_hydra_config=True).hydra
+    job_logging = OmegaConf.to_container(hydra_cfg.job_logging, resolve=False)
+    job_logging["handlers"]["file"]["filename"] = str(tmp_path / "train_moe.log")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logging.config.dictConfig(job_logging)
+        logging.getLogger("vllm.v1.worker.cpu_worker").warning("libtcmalloc is not found in LD_PRELOAD. For best ...")
+        logging.getLogger("vllm.config.vllm").warning("Enforce eager set, disabling torch.compile, CUDAGraphs")
+        logging.getLogger("vllm.v1.core.kv_cache_utils").warning("KV cache is too small for max_model_len")
+        logging.getLogger("megatron.core").warning("a megatron warning")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+    finally:
+        for handler in root.handlers[:]:
+            handler.close()
+            root.removeHandler(handler)
+        root.handlers[:], root.level = saved[0], saved[1]
+    console = capsys.readouterr().out
+    assert "libtcmalloc" not in console and "Enforce eager" not in console
+    assert "KV cache is too small" in console and "a megatron warning" in console
+    log = (tmp_path / "train_moe.log").read_text()
+    assert all(m in log for m in ("libtcmalloc", "Enforce eager", "KV cache is too small", "a megatron warning"))
