@@ -132,12 +132,19 @@ def test_the_console_leaves_out_vllms_notes_on_the_cpu_engines_deliberate_settin
     saved = root.handlers[:], root.level
     try:
         logging.config.dictConfig(job_logging)
-        logging.getLogger("vllm.v1.worker.cpu_worker").warning("libtcmalloc is not found in LD_PRELOAD. For best ...")
-        logging.getLogger("vllm.config.vllm").warning("Enforce eager set, disabling torch.compile, CUDAGraphs")
-        logging.getLogger("vllm.v1.core.kv_cache_utils").warning("KV cache is too small for max_model_len")
-        logging.getLogger("megatron.core").warning("a megatron warning")
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        records = [
+            ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD. For best ..."),
+            ("vllm.config.vllm", "Enforce eager set, disabling torch.compile, CUDAGraphs"),
+            ("vllm.v1.core.kv_cache_utils", "KV cache is too small for max_model_len"),
+            ("megatron.core", "a megatron warning"),
+        ]
+        # straight to the root's handlers: a vLLM imported earlier in this process may have stopped its loggers'
+        # propagation (VLLM_CONFIGURE_LOGGING), which the launcher turns off
+        for name, msg in records:
+            record = logging.LogRecord(name, logging.WARNING, __file__, 0, msg, None, None)
+            for handler in root.handlers:
+                handler.handle(record)
+                handler.flush()
     finally:
         for handler in root.handlers[:]:
             handler.close()
