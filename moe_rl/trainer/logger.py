@@ -22,7 +22,7 @@ def say(line: str) -> None:
 
 
 # vLLM warnings about settings moe-rl makes on purpose for its CPU engines (eager mode, no Triton CPU backend, no
-# tcmalloc/iomp preload): on the console they read as problems, twice per engine. They stay in train_moe.log.
+# tcmalloc/iomp preload): on the console they read as problems, repeated for every engine. They stay in train_moe.log.
 CPU_ENGINE_NOTES = (
     "Triton is installed, but doesn't include CPU backend",
     "Triton is not installed. triton-cpu is expected",
