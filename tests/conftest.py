@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_torchrun
+
 REPO = Path(__file__).resolve().parents[1]
 # Multi-rank runs whose subject is not the engine layout share one engine (rollout.engines=1): it samples what an
 # engine per data-parallel rank samples (seeds and shards depend only on the step and the data-parallel rank;
@@ -86,13 +88,51 @@ def run_job(cmd: list[str], timeout: int = 600, env: dict | None = None) -> str:
 
     Output goes to a file, not a pipe, and the whole session is killed afterwards: a process
     orphaned by a crashed rank (e.g. a vLLM engine core) can neither hang the test nor linger.
+    A `python -m torch.distributed.run ...` command runs forked from this process's warm server
+    (tests/warm_torchrun.py) unless MOE_RL_TEST_WARM_LAUNCH=0.
     """
+    import tempfile
+
+    env = dict(_job_env(), **(env or {}))
+    if cmd[:3] == TORCHRUN and warm_torchrun.enabled():
+        with tempfile.NamedTemporaryFile(mode="w+") as log:
+            code = _warm_server().run(cmd[3:], REPO, env, log.name, timeout)
+            out = log.read()
+    else:
+        code, out = _run_in_session(cmd, env, timeout)
+    if code != 0:
+        status = "timed out" if code is None else f"failed ({code})"
+        pytest.fail(f"{' '.join(cmd)} {status}:\n{out[-10000:]}")
+    return out
+
+
+def _job_env() -> dict[str, str]:
+    # A world-1 fixture in this process set MASTER_ADDR/PORT; a child must pick its own port.
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    return dict(inherited, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
+
+
+_WARM: list[warm_torchrun.Server] = []
+
+
+def _warm_server() -> warm_torchrun.Server:
+    """This pytest process's warm torchrun server (tests/warm_torchrun.py), started at its first launch."""
+    import tempfile
+
+    if not _WARM:
+        _WARM.append(warm_torchrun.Server(_job_env(), Path(tempfile.mkdtemp(prefix="moe-rl-warm-"))))
+    return _WARM[0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for server in _WARM:
+        server.close()
+
+
+def _run_in_session(cmd: list[str], env: dict[str, str], timeout: int) -> tuple[int | None, str]:
     import signal
     import tempfile
 
-    # A world-1 fixture in this process set MASTER_ADDR/PORT; a child must pick its own port.
-    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env = dict(inherited, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0", **(env or {}))
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -106,16 +146,15 @@ def run_job(cmd: list[str], timeout: int = 600, env: dict | None = None) -> str:
                 pass
             proc.wait()
         log.seek(0)
-        out = log.read()
-    if code != 0:
-        status = "timed out" if code is None else f"failed ({code})"
-        pytest.fail(f"{' '.join(cmd)} {status}:\n{out[-10000:]}")
-    return out
+        return code, log.read()
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def torchrun(module: str, nproc: int, args: list[str], timeout: int = 600) -> str:
     """Run `torchrun --nproc-per-node=nproc -m module args`; returns its output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone", "-m", module]
+    cmd = [*TORCHRUN, f"--nproc-per-node={nproc}", "--standalone", "-m", module]
     return run_job([*cmd, *args], timeout=timeout)
 
 

@@ -79,13 +79,14 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
 
 
-def run_then_exit(main: Callable[[], object]) -> NoReturn:
+def run_then_exit(main: Callable[[], object], *, end: Callable[[int], object] = os._exit) -> NoReturn:
     """Run a rank's `main`, then end the process as Python would, less the interpreter's teardown.
 
     After the atexit handlers (wandb, logging, multiprocessing's children, the engine's cleanup) Python frees
     torch's, megatron's and vLLM's modules one by one: 3-5 s of CPU per process that end nothing the OS does not
     end. The exit status is main's: 0, or its SystemExit's code (Hydra exits 1 on an error). Other exceptions
-    (KeyboardInterrupt) take Python's own way out."""
+    (KeyboardInterrupt) take Python's own way out. `end` ends the process with the status (the test suite's
+    forked ranks hand it back to torch's multiprocessing instead)."""
     import atexit
     import threading
 
@@ -104,4 +105,4 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    end(code)
