@@ -6,8 +6,13 @@ in processes nobody waits for (`/usr/bin/time` misses those). This samples the j
 `torchrun --nproc-per-node=N launch/train_moe.py trainer.steps=S logging.wandb.mode=disabled`, run one after the
 other, and whether their step lines (up to the memory and timing fields) are identical.
 
+`--warm` compares a fresh torchrun with the test suite's warm launch instead (tests/warm_torchrun.py: the same
+torchrun with its agent and ranks forked from a process that imported torch, megatron-core and vLLM once; that
+process's own start is reported apart, since the suite pays it once per pytest process).
+
   python bench/launch_cpu.py                 # 2 ranks, 3 steps: engines forked (default) vs spawned
   python bench/launch_cpu.py --steps 1 --nproc 1
+  python bench/launch_cpu.py --warm          # fresh torchrun vs the tests' warm launch
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,29 +33,44 @@ REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"fork": [], "spawn": ["rollout.cpu_start_method=spawn"]}
 
 
-def sample(cmd: list[str], env: dict, log: Path) -> dict:
-    """Run `cmd`; CPU seconds per process of its tree (last sample), its wall time and its output."""
+def _watch(root: psutil.Process, running, with_root: bool = True) -> dict[int, tuple[float, str]]:
+    """CPU seconds and name of every process under `root` (and root itself), sampled every 0.2 s while running()."""
     seen: dict[int, tuple[float, str]] = {}
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        root = psutil.Process(proc.pid)
-        while proc.poll() is None:
+    while running():
+        try:
+            tree = [*([root] if with_root else []), *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            break
+        for p in tree:
             try:
-                tree = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                break
-            for p in tree:
-                try:
-                    with p.oneshot():
-                        cpu = p.cpu_times()
-                        seen[p.pid] = (cpu.user + cpu.system, p.name())
-                except psutil.Error:
-                    pass
-            time.sleep(0.2)
+                with p.oneshot():
+                    cpu = p.cpu_times()
+                    seen[p.pid] = (cpu.user + cpu.system, p.name())
+            except psutil.Error:
+                pass
+        time.sleep(0.2)
+    return seen
+
+
+def sample(cmd: list[str], env: dict, log: Path, warm=None) -> dict:
+    """Run `cmd` (or, given a warm server, its torchrun arguments through it); CPU seconds per process of its tree
+    (last sample), its wall time and its output."""
+    start = time.perf_counter()
+    if warm is None:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+            seen = _watch(psutil.Process(proc.pid), lambda: proc.poll() is None)
+        code = proc.returncode
+    else:  # the server's children only: the launch and what it starts, not the server's own imports
+        result: dict = {}
+        launch = threading.Thread(target=lambda: result.update(code=warm.run(cmd[3:], REPO, env, str(log), 900)))
+        launch.start()
+        seen = _watch(psutil.Process(warm.proc.pid), launch.is_alive, with_root=False)
+        launch.join()
+        code = result.get("code")
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}); log: {log}")
+    if code != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({code}); log: {log}")
     by_name: dict[str, float] = {}
     for cpu, name in seen.values():
         by_name[name] = by_name.get(name, 0.0) + cpu
@@ -62,23 +83,40 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
+    p.add_argument("--warm", action="store_true", help="fresh torchrun vs the test suite's warm launch")
     a = p.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
-    runs = {}
+    variants = {"warm": [], "fresh": []} if a.warm else VARIANTS
+    first, second = variants
+    runs, extra = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in VARIANTS.items():
+        for name, overrides in variants.items():
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
             cmd += ["launch/train_moe.py", f"trainer.steps={a.steps}", "logging.wandb.mode=disabled"]
             cmd += [f"hydra.run.dir={Path(tmp) / name}", *overrides, *a.extra]
             print(f"[bench] {name}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-            runs[name] = sample(cmd, env, Path(tmp) / f"{name}.log")
+            warm = None
+            if name == "warm":
+                sys.path.insert(0, str(REPO))
+                from tests.warm_torchrun import Server
+
+                t0 = time.perf_counter()
+                warm = Server(env, Path(tmp))
+                cpu = psutil.Process(warm.proc.pid).cpu_times()
+                extra = {"warm_server_start": {"wall_s": time.perf_counter() - t0, "cpu_s": cpu.user + cpu.system}}
+            try:
+                runs[name] = sample(cmd, env, Path(tmp) / f"{name}.log", warm)
+            finally:
+                if warm is not None:
+                    warm.close()
     steps = {name: r.pop("steps") for name, r in runs.items()}
     out = {
-        "cpu_ratio_fork_over_spawn": runs["fork"]["cpu_s"] / runs["spawn"]["cpu_s"],
-        "wall_ratio_fork_over_spawn": runs["fork"]["wall_s"] / runs["spawn"]["wall_s"],
+        f"cpu_ratio_{first}_over_{second}": runs[first]["cpu_s"] / runs[second]["cpu_s"],
+        f"wall_ratio_{first}_over_{second}": runs[first]["wall_s"] / runs[second]["wall_s"],
         "runs": runs,
-        "step_lines_identical": steps["fork"] == steps["spawn"] and len(steps["fork"]) == a.steps,
-        "config": {"steps": a.steps, "nproc": a.nproc, "extra": a.extra, "variants": VARIANTS},
+        **extra,
+        "step_lines_identical": steps[first] == steps[second] and len(steps[first]) == a.steps,
+        "config": {"steps": a.steps, "nproc": a.nproc, "extra": a.extra, "variants": variants},
     }
     print(json.dumps(out))
 

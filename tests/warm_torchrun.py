@@ -54,7 +54,11 @@ def enabled() -> bool:
 
 def _rank(*cmd_args: str) -> None:
     """A forked rank: run the script (or `-m module`) as `__main__`, as torchrun's `python -u ...` would."""
+    import torch.multiprocessing
+
     from moe_rl.trainer import signals as rank_signals
+
+    torch.multiprocessing._set_thread_name("python")  # the agent named its thread pt_elastic; a rank is "python"
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # the agent's handlers, inherited by the fork
         signal.signal(sig, signal.SIG_DFL)
