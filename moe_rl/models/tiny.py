@@ -283,7 +283,15 @@ def build_tiny_model(spec: TinySpec, out: str | Path) -> Path:
                 # mapping that drops it, or gates computed from the biased scores, must show.
                 b.copy_(0.1 * torch.randn_like(b))
     model = model.to(getattr(torch, spec.dtype))
-    model.save_pretrained(out, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar for one small shard is noise on the first screen of a run
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     if spec.mtp_layers:
         _append_mtp_layers(spec, vocab_size, out / "model.safetensors")
     tokenizer.save_pretrained(out)

@@ -14,6 +14,7 @@ after each rollout while the actor trains; the weight sync wakes the weights, sa
 
 from __future__ import annotations
 
+import glob
 import os
 import threading
 from contextlib import contextmanager, nullcontext
@@ -258,6 +259,8 @@ class RolloutEngine:
             logprobs_mode=cfg.logprobs_mode,
             enforce_eager=not torch.cuda.is_available(),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            # vLLM's bar over the checkpoint's files: progress for a many-file model, noise for one file
+            use_tqdm_on_load=len(glob.glob(os.path.join(cfg.model, "*.safetensors"))) > 1,
         )
         if cfg.topology == "tp_group":
             kwargs.update(

@@ -23,6 +23,11 @@ def _finish(r: Run, timeout: float = 600) -> int:
         r.kill_all()
 
 
+def _engine_starts(run_dir) -> int:
+    """vLLM's record of each engine's start in the run's train_moe.log (each launch in the folder appends to it)."""
+    return (run_dir / "train_moe.log").read_text().count("Initializing a V1 LLM engine")
+
+
 def test_truncated_checkpoint_is_named_then_the_older_one_resumes(tmp_path):
     run_dir = tmp_path / "run"
     first = Run(run_dir, 2, ["trainer.steps=2", "trainer.checkpoint_every=1"])
@@ -33,6 +38,8 @@ def test_truncated_checkpoint_is_named_then_the_older_one_resumes(tmp_path):
     with victim.open("r+b") as f:
         f.truncate(victim.stat().st_size // 2)
 
+    engine_starts = _engine_starts(run_dir)
+    assert engine_starts > 0  # the first run's engines, in the run's log
     t0 = time.time()
     resumed = Run(run_dir, 2, ["trainer.steps=3"])  # trainer.resume=auto
     # It ends by itself, before any model is built (no hang): 62 s was seen beside CI's lanes, so no tighter bound
@@ -41,7 +48,7 @@ def test_truncated_checkpoint_is_named_then_the_older_one_resumes(tmp_path):
     print(f"\ndamaged checkpoint refused in {time.time() - t0:.1f} s")
     assert code != 0
     assert str(victim) in out and "truncated" in out and f"trainer.resume={older}" in out, out[-4000:]
-    assert "Loading safetensors" not in out  # failed before any model or engine was built
+    assert _engine_starts(run_dir) == engine_starts  # failed before any engine was started
 
     again = Run(run_dir, 2, ["trainer.steps=3", f"trainer.resume={older}"])
     assert _finish(again) == 0, again.output()[-4000:]
