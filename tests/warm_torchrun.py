@@ -1,12 +1,13 @@
 """torchrun launches for the test suite from a process that has imported torch, megatron-core, vLLM and
 transformers once, so that a launch's agent and ranks are forked from it instead of importing them again.
 
-A 2-rank launch spent about 35 of its 60 CPU-seconds importing those libraries (docs/performance.md), and the
-suite starts about 60 launches on 2 cores. Here the launch is torch's own: `torch.distributed.run.main` parses
-the same command line, runs the same elastic agent, rendezvous and rank environment; only the agent and its ranks
-start as forks of this server (torch's `start_method=fork` for a function entrypoint, which then runs the script
-or module as `__main__`, as torchrun's fresh interpreter would). The real command line still runs where the
-subject is the process itself: the fault, Slurm and signal tests, `tests/e2e/test_train_moe.py`'s SIGTERM run.
+Imports are about half of a short launch's CPU time (a 2-rank, 3-step run: 46 CPU-s fresh, 26 forked from here;
+`python bench/launch_cpu.py --warm`, docs/performance.md), and the suite starts about 60 launches on 2 cores. Here
+the launch is torch's own: `torch.distributed.run.main` parses the same command line, runs the same elastic agent,
+rendezvous and rank environment; only the agent and its ranks start as forks of this server (torch's
+`start_method=fork` for a function entrypoint, which then runs the script or module as `__main__`, as torchrun's
+fresh interpreter would). The real command line still runs where the subject is the process itself: the fault, Slurm
+and signal tests, `tests/e2e/test_train_moe.py`'s SIGTERM run.
 
 `MOE_RL_TEST_WARM_LAUNCH=0` runs every launch through a fresh `python -m torch.distributed.run` instead.
 
@@ -174,12 +175,13 @@ class Server:
 
     def __init__(self, env: dict[str, str], workdir: Path):
         self.path = str(workdir / "warm_torchrun.sock")
+        self.log = open(workdir / "warm_torchrun.log", "w")  # noqa: SIM115 (open for the server's lifetime)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.warm_torchrun", "serve", self.path],
             cwd=Path(__file__).resolve().parents[1],
             env=env,
             stdout=subprocess.PIPE,
-            stderr=open(workdir / "warm_torchrun.log", "w"),  # noqa: SIM115 (the server's lifetime)
+            stderr=self.log,
             text=True,
         )
         line = self.proc.stdout.readline()
@@ -209,6 +211,7 @@ class Server:
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        self.log.close()
         if os.path.exists(self.path):
             os.unlink(self.path)
 

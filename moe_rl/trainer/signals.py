@@ -7,7 +7,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -79,7 +78,7 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
 
 
-def run_then_exit(main: Callable[[], object], *, end: Callable[[int], object] = os._exit) -> NoReturn:
+def run_then_exit(main: Callable[[], object], *, end: Callable[[int], object] = os._exit) -> None:
     """Run a rank's `main`, then end the process as Python would, less the interpreter's teardown.
 
     After the atexit handlers (wandb, logging, multiprocessing's children, the engine's cleanup) Python frees
