@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from tests import warm_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # a command starting so goes to the warm server
 # Multi-rank runs whose subject is not the engine layout share one engine (rollout.engines=1): it samples what an
 # engine per data-parallel rank samples (seeds and shards depend only on the step and the data-parallel rank;
 # same metrics, checked on the default 3-step run) and spares an engine's two processes, about a fifth of a short
@@ -91,8 +94,6 @@ def run_job(cmd: list[str], timeout: int = 600, env: dict | None = None) -> str:
     A `python -m torch.distributed.run ...` command runs forked from this process's warm server
     (tests/warm_torchrun.py) unless MOE_RL_TEST_WARM_LAUNCH=0.
     """
-    import tempfile
-
     env = dict(_job_env(), **(env or {}))
     if cmd[:3] == TORCHRUN and warm_torchrun.enabled():
         with tempfile.NamedTemporaryFile(mode="w+") as log:
@@ -117,8 +118,6 @@ _WARM: list[warm_torchrun.Server] = []
 
 def _warm_server() -> warm_torchrun.Server:
     """This pytest process's warm torchrun server (tests/warm_torchrun.py), started at its first launch."""
-    import tempfile
-
     if not _WARM:
         _WARM.append(warm_torchrun.Server(_job_env(), Path(tempfile.mkdtemp(prefix="moe-rl-warm-"))))
     return _WARM[0]
@@ -130,9 +129,6 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def _run_in_session(cmd: list[str], env: dict[str, str], timeout: int) -> tuple[int | None, str]:
-    import signal
-    import tempfile
-
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -147,9 +143,6 @@ def _run_in_session(cmd: list[str], env: dict[str, str], timeout: int) -> tuple[
             proc.wait()
         log.seek(0)
         return code, log.read()
-
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def torchrun(module: str, nproc: int, args: list[str], timeout: int = 600) -> str:

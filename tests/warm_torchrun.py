@@ -16,6 +16,7 @@ and signal tests, `tests/e2e/test_train_moe.py`'s SIGTERM run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import runpy
@@ -66,7 +67,7 @@ def _rank(*cmd_args: str) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # multiprocessing ends this process itself once torch's wrapper has reported the return value: the rank ends
     # as run_then_exit ends it (threads joined, atexit handlers run, output flushed), less the os._exit
-    rank_signals.run_then_exit.__kwdefaults__["end"] = _end_by_returning
+    rank_signals.run_then_exit = functools.partial(rank_signals.run_then_exit, end=_end_by_returning)
     args = [a for a in cmd_args if a != "-u"]
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]

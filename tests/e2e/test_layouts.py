@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import TORCHRUN, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 COMMON = ["logging.wandb.mode=disabled", "rollout.dtype=bfloat16", "trainer.checkpoint_every=0"]
 EXACT = ("reward/mean", "response/length_mean")  # same samples
 CLOSE = ("actor/grad_norm", "actor/entropy", "actor/clipfrac", "mismatch/kl", "mismatch/k3_kl")
