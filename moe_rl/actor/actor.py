@@ -31,9 +31,9 @@ def global_count(x: torch.Tensor) -> float:
 def _recording(loss_fn, seen: dict[str, torch.Tensor], logp: torch.Tensor, mb: dict):
     """`loss_fn(logp, mb)`, keeping this micro-batch's detached log-probs and entropy in `seen` ([B, T], rows
     `mb["sample"]`) for the step's metrics when no old-log-prob pass ran (algorithm.prox_logp=loglinear)."""
-    rows = mb["sample"]
-    seen["logprobs"][rows] = logp.detach().float()
-    seen["entropy"][rows] = mb["entropy"].detach().float()
+    rows = mb["sample"].cpu()
+    seen["logprobs"][rows] = logp.detach().float().cpu()
+    seen["entropy"][rows] = mb["entropy"].detach().float().cpu()
     return loss_fn(logp, mb)
 
 

@@ -232,6 +232,8 @@ def build_model(hf_config: Any, parallel: ParallelConfig, opts: ModelOptions | N
             rotary_base=conv.rope_theta,
             vp_stage=vp_stage,
         )
+        if torch.cuda.is_available():  # as megatron's get_model does: our own norms and routers are built on the host
+            model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks, conv
 

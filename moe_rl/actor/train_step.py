@@ -127,12 +127,17 @@ def train_minibatch(
             return output.sum() * 0.0, {}
         lp, ent = head(output, mb.input_ids, with_entropy=with_entropy)
         logp = mb.aligned(lp, t)  # entry t scores token t of each sample
-        extra_t = {k: v[:, :t] if v.dim() >= 2 and v.shape[1] >= t else v for k, v in mb.extra.items() if k != "routes"}
+        # the loss's tensors where the log-probs are (the batch stays on the host; routes go to the replay hooks)
+        extra_t = {
+            k: (v[:, :t] if v.dim() >= 2 and v.shape[1] >= t else v).to(logp.device)
+            for k, v in mb.extra.items()
+            if k != "routes"
+        }
         if ent is not None:
             extra_t["entropy"] = mb.aligned(ent, t)
         loss, metrics = loss_fn(logp, extra_t)
         losses.append(loss.detach())
-        mask = extra_t.get("loss_mask", torch.ones(len(mb.index), 1))
+        mask = extra_t.get("loss_mask", torch.ones(len(mb.index), 1, device=logp.device))
         weights = {TOKENS: mask.sum().detach(), SEQS: (mask.sum(-1) > 0).sum().detach()}
         # megatron's schedule divides each micro-batch loss by the number of micro-batches
         return loss * n_mb, {k: v.detach() for k, v in metrics.items()} | weights

@@ -1,6 +1,7 @@
 """CPU shims for megatron-core (0.16.x): the one place that reaches into its CUDA assumptions.
 
-Applied by `apply_cpu_shims()` only when CUDA is absent. Each shim names the megatron-core call
+Applied by `apply_cpu_shims()` only when CUDA is absent (but for the one fix a GPU without Transformer Engine
+needs too). Each shim names the megatron-core call
 that needs it; delete a shim when upstream stops needing it (re-run tests/distributed).
 """
 
@@ -79,12 +80,22 @@ def _cpu_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _te_general_gemm_without_te() -> None:
+    """moe_utils.router_gating_linear references `te_general_gemm`, which 0.16.x only defines when Transformer
+    Engine imports (NameError otherwise): on CPU, and on a GPU without TE (seen on an H200, 2026-11-27)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_shims() -> bool:
     """Patch megatron-core for CPU execution when CUDA is unavailable. Idempotent.
 
     Returns True when the shims are active.
     """
     global _APPLIED
+    _te_general_gemm_without_te()
     if torch.cuda.is_available():
         return False
     if _APPLIED:
@@ -104,13 +115,6 @@ def apply_cpu_shims() -> bool:
     # saves and restores the CUDA generator; the CPU generator is already saved beside it.
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
-
-    # moe_utils.router_gating_linear references `te_general_gemm`, which 0.16.x only defines
-    # when Transformer Engine imports (NameError otherwise).
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
     # pipeline_parallel.schedules allocates its token counter with a literal device="cuda", and
     # p2p_communication calls torch.cuda.synchronize(): give those two modules a `torch`
