@@ -57,6 +57,7 @@ def pytest_configure(config):
         "slow": "takes more than ~30 s",
         "faults": "fault injection (kill -9, damaged checkpoints)",
         "isolated": "looks at machine-wide processes, /dev/shm or sockets: launch/test.sh runs it alone",
+        "gpu": "needs CUDA (skipped without it; run on a GPU machine, docs/performance.md)",
     }.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     # megatron-core and vLLM deprecation chatter is not ours to fix.

@@ -1,4 +1,4 @@
-"""Fused GSPO kernel (Triton interpreter) vs its torch reference vs moe_rl.objectives (padded).
+"""Fused GSPO kernel (Triton interpreter, or CUDA) vs its torch reference vs moe_rl.objectives (padded).
 
 Imports the kernels from the source tree (`kernels.*`): the file runs where only torch and
 Triton are installed; the cross-check with moe_rl.objectives is skipped there."""
@@ -15,7 +15,7 @@ from kernels.gspo_loss import fused_gspo_loss, gspo_loss_reference
 pytestmark = pytest.mark.kernels
 
 
-def _packed(lens, scale, seed):
+def _packed(lens, scale, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     n = int(cu[-1])
@@ -24,7 +24,8 @@ def _packed(lens, scale, seed):
     roll = old + 0.7 * torch.randn(n, generator=g)
     mask = (torch.rand(n, generator=g) > 0.25).float()
     adv = torch.randn(len(lens), generator=g)
-    return _off_the_clip_edges(logp, old, mask, cu), old, roll, mask, adv, cu
+    tensors = _off_the_clip_edges(logp, old, mask, cu), old, roll, mask, adv, cu
+    return tuple(t.to(device) for t in tensors)
 
 
 def _off_the_clip_edges(logp, old, mask, cu, clip_low=3e-4, clip_high=4e-4, margin=1e-5):
@@ -51,10 +52,10 @@ def _rel(a, b):
 @pytest.mark.parametrize("lens", [[5, 1, 300, 0, 9], [1], [77, 3, 129]])
 @pytest.mark.parametrize("correction", ["none", "icepop", "tis"])
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
-def test_triton_equals_reference_values_grads_metrics(lens, correction, agg):
+def test_triton_equals_reference_values_grads_metrics(lens, correction, agg, device):
     seed = int(torch.randint(0, 2**31, ()).item())
     for scale in (1e-4, 0.05):  # mostly unclipped / mostly clipped
-        logp, old, roll, mask, adv, cu = _packed(lens, scale, seed)
+        logp, old, roll, mask, adv, cu = _packed(lens, scale, seed, device)
         a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
         kw = dict(correction=correction, agg=agg, horizon=max(lens))
         l1, m1 = fused_gspo_loss(a, old, adv, mask, cu, roll, use_triton=True, block=64, **kw)
@@ -75,13 +76,13 @@ def test_triton_equals_reference_values_grads_metrics(lens, correction, agg):
 @pytest.mark.parametrize("counts", ["local", "global"])
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
 @pytest.mark.parametrize("correction", ["none", "icepop", "tis", "weights"])
-def test_kernel_equals_padded_objectives(correction, agg, counts):
+def test_kernel_equals_padded_objectives(correction, agg, counts, device):
     """The packed kernel is a drop-in for moe_rl.objectives.gspo_loss on padded rows: same loss,
     gradient and metrics, with in-kernel IcePop/TIS or given token weights (sequence-level TIS
     here), and with the global token/sequence counts a DP/micro-batch split passes."""
     objectives = pytest.importorskip("moe_rl.objectives")
     lens = [6, 0, 13, 2]
-    logp, old, roll, mask, adv, cu = _packed(lens, 1e-3, seed=int(torch.randint(0, 2**31, ()).item()))
+    logp, old, roll, mask, adv, cu = _packed(lens, 1e-3, int(torch.randint(0, 2**31, ()).item()), device)
     t = max(lens)
 
     def pad(x):
@@ -112,10 +113,10 @@ def test_kernel_equals_padded_objectives(correction, agg, counts):
         assert torch.allclose(got_m[k], ref_m[k], rtol=1e-5, atol=1e-7), k
 
 
-def test_bad_inputs_are_refused():
-    logp, old, roll, mask, adv, cu = _packed([3, 4], 1e-3, 0)
+def test_bad_inputs_are_refused(device):
+    logp, old, roll, mask, adv, cu = _packed([3, 4], 1e-3, 0, device)
     with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at N=7"):
-        fused_gspo_loss(logp, old, adv, mask, torch.tensor([0, 3, 6]), roll)
+        fused_gspo_loss(logp, old, adv, mask, torch.tensor([0, 3, 6], device=device), roll)
     with pytest.raises(ValueError, match="one entry per sequence"):
         fused_gspo_loss(logp, old, adv[:1], mask, cu, roll)
     with pytest.raises(ValueError, match="needs rollout_logp"):

@@ -1,4 +1,4 @@
-"""Fused linear -> log-prob/entropy: Triton (interpreter) and chunked torch vs full logits."""
+"""Fused linear -> log-prob/entropy: Triton (interpreter, or CUDA) and chunked torch vs full logits."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("n,d,v", [(1, 45, 301), (37, 64, 300), (53, 33, 517)])
-def test_values_and_gradients_match_full_logits(backend, n, d, v):
+def test_values_and_gradients_match_full_logits(backend, n, d, v, device):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
-    h = torch.randn(n, d, generator=g)
-    w = torch.randn(v, d, generator=g) * 0.3
-    y = torch.randint(0, v, (n,), generator=g)
-    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    h = torch.randn(n, d, generator=g).to(device)
+    w = (torch.randn(v, d, generator=g) * 0.3).to(device)
+    y = torch.randint(0, v, (n,), generator=g).to(device)
+    g_lp, g_ent = torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)
     a, wa = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     b, wb = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     lp, ent = fused_linear_logprob(a, wa, y, backend=backend, chunk_tokens=7)
@@ -33,8 +33,9 @@ def test_values_and_gradients_match_full_logits(backend, n, d, v):
         assert _rel(got, ref) <= 1e-5
 
 
-def test_logprob_only_gradient_and_errors():
-    h, w, y = torch.randn(9, 32), torch.randn(100, 32), torch.randint(0, 100, (9,))
+def test_logprob_only_gradient_and_errors(device):
+    h, w = torch.randn(9, 32, device=device), torch.randn(100, 32, device=device)
+    y = torch.randint(0, 100, (9,), device=device)
     a = h.clone().requires_grad_(True)
     lp, _ = fused_linear_logprob(a, w, y, backend="triton")
     lp.sum().backward()
