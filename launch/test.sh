@@ -7,8 +7,8 @@
 # Without arguments the suite runs as two concurrent lanes and a tail, so that it fits CI's budget on 2 cores
 # (a multi-process run keeps about one core busy, the other waits on it):
 #   lane A  tests/e2e but the critic's, packing's, buffer's and bad inputs'  full training runs (torchrun with engines)
-#   lane B  tests/engine tests/kernels tests/unit tests/distributed   in-process engines, kernels, unit
-#           tests, the multi-process actor checks (no engines), then the critic's, packing's, replay
+#   lane B  tests/engine tests/kernels tests/unit tests/distributed tests/gpu   in-process engines, kernels, unit
+#           tests, the multi-process actor checks (no engines), the GPU tests (skipped without CUDA), then the critic's, packing's, replay
 #           buffer's and bad inputs' training runs (moved here so that the lanes take about as long)
 #   tail    tests marked `isolated` (tests/faults, tests/slurm and the engine-shutdown check): they count the
 #           processes, /dev/shm files and temp-folder sockets they see. Where namespaces can be made (root, as in
@@ -28,7 +28,7 @@ fi
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/moe-rl-tests.XXXXXX")"
 start=$SECONDS
 MOVED=(tests/e2e/test_critic.py tests/e2e/test_packing_runs.py tests/e2e/test_buffer.py tests/e2e/test_bad_inputs.py)  # e2e files that run in lane B
-LANE_B=(tests/engine tests/kernels tests/unit tests/distributed "${MOVED[@]}")
+LANE_B=(tests/engine tests/kernels tests/unit tests/distributed tests/gpu "${MOVED[@]}")
 "${PYTEST[@]}" -m "not isolated" --basetemp="$WORK/lane_b" "${LANE_B[@]}" >"$WORK/lane_b.log" 2>&1 &
 lane_b=$!
 TAIL=("${PYTEST[@]}" -m isolated tests/engine tests/faults tests/slurm)

@@ -18,7 +18,8 @@ joined): the synced gradient before each optimizer step ("grads", one dict per s
 parameters after the update ("params"), the mean grad norm ("grad_norm"), every metric of the
 update ("metrics") and the old-log-prob pass ("old": log-probs and entropy, at temperature 1
 and 0.7); DIR/initial.pt holds the weights before it. A variant with the fused kernels off is
-saved with the suffix "_unfused", a packed one with "_packed".
+saved with the suffix "_unfused", a packed one with "_packed", one with megatron's distributed optimizer (GPU:
+tests/gpu/test_distributed_optimizer.py) with "_distopt".
 
 A data-parallel rank takes, from each global mini-batch of 4 rows, its contiguous share, so
 that the union over ranks of local mini-batch i is global mini-batch i (rows 4i..4i+3).
@@ -100,8 +101,9 @@ def hf_tensors(actor, of_grad: bool = False) -> dict[str, torch.Tensor]:
     saved = [p.data for p in params]
     try:
         if of_grad:
-            for p in params:
-                p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+            for p in params:  # megatron's DDP (actor.distributed_optimizer) keeps them in main_grad
+                grad = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+                p.data = grad.to(p.dtype) if grad is not None else torch.zeros_like(p)
         return {k: v.clone() for k, v in export_hf_state_dict(actor.chunks, actor.conv).items()}
     finally:
         for p, d in zip(params, saved, strict=True):
@@ -109,7 +111,15 @@ def hf_tensors(actor, of_grad: bool = False) -> dict[str, torch.Tensor]:
 
 
 def run_variant(
-    model: str, layout: str, mbs: int, loss: str, batch: dict, out: Path, fused: bool = True, packing: bool = False
+    model: str,
+    layout: str,
+    mbs: int,
+    loss: str,
+    batch: dict,
+    out: Path,
+    fused: bool = True,
+    packing: bool = False,
+    distributed_optimizer: bool = False,
 ) -> str:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -151,6 +161,7 @@ def run_variant(
             fused_logprob=fused,
             packing=packing,
             max_tokens_per_micro_batch=PACK_TOKENS,
+            distributed_optimizer=distributed_optimizer,
         ),
     )
     actor = Actor(cfg, model, record_routes=False)
@@ -193,6 +204,7 @@ def run_variant(
     assert len(grads) == MINI_BATCHES, len(grads)
     params = hf_tensors(actor)
     name = f"w{world}_{layout}_mbs{mbs}_{loss}" + ("" if fused else "_unfused") + ("_packed" if packing else "")
+    name += "_distopt" if distributed_optimizer else ""
     if dist.get_rank() == 0:
         olds = {"logprobs": old["logprobs"], "entropy": old["entropy"], "logprobs_t0.7": hot["logprobs"]}
         olds["entropy_t0.7"] = hot["entropy"]
