@@ -1,13 +1,14 @@
 """Time the two fused kernels in kernels/ against their unfused torch references. Prints one JSON line.
 
 Imports only the kernels from this source tree (no moe_rl, megatron or vLLM), so it runs on a
-bare GPU machine with torch + Triton. On CUDA: Triton kernels, CUDA-event timing (warm-up, then
+bare GPU machine with torch + Triton. On CUDA: compiled kernels, CUDA-event timing (warm-up, then
 the median of --reps), bytes/s and FLOP/s against the H100 roofline (3 TB/s HBM, 990 TFLOP/s
 bf16 dense). On CPU: the torch backends at small sizes, wall-clock timing, roofline fields null.
 
   gspo_loss       fused_gspo_loss (IcePop, fp32, packed) vs gspo_loss_reference (autograd);
                   bytes model 28 B/token forward, 44 B/token forward + backward.
-  linear_logprob  fused_linear_logprob vs linear_logprob_reference (full [N, V] logits);
+  linear_logprob  fused_linear_logprob (its default, token-chunked torch backend; on CUDA also its
+                  Triton kernel, "triton") vs linear_logprob_reference (full [N, V] logits);
                   FLOPs 2NVD forward, 8NVD forward + backward (the backward recomputes the logits),
                   peak memory per variant, max |delta| vs the reference and vs fp64 on <= 1024 tokens.
 
@@ -211,7 +212,7 @@ def _fp64_logp(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch
 def bench_linear_logprob(
     n: int, v: int, d: int, dtype: torch.dtype, reps: int, warmup: int, budget_s: float, skip_ref: bool, cuda: bool
 ) -> dict:
-    """Fused (Triton on CUDA, token-chunked torch on CPU) vs full logits: time, FLOP/s, peak memory, |delta|."""
+    """Fused (token-chunked torch; on CUDA also Triton) vs full logits: time, FLOP/s, peak memory, |delta|."""
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
     h = torch.randn(n, d, device=device).to(dtype).requires_grad_(True)
@@ -220,12 +221,12 @@ def bench_linear_logprob(
     out: dict = {"N": n, "V": v, "D": d, "dtype": str(dtype).removeprefix("torch.")}
     k = min(n, TRUTH_TOKENS)
     truth_lp, truth_ent = _fp64_logp(h.detach()[:k], w.detach(), y[:k])
-    fwd_flops, bwd_flops = 2 * n * v * d, {"fused": 6 * n * v * d, "reference": 4 * n * v * d}
-    backend = "triton" if cuda else "torch"
-    variants = {
-        "fused": lambda: fused_linear_logprob(h, w, y, backend=backend),
-        "reference": lambda: linear_logprob_reference(h, w, y),
-    }
+    fwd_flops = 2 * n * v * d
+    bwd_flops = {"fused": 6 * n * v * d, "triton": 6 * n * v * d, "reference": 4 * n * v * d}
+    variants = {"fused": lambda: fused_linear_logprob(h, w, y)}  # the default: token-chunked torch backend
+    if cuda:  # the Triton kernel beside it
+        variants["triton"] = lambda: fused_linear_logprob(h, w, y, backend="triton")
+    variants["reference"] = lambda: linear_logprob_reference(h, w, y)
     results: dict[str, torch.Tensor] = {}
     for name, fn in variants.items():
         if name == "reference" and skip_ref:
@@ -271,10 +272,10 @@ def bench_linear_logprob(
         if name == "fused":
             out |= r
         else:
-            out["reference"] = r
+            out[name] = r
     out["truth_tokens"] = k
     out["flops_note"] = "fused bwd recomputes logits (6NVD); reference bwd reuses them (4NVD)"
-    if len(results) == 2:
+    if "fused" in results and "reference" in results:
         f, r = results["fused"], results["reference"]
         out["max_abs_delta_logp"] = _max_abs(f["lp"], r["lp"])
         out["max_abs_delta_entropy"] = _max_abs(f["ent"], r["ent"])
@@ -284,6 +285,11 @@ def bench_linear_logprob(
         out["speedup_fwd_bwd"] = out["reference"]["seconds_fwd_bwd"] / out["seconds_fwd_bwd"]
         if cuda:
             out["memory_ratio"] = out["peak_extra_bytes"] / out["reference"]["peak_extra_bytes"]
+            if "triton" in results:
+                t = out["triton"]
+                t["speedup_fwd_bwd_vs_fused"] = out["seconds_fwd_bwd"] / t["seconds_fwd_bwd"]
+                t["max_abs_delta_logp"] = _max_abs(results["triton"]["lp"], r["lp"])
+                t["max_rel_delta_dweight"] = _max_rel(results["triton"]["dw"], r["dw"])
     return out
 
 

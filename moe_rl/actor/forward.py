@@ -190,8 +190,8 @@ class LogprobHead:
     """Scores targets from the model output: per-token log-probs (and entropy).
 
     fused=False: the output is `[b, s, V/TP]` logits (`vocab_parallel_logprobs`).
-    fused=True (or a kernel backend, "triton" | "torch"; True picks Triton on CUDA and the
-    token-chunked torch backend otherwise): while the head is entered, the last stage's output layer returns its input
+    fused=True (or a kernel backend, "torch" | "triton"; True is the token-chunked torch backend, the faster one on
+    GPU too): while the head is entered, the last stage's output layer returns its input
     hidden states (gathered over sequence parallel) instead of logits and records the weight it
     would have used (its own, or the tied embedding); `moe_rl.kernels.linear_logprob` then
     computes log-probs block by block, so the `[tokens, vocab]` logits never exist whole.
@@ -252,7 +252,7 @@ class LogprobHead:
             h = h / temperature
         b, s, d = h.shape
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
-        backend = self.fused if isinstance(self.fused, str) else ("triton" if h.is_cuda else "torch")
+        backend = self.fused if isinstance(self.fused, str) else "torch"
         lp, ent = fused_linear_logprob(
             h.reshape(b * s, d), self._weight, targets.reshape(-1), group=group, backend=backend
         )
