@@ -9,7 +9,7 @@ accumulates dh = G W and dW = G^T h with
 
 Two backends with one interface. The torch backend (the default) chunks over tokens, so peak memory is
 chunk x V, and its matmuls are the device's own (cuBLAS on GPU). The Triton backend (CUDA, or the
-interpreter on CPU) tiles tokens x vocab x hidden and accumulates the logits in fp32; on an H200 it took 6.8x
+interpreter on CPU) tiles tokens x vocab x hidden and accumulates the logits in fp32; on an H200 it took 9.3x
 the torch backend's time for forward + backward at Qwen3's vocabulary (docs/performance.md), its backward
 being bound by fp32 atomics.
 Vocab parallel: pass `group` (a torch.distributed group whose ranks hold consecutive vocab

@@ -99,7 +99,9 @@ class ActorConfig:
     """Max global gradient norm (0 = no clipping)."""
     distributed_optimizer: bool = False
     """GPU: megatron's DDP gradient buffers and distributed optimizer (`get_megatron_optimizer`; Adam states
-    sharded over the data-parallel ranks). Not yet run on a GPU. CPU: refused (gloo, explicit gradient sums)."""
+    sharded over the data-parallel ranks). Ran on one H200 at data-parallel size 1, where its update equals the
+    CPU-path optimizer's (tests/gpu); sharding over several GPUs has not run. CPU: refused (gloo, explicit
+    gradient sums)."""
     mini_batches: int = 2
     """Optimizer steps per rollout batch (pi_theta drifts from pi_old after the first); >= 1."""
     micro_batch_size: int = 8
@@ -118,9 +120,9 @@ class ActorConfig:
     for load balance changes routing, hence the policy, for no reward reason (the bias is in every
     weight sync either way)."""
     fused_logprob: bool = True
-    """Log-probs (and entropy) straight from the last hidden states with the fused linear -> log-prob kernel
-    (kernels/linear_logprob.py), vocab-parallel under TP: the [tokens, vocab] logits are never held whole.
-    false: full logits + log-softmax."""
+    """Log-probs (and entropy) straight from the last hidden states with the fused linear -> log-prob op
+    (kernels/linear_logprob.py, token chunks of at most 256 MiB of logits on CPU, 1 GiB on GPU), vocab-parallel
+    under TP: the [tokens, vocab] logits are never held whole. false: full logits + log-softmax."""
 
 
 @dataclass
