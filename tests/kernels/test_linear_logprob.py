@@ -33,7 +33,7 @@ def test_values_and_gradients_match_full_logits(backend, n, d, v, device):
         assert _rel(got, ref) <= 1e-5
 
 
-def test_logprob_only_gradient_and_errors(device):
+def test_logprob_only_gradient_and_errors(device, monkeypatch):
     h, w = torch.randn(9, 32, device=device), torch.randn(100, 32, device=device)
     y = torch.randint(0, 100, (9,), device=device)
     a = h.clone().requires_grad_(True)
@@ -46,6 +46,12 @@ def test_logprob_only_gradient_and_errors(device):
         fused_linear_logprob(h, w[:, :5], y)
     with pytest.raises(ValueError, match="targets"):
         fused_linear_logprob(h, w, y[:3])
+    with pytest.raises(ValueError, match="backend='cuda': choose torch or triton"):
+        fused_linear_logprob(h, w, y, backend="cuda")
+    if device.type == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="backend='triton' needs Triton and CUDA tensors"):
+            fused_linear_logprob(h, w, y, backend="triton")
 
 
 @pytest.mark.distributed
