@@ -23,6 +23,7 @@ from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
 from moe_rl.actor.optimizer import is_expert
 from moe_rl.actor.packing import PackPlan
 from moe_rl.actor.parallel import global_mean
+from moe_rl.weight_sync import buckets
 
 
 def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
@@ -38,25 +39,51 @@ def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
 
 
 def sync_gradients(chunks: list[torch.nn.Module]) -> None:
-    """Sum gradients like megatron DDP + finalize_model_grads (losses are pre-scaled by the global count)."""
+    """Sum gradients like megatron DDP + finalize_model_grads (losses are pre-scaled by the global count): the
+    TP reductions first, then data-parallel, each as one all-reduce per group and dtype over flat buckets of at
+    most SYNC_BUCKET_BYTES (DDP's buckets). One gloo all-reduce per tensor cost about 8x as much on the tiny
+    models (latency, not bytes: docs/performance.md); elementwise, the sums are the same."""
     from megatron.core import parallel_state as ps
 
-    tp_group = ps.get_tensor_model_parallel_group()
     tp = ps.get_tensor_model_parallel_world_size()
-    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-    edp_group = ps.get_expert_data_parallel_group()
+    sets: dict[str, list[torch.Tensor]] = {"tp_sum": [], "tp_mean": [], "dp": [], "edp": []}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             how = _tp_reduction(name, p) if tp > 1 else None
             if how is not None:
-                dist.all_reduce(p.grad, group=tp_group)
-                if how == "mean":
-                    p.grad /= tp
-            group = edp_group if is_expert(name) else dp_group
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(p.grad, group=group)
+                sets[f"tp_{how}"].append(p.grad)
+            sets["edp" if is_expert(name) else "dp"].append(p.grad)
+    groups = {
+        "tp_sum": ps.get_tensor_model_parallel_group(),
+        "tp_mean": ps.get_tensor_model_parallel_group(),
+        "dp": ps.get_data_parallel_group(with_context_parallel=True),
+        "edp": ps.get_expert_data_parallel_group(),
+    }
+    for key, grads in sets.items():  # dict order: every TP reduction before the data-parallel ones
+        if grads and dist.get_world_size(groups[key]) > 1:
+            _all_reduce_flat(grads, groups[key], divide=tp if key == "tp_mean" else 1)
+
+
+SYNC_BUCKET_BYTES = 64 * 2**20
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group, divide: int = 1) -> None:
+    """Sum `tensors` in place over `group` (then divide by `divide`), one all-reduce per bucket of one dtype."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        for bucket in buckets(same, SYNC_BUCKET_BYTES, lambda t: t.numel() * t.element_size()):
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            if divide != 1:
+                flat /= divide
+            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                t.copy_(synced)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

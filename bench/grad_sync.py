@@ -1,0 +1,110 @@
+"""The CPU path's gradient sync (train_step.sync_gradients: one gloo all-reduce per flat bucket of one dtype) vs one
+all-reduce per gradient tensor (the path before 2026-11-27), on the default job's tiny model, printed as JSON.
+
+Runs `torchrun --nproc-per-node=N` on itself with the given layout, gives every parameter a random gradient (each
+rank its own), and times both ways over the same tensors (best of --repeats); reports whether they leave bitwise
+equal gradients.
+
+  python bench/grad_sync.py                             # data parallel on 2 ranks
+  python bench/grad_sync.py --layout parallel.ep=2      # experts over the expert-data-parallel group
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child(a) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.actor.model import load_model
+    from moe_rl.actor.optimizer import is_expert
+    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.train_step import sync_gradients
+
+    layout = {}
+    if a.layout:
+        key, value = a.layout.split("=")
+        layout[key.removeprefix("parallel.")] = int(value)
+    init_distributed(ParallelConfig(**layout))
+    m = load_model(a.model, ParallelConfig(**layout))
+    params = [(n, p) for c in m.chunks for n, p in c.named_parameters()]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    grads = [torch.randn(p.shape, generator=g).to(p.dtype) for _, p in params]
+
+    def per_tensor():  # the previous sync (no TP here: one group per parameter)
+        for (name, p), grad in zip(params, grads, strict=True):
+            p.grad = grad.clone()
+            group = ps.get_expert_data_parallel_group() if is_expert(name) else ps.get_data_parallel_group()
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+
+    def flat():
+        for (_, p), grad in zip(params, grads, strict=True):
+            p.grad = grad.clone()
+        sync_gradients(m.chunks)
+
+    seconds, results = {}, {}
+    for name, fn in (("per_tensor", per_tensor), ("flat", flat)) * 2:  # interleaved, best of both rounds
+        for _ in range(a.repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            seconds[name] = min(seconds.get(name, float("inf")), time.perf_counter() - t0)
+        results[name] = [p.grad.clone() for _, p in params]
+    t = torch.tensor([seconds["per_tensor"], seconds["flat"]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    equal = all(torch.equal(x, y) for x, y in zip(results["per_tensor"], results["flat"], strict=True))
+    if dist.get_rank() == 0:
+        out = {
+            "layout": a.layout or "data parallel",
+            "world": dist.get_world_size(),
+            "tensors": len(params),
+            "gradient_bytes": sum(p.numel() * p.element_size() for _, p in params),
+            "seconds": {"per_tensor": t[0].item(), "flat": t[1].item()},
+            "speedup": t[0].item() / t[1].item(),
+            "bitwise_equal": equal,
+        }
+        Path(a.out).write_text(json.dumps(out))
+    dist.barrier()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--layout", default="", help="one parallel.<key>=<size> override (default: data parallel only)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        return child(a)
+    from moe_rl.models.tiny import TinySpec, build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="moe-rl-bench-") as tmp:
+        model = build_tiny_model(TinySpec(), Path(tmp) / "model")  # the default job's model
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
+        cmd += [__file__, "--child", "--model", str(model), "--out", str(out), f"--layout={a.layout}"]
+        cmd += ["--repeats", str(a.repeats)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode or not out.exists():
+            sys.exit(f"benchmark failed:\n{(proc.stdout + proc.stderr)[-5000:]}")
+        print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()
