@@ -20,25 +20,25 @@ def test_advantage_prioritized_buffer_learns_and_never_trains_zero_variance_grou
     cmd += [
         f"hydra.run.dir={tmp_path}",
         "logging.wandb.mode=disabled",
-        "trainer.steps=30",
+        "trainer.steps=20",
         "trainer.checkpoint_every=0",
         ONE_ENGINE,
     ]
     cmd += ["buffer.enable=true", "buffer.priority=advantage", "buffer.filter_zero_variance=true"]
     run_job(cmd, timeout=1200)
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history] == list(range(1, 31))
+    assert [h["step"] for h in history] == list(range(1, 21))
     assert all(h["buffer/zero_variance_trained"] == 0 for h in history)
     assert all(h["reward/zero_variance_groups"] == 0 for h in history)  # the trained batch's own count agrees
     replayed = [h["buffer/replay_ratio"] for h in history]
-    assert replayed[0] == 0 and sum(r > 0 for r in replayed) >= 15, replayed
+    assert replayed[0] == 0 and sum(r > 0 for r in replayed) >= 10, replayed
     assert max(h["staleness/max"] for h in history) <= 4  # buffer.max_age (default 4) bounds replayed samples
     assert all(h["buffer/size"] <= 64 for h in history)  # buffer.capacity
     first = sum(h["reward/mean"] for h in history[:5]) / 5
     last = sum(h["reward/mean"] for h in history[-5:]) / 5
     print(f"\nbuffer (advantage priority): mean reward first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert last >= 2 * first
-    assert (tmp_path / "checkpoints" / "step_000030" / "buffer" / "rank_00001.safetensors").is_file()
+    assert (tmp_path / "checkpoints" / "step_000020" / "buffer" / "rank_00001.safetensors").is_file()
 
 
 def test_a_resumed_run_draws_and_trains_as_the_uninterrupted_one(tmp_path):

@@ -38,7 +38,7 @@ def _train(run_dir: Path, overrides: list[str], nproc: int = 2) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> list[dict]:
-    return _train(tmp_path_factory.mktemp("straight"), ["trainer.steps=30", "trainer.checkpoint_every=0"])
+    return _train(tmp_path_factory.mktemp("straight"), ["trainer.steps=20", "trainer.checkpoint_every=0"])
 
 
 def _mean(values: list[float]) -> float:
@@ -48,7 +48,7 @@ def _mean(values: list[float]) -> float:
 
 def test_ppo_with_a_critic_learns_and_the_critic_explains_more(straight):
     history = straight
-    assert [h["step"] for h in history] == list(range(1, 31))
+    assert [h["step"] for h in history] == list(range(1, 21))
     assert all(k in h for h in history for k in CRITIC_KEYS), sorted(history[0])
     assert all(h["critic/replay_mismatches"] == 0 and h["critic/router_agreement"] == 1.0 for h in history)
     first = sum(h["reward/mean"] for h in history[:5]) / 5

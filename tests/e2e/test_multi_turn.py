@@ -41,13 +41,13 @@ def _check_dumps(run_dir: Path, steps: int, exact_steps: int = 2) -> None:
 
 
 def test_toy_multi_turn_learns_with_routes_stitched_exactly(tmp_path):
-    """20 steps of the toy multi-turn task, fp32: every trajectory takes 3 turns, the reward doubles, the replay
+    """16 steps of the toy multi-turn task, fp32: every trajectory takes 3 turns, the reward doubles, the replay
     check finds nothing, and the stitched routes equal the actor's on every position (dumps of each step)."""
     history = _train(
         tmp_path,
-        ["trainer.steps=20", "trainer.dump_every=1", "rollout.multi_turn.env=toy", *MULTI_TURN],
+        ["trainer.steps=16", "trainer.dump_every=1", "rollout.multi_turn.env=toy", *MULTI_TURN],
     )
-    assert len(history) == 20
+    assert len(history) == 16
     first = sum(h["reward/mean"] for h in history[:5]) / 5
     last = sum(h["reward/mean"] for h in history[-5:]) / 5
     print(f"\nmean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
@@ -59,7 +59,7 @@ def test_toy_multi_turn_learns_with_routes_stitched_exactly(tmp_path):
         assert h["routes/recomputed_disagreement"] == 0.0
         assert h["router/replay_mismatches"] == 0.0 and h["router/replay_checked"] > 0
         assert h["multi_turn/ended_env_error"] == h["multi_turn/ended_context_limit"] == 0
-    _check_dumps(tmp_path, 20)
+    _check_dumps(tmp_path, 16)
 
 
 @pytest.mark.parametrize("env", ["math_retry", "calculator"])
