@@ -87,12 +87,17 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group, divide: int = 1) -> Non
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True when every tensor is finite on every rank (one all-reduce over the world)."""
-    bad = torch.zeros((), dtype=torch.float32)
+    """True when every tensor is finite on every rank (one all-reduce over the world). One fused check per device
+    and dtype (the op GradScaler and megatron's found_inf use, scaling by exactly 1): a check per tensor cost 6.6 ms
+    for the tiny model's 95 gradients on CPU (0.4 ms fused), and on a GPU it would wait for the device per tensor."""
+    bad = torch.zeros(1, dtype=torch.float32)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for x in tensors:
-        if not torch.isfinite(x).all():
-            bad.fill_(1.0)
-            break
+        by_kind.setdefault((x.device, x.dtype), []).append(x.detach())
+    for (device, _), same in by_kind.items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(same, found, torch.ones(1, device=device))
+        bad = torch.maximum(bad, found.cpu())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bool(bad)
