@@ -41,7 +41,7 @@ def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
 def sync_gradients(chunks: list[torch.nn.Module]) -> None:
     """Sum gradients like megatron DDP + finalize_model_grads (losses are pre-scaled by the global count): the
     TP reductions first, then data-parallel, each as one all-reduce per group and dtype over flat buckets of at
-    most SYNC_BUCKET_BYTES (DDP's buckets). One gloo all-reduce per tensor cost about 8x as much on the tiny
+    most SYNC_BUCKET_BYTES (DDP's buckets). One gloo all-reduce per tensor cost 6.6x as much on the tiny
     models (latency, not bytes: docs/performance.md); elementwise, the sums are the same."""
     from megatron.core import parallel_state as ps
 
@@ -89,7 +89,7 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group, divide: int = 1) -> Non
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """True when every tensor is finite on every rank (one all-reduce over the world). One fused check per device
     and dtype (the op GradScaler and megatron's found_inf use, scaling by exactly 1): a check per tensor cost 6.6 ms
-    for the tiny model's 95 gradients on CPU (0.4 ms fused), and on a GPU it would wait for the device per tensor."""
+    for the tiny model's 95 gradients on CPU (0.5 ms fused), and on a GPU it would wait for the device per tensor."""
     bad = torch.zeros(1, dtype=torch.float32)
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for x in tensors:
