@@ -46,7 +46,8 @@ def child(a) -> None:
     def per_tensor():  # the previous sync (no TP here: one group per parameter)
         for (name, p), grad in zip(params, grads, strict=True):
             p.grad = grad.clone()
-            group = ps.get_expert_data_parallel_group() if is_expert(name) else ps.get_data_parallel_group()
+            dp = ps.get_data_parallel_group(with_context_parallel=True)
+            group = ps.get_expert_data_parallel_group() if is_expert(name) else dp
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
 
