@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from ranks import parallel_config, run_on_ranks
 
 
 def child(a) -> None:
@@ -30,15 +26,11 @@ def child(a) -> None:
 
     from moe_rl.actor.model import load_model
     from moe_rl.actor.optimizer import is_expert
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.parallel import init_distributed
     from moe_rl.actor.train_step import sync_gradients
 
-    layout = {}
-    if a.layout:
-        key, value = a.layout.split("=")
-        layout[key.removeprefix("parallel.")] = int(value)
-    init_distributed(ParallelConfig(**layout))
-    m = load_model(a.model, ParallelConfig(**layout))
+    init_distributed(parallel_config(a.layout))
+    m = load_model(a.model, parallel_config(a.layout))
     params = [(n, p) for c in m.chunks for n, p in c.named_parameters()]
     g = torch.Generator().manual_seed(dist.get_rank())
     grads = [torch.randn(p.shape, generator=g).to(p.dtype) for _, p in params]
@@ -92,19 +84,7 @@ def main() -> None:
     a = p.parse_args()
     if a.child:
         return child(a)
-    from moe_rl.models.tiny import TinySpec, build_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="moe-rl-bench-") as tmp:
-        model = build_tiny_model(TinySpec(), Path(tmp) / "model")  # the default job's model
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
-        cmd += [__file__, "--child", "--model", str(model), "--out", str(out), f"--layout={a.layout}"]
-        cmd += ["--repeats", str(a.repeats)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if proc.returncode or not out.exists():
-            sys.exit(f"benchmark failed:\n{(proc.stdout + proc.stderr)[-5000:]}")
-        print(out.read_text())
+    print(run_on_ranks(__file__, a.nproc, {}, [f"--layout={a.layout}", "--repeats", str(a.repeats)]))  # default model
 
 
 if __name__ == "__main__":

@@ -27,13 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from ranks import parallel_config, run_on_ranks
 
 
 def spec(a) -> dict:
@@ -55,15 +52,14 @@ def child(a) -> None:
     from megatron.core import parallel_state as ps
 
     from moe_rl.actor.model import load_model
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.parallel import init_distributed
     from moe_rl.actor.weights import export_hf_state_dict
     from moe_rl.rollout.engine import RolloutConfig, RolloutEngine
     from moe_rl.rollout.engine_groups import engine_groups
     from moe_rl.trainer.metrics import PeakMemory
     from moe_rl.weight_sync import WeightSync, push_weights
 
-    key, value = a.layout.split("=")
-    parallel = ParallelConfig(**{key.removeprefix("parallel."): int(value)})
+    parallel = parallel_config(a.layout)
     init_distributed(parallel)
     m = load_model(a.model, parallel)
     actor = types.SimpleNamespace(chunks=m.chunks, conv=m.conv)
@@ -154,20 +150,9 @@ def main() -> None:
     a = p.parse_args()
     if a.child:
         return child(a)
-    from moe_rl.models.tiny import TinySpec, build_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="moe-rl-bench-") as tmp:
-        model = build_tiny_model(TinySpec(**spec(a)), Path(tmp) / "model")
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
-        cmd += [__file__, "--child", "--model", str(model), "--out", str(out), "--layout", a.layout]
-        cmd += ["--bucket-mb", str(a.bucket_mb), "--repeats", str(a.repeats)]
-        cmd += ["--hidden", str(a.hidden), "--moe-intermediate", str(a.moe_intermediate)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if proc.returncode or not out.exists():
-            sys.exit(f"benchmark failed:\n{(proc.stdout + proc.stderr)[-5000:]}")
-        print(out.read_text())
+    args = [f"--layout={a.layout}", "--bucket-mb", str(a.bucket_mb), "--repeats", str(a.repeats)]
+    args += ["--hidden", str(a.hidden), "--moe-intermediate", str(a.moe_intermediate)]
+    print(run_on_ranks(__file__, a.nproc, spec(a), args))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
 def sync_gradients(chunks: list[torch.nn.Module]) -> None:
     """Sum gradients like megatron DDP + finalize_model_grads (losses are pre-scaled by the global count): the
     TP reductions first, then data-parallel, each as one all-reduce per group and dtype over flat buckets of at
-    most SYNC_BUCKET_BYTES (DDP's buckets). One gloo all-reduce per tensor cost 6-8x as much on the tiny
+    most SYNC_BUCKET_BYTES (DDP's buckets). One gloo all-reduce per tensor cost 4-8x as much on the tiny
     models (latency, not bytes: docs/performance.md); elementwise, the sums are the same."""
     from megatron.core import parallel_state as ps
 

@@ -155,7 +155,7 @@ def test_deepseek_v3_update_is_the_same_under_tp_sp_and_ep(tiny_models, tmp_path
 
 
 def test_flat_gradient_all_reduce_equals_one_all_reduce_per_tensor(tmp_path):
-    """The gradient sync sums flat buckets per dtype (one gloo all-reduce each, 6-8x faster than one per tensor on
+    """The gradient sync sums flat buckets per dtype (one gloo all-reduce each, 4-8x faster than one per tensor on
     the default model): on 2 ranks, with buckets that split the tensors, every tensor ends bitwise as a per-tensor
     all-reduce leaves it (also for TP's mean), in its own dtype."""
     from tests.conftest import read_json_results
