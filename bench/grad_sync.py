@@ -11,12 +11,11 @@ equal gradients.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
-from ranks import parallel_config, run_on_ranks
+from ranks import arguments, parallel_config, run_on_ranks
 
 
 def child(a) -> None:
@@ -74,14 +73,8 @@ def child(a) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--layout", default="", help="one parallel.<key>=<size> override (default: data parallel only)")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    layout_help = "one parallel.<key>=<size> override (default: data parallel only)"
+    a = arguments(__doc__, "", 10, layout_help).parse_args()
     if a.child:
         return child(a)
     print(run_on_ranks(__file__, a.nproc, {}, [f"--layout={a.layout}", "--repeats", str(a.repeats)]))  # default model

@@ -4,6 +4,7 @@ its JSON result to `--out`, which the parent prints."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -38,3 +39,15 @@ def parallel_config(layout: str):
         return ParallelConfig()
     key, value = layout.split("=")
     return ParallelConfig(**{key.removeprefix("parallel."): int(value)})
+
+
+def arguments(doc: str, layout: str, repeats: int, layout_help: str) -> argparse.ArgumentParser:
+    """The options every such bench takes: --nproc, --layout, --repeats, and the child's hidden ones."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--layout", default=layout, help=layout_help)
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p

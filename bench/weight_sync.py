@@ -24,13 +24,12 @@ the RSS before it (the rank's own parameters are already resident).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from pathlib import Path
 
-from ranks import parallel_config, run_on_ranks
+from ranks import arguments, parallel_config, run_on_ranks
 
 
 def spec(a) -> dict:
@@ -137,16 +136,10 @@ def child(a) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--layout", default="parallel.ep=2", help="one parallel.<key>=<size> override")
+    p = arguments(__doc__, "parallel.ep=2", 3, "one parallel.<key>=<size> override")
     p.add_argument("--bucket-mb", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hidden", type=int, default=256, help="model hidden size (a multiple of 32)")
     p.add_argument("--moe-intermediate", type=int, default=384, help="each expert's FFN size")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         return child(a)
