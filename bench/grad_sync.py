@@ -28,17 +28,19 @@ def child(a) -> None:
     from moe_rl.actor.parallel import init_distributed
     from moe_rl.actor.train_step import sync_gradients
 
-    init_distributed(parallel_config(a.layout))
-    m = load_model(a.model, parallel_config(a.layout))
+    parallel = parallel_config(a.layout)
+    init_distributed(parallel)
+    m = load_model(a.model, parallel)
     params = [(n, p) for c in m.chunks for n, p in c.named_parameters()]
     g = torch.Generator().manual_seed(dist.get_rank())
     grads = [torch.randn(p.shape, generator=g).to(p.dtype) for _, p in params]
 
+    dp, edp = ps.get_data_parallel_group(with_context_parallel=True), ps.get_expert_data_parallel_group()
+
     def per_tensor():  # the previous sync (no TP here: one group per parameter)
         for (name, p), grad in zip(params, grads, strict=True):
             p.grad = grad.clone()
-            dp = ps.get_data_parallel_group(with_context_parallel=True)
-            group = ps.get_expert_data_parallel_group() if is_expert(name) else dp
+            group = edp if is_expert(name) else dp
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
 

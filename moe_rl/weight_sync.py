@@ -38,7 +38,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.parallel import all_gather_objects
+from moe_rl.actor.parallel import all_gather_objects, buckets
 from moe_rl.actor.weights import tensor_nbytes
 
 TRANSPORTS = ("shm", "rpc", "cuda_ipc", "nccl")
@@ -389,20 +389,6 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> d
     if transport != "shm":
         engine.rpc("moe_rl_finish_weight_update")
     return {**stats, "seconds": time.perf_counter() - t0}
-
-
-def buckets(items: Iterable, limit: int, size) -> Iterator[list]:
-    """Consecutive items of at most `limit` bytes in all (`size(item)`; a larger item travels alone)."""
-    bucket, total = [], 0
-    for item in items:
-        n = size(item)
-        if bucket and total + n > limit:
-            yield bucket
-            bucket, total = [], 0
-        bucket.append(item)
-        total += n
-    if bucket:
-        yield bucket
 
 
 def _under_vllm_config(method):

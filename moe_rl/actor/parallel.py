@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -167,3 +168,17 @@ def global_mean(values: dict[str, float], weights: dict[str, float]) -> dict[str
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return {k: float(n / d) if d > 0 else 0.0 for k, n, d in zip(keys, t[0].tolist(), t[1].tolist(), strict=True)}
+
+
+def buckets(items: Iterable, limit: int, size) -> Iterator[list]:
+    """Consecutive items of at most `limit` bytes in all (`size(item)`; a larger item travels alone)."""
+    bucket, total = [], 0
+    for item in items:
+        n = size(item)
+        if bucket and total + n > limit:
+            yield bucket
+            bucket, total = [], 0
+        bucket.append(item)
+        total += n
+    if bucket:
+        yield bucket
