@@ -32,15 +32,25 @@ CPU_ENGINE_NOTES = (
     "libtcmalloc is not found in LD_PRELOAD",
     "libiomp is not found in LD_PRELOAD",
 )
+# vLLM's loader warns once per weight when it narrows a weight to the engine's dtype: at the engine's load of a
+# float32 checkpoint and at every weight sync from a float32 actor under rollout.dtype=bfloat16 (54 lines a step on
+# the tiny model's two engines, thousands on a real MoE). That cast is what rollout.dtype asks for; the run header
+# says it once (`cast from ...`), and the per-weight lines stay in train_moe.log.
+CAST_ON_LOAD = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+NARROWING = ({"torch.float32", "torch.float64"}, {"torch.bfloat16", "torch.float16"})  # (from, to)
 
 
 class QuietCpuEngineNotes(logging.Filter):
-    """Console filter (conf/train_moe.yaml, hydra.job_logging): drops vLLM's CPU_ENGINE_NOTES; every other record,
-    vLLM's other warnings included, passes."""
+    """Console filter (conf/train_moe.yaml, hydra.job_logging): drops vLLM's CPU_ENGINE_NOTES and its per-weight
+    notes of a float32 -> 16-bit cast on load (CAST_ON_LOAD); every other record, vLLM's other warnings (another
+    dtype pair included), passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith("vllm"):
             return True
+        if record.msg == CAST_ON_LOAD and isinstance(record.args, tuple) and len(record.args) == 3:
+            wide, narrow = NARROWING
+            return not (str(record.args[1]) in wide and str(record.args[2]) in narrow)
         message = record.getMessage()
         return not any(note in message for note in CPU_ENGINE_NOTES)
 
@@ -80,7 +90,9 @@ def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> li
     params = model_parameters(model_path)
     source = f"{model_path} ({hf_config.model_type})" if cfg.model.path else f"built-in tiny {cfg.model.tiny_arch}"
     dp = p.data_parallel_size(world)
-    engines = f"{r.engines or dp} engine(s) of TP {r.tensor_parallel_size} in {r.dtype}"
+    engines = f"{r.engines or dp} engine(s) of TP {r.tensor_parallel_size} in {r.dtype}" + cast_note(
+        checkpoint_dtype(model_path), cfg.model.dtype, r.dtype
+    )
     if cfg.trainer.mode == "from_dump":
         engines = f"no engine (samples from {cfg.trainer.dump_dir})"
     objective = f"{POLICY_LOSSES.name_of(a.loss)} + {CORRECTIONS.name_of(a.correction)}, advantage {a.advantage}"
@@ -96,15 +108,41 @@ def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> li
     ]
 
 
+def cast_note(checkpoint: str | None, actor: str, engine: str) -> str:
+    """What the engines narrow on load (the checkpoint) and at each weight sync (the actor's weights), if anything:
+    the console leaves out vLLM's per-weight warning of that cast (QuietCpuEngineNotes)."""
+    bits = {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16}
+    wider = [
+        f"the {dtype} {what}"
+        for what, dtype in (("checkpoint", checkpoint), ("actor at each sync", actor))
+        if dtype is not None and bits.get(dtype, 0) > bits.get(engine, 0)
+    ]
+    return f", cast from {' and '.join(wider)} (vLLM's note per weight: train_moe.log)" if wider else ""
+
+
+def checkpoint_dtype(model_path: str) -> str | None:
+    """The floating dtype that most parameters of an HF folder have (from the safetensors headers); None if none."""
+    names = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    floating = [(n, names[d]) for d, n in parameter_counts(model_path).items() if d in names]
+    return max(floating)[1] if floating else None
+
+
 def model_parameters(model_path: str) -> int:
     """Parameters in an HF folder's safetensors files, from their headers (nothing is loaded)."""
+    return sum(parameter_counts(model_path).values())
+
+
+def parameter_counts(model_path: str) -> dict[str, int]:
+    """Parameters per safetensors dtype ("F32", "BF16", ...) in an HF folder, from the files' headers."""
     from safetensors import safe_open
 
-    total = 0
+    counts: dict[str, int] = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            total += sum(math.prod(st.get_slice(key).get_shape()) for key in st.keys())  # noqa: SIM118
-    return total
+            for key in st.keys():  # noqa: SIM118
+                piece = st.get_slice(key)
+                counts[piece.get_dtype()] = counts.get(piece.get_dtype(), 0) + math.prod(piece.get_shape())
+    return counts
 
 
 def run_config(cfg) -> dict:

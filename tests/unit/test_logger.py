@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from moe_rl.config import TrainConfig
 from moe_rl.trainer.logger import RunLogger
 
@@ -95,8 +97,32 @@ def test_the_run_header_names_the_model_layout_and_objective(tiny_models, tmp_pa
     lines = run_header(cfg, tmp_path, path, load_hf_config(path), world=4)
     params = AutoModelForCausalLM.from_pretrained(path).num_parameters()
     assert f"{params / 1e6:,.1f}M parameters" in lines[1] and "(qwen3_moe)" in lines[1]
-    assert "world 4 = DP 2 x TP 2 x PP 1 x CP 1, EP 2, ETP 1; 2 engine(s) of TP 1 in" in lines[2]
+    assert lines[2].endswith("world 4 = DP 2 x TP 2 x PP 1 x CP 1, EP 2, ETP 1; 2 engine(s) of TP 1 in float32")
     assert "train: 30 steps x 4 prompts x 8 samples per DP rank; gspo + icepop, advantage grpo" in lines[3]
+
+
+def test_the_run_header_says_once_what_the_engines_cast(tiny_models, tmp_path):
+    """A 16-bit engine narrows the float32 checkpoint on load and a float32 actor's weights at every sync; the
+    console leaves out vLLM's warning per weight, so the header names the cast (and only a real one)."""
+    from omegaconf import OmegaConf
+
+    from moe_rl.actor.model import load_hf_config
+    from moe_rl.trainer.logger import checkpoint_dtype, run_header
+
+    path = str(tiny_models["qwen3_moe"])
+    assert checkpoint_dtype(path) == "float32"
+
+    def engines(model_dtype: str, rollout_dtype: str) -> str:
+        overrides = {"model": {"path": path, "dtype": model_dtype}, "rollout": {"dtype": rollout_dtype}}
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides))
+        return run_header(cfg, tmp_path, path, load_hf_config(path), world=2)[2].split("; ", 1)[1]
+
+    note = " (vLLM's note per weight: train_moe.log)"
+    assert engines("float32", "bfloat16") == (
+        "2 engine(s) of TP 1 in bfloat16, cast from the float32 checkpoint and the float32 actor at each sync" + note
+    )
+    assert engines("bfloat16", "bfloat16") == "2 engine(s) of TP 1 in bfloat16, cast from the float32 checkpoint" + note
+    assert engines("float32", "float32") == "2 engine(s) of TP 1 in float32"
 
 
 def test_a_step_without_an_update_shows_no_nan():
@@ -113,7 +139,8 @@ def test_a_step_without_an_update_shows_no_nan():
 
 def test_the_console_leaves_out_vllms_notes_on_the_cpu_engines_deliberate_settings(tmp_path, capsys):
     """conf/train_moe.yaml's job logging, as Hydra composes it: a vLLM warning about a setting moe-rl makes on purpose
-    (eager mode, no tcmalloc) reaches train_moe.log only; vLLM's other warnings and everyone else's reach both."""
+    (eager mode, no tcmalloc; the loader's per-weight note of a float32 -> bfloat16 cast) reaches train_moe.log only;
+    vLLM's other warnings and everyone else's reach both."""
     import logging.config
     from pathlib import Path
 
@@ -132,16 +159,19 @@ def test_the_console_leaves_out_vllms_notes_on_the_cpu_engines_deliberate_settin
     saved = root.handlers[:], root.level
     try:
         logging.config.dictConfig(job_logging)
+        cast = "Attempted to load weight %s with dtype %s into parameter with dtype %s"  # vLLM's loader, per weight
         records = [
-            ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD. For best ..."),
-            ("vllm.config.vllm", "Enforce eager set, disabling torch.compile, CUDAGraphs"),
-            ("vllm.v1.core.kv_cache_utils", "KV cache is too small for max_model_len"),
-            ("megatron.core", "a megatron warning"),
+            ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD. For best ...", None),
+            ("vllm.config.vllm", "Enforce eager set, disabling torch.compile, CUDAGraphs", None),
+            ("vllm.v1.core.kv_cache_utils", "KV cache is too small for max_model_len", None),
+            ("megatron.core", "a megatron warning", None),
+            ("vllm.model_executor.models.utils", cast, ("lm_head.weight", torch.float32, torch.bfloat16)),
+            ("vllm.model_executor.models.utils", cast, ("norm.weight", torch.float16, torch.bfloat16)),
         ]
         # straight to the root's handlers: a vLLM imported earlier in this process may have stopped its loggers'
         # propagation (VLLM_CONFIGURE_LOGGING), which the launcher turns off
-        for name, msg in records:
-            record = logging.LogRecord(name, logging.WARNING, __file__, 0, msg, None, None)
+        for name, msg, args in records:
+            record = logging.LogRecord(name, logging.WARNING, __file__, 0, msg, args, None)
             for handler in root.handlers:
                 handler.handle(record)
                 handler.flush()
@@ -153,5 +183,8 @@ def test_the_console_leaves_out_vllms_notes_on_the_cpu_engines_deliberate_settin
     console = capsys.readouterr().out
     assert "libtcmalloc" not in console and "Enforce eager" not in console
     assert "KV cache is too small" in console and "a megatron warning" in console
+    # the float32 -> bfloat16 cast rollout.dtype asks for stays in the file; another dtype pair still shows
+    assert "lm_head.weight" not in console and "norm.weight with dtype torch.float16" in console
     log = (tmp_path / "train_moe.log").read_text()
-    assert all(m in log for m in ("libtcmalloc", "Enforce eager", "KV cache is too small", "a megatron warning"))
+    kept = ("libtcmalloc", "Enforce eager", "KV cache is too small", "a megatron warning", "lm_head.weight")
+    assert all(m in log for m in kept)
