@@ -108,12 +108,14 @@ class ActorConfig:
     """Samples per forward/backward pass when packing is off; >= 1."""
     packing: bool = True
     """Padding-free passes: the samples of a pass are packed into bins of at most max_tokens_per_micro_batch
-    tokens, one row per forward with a block-diagonal causal mask (actor/packing.py); false: padded
-    micro-batches of micro_batch_size samples, all as long as the batch's longest sample. CPU path; on
-    GPU (THD through Transformer Engine, not built yet) set false."""
+    tokens, one row per forward (actor/packing.py). CPU: a block-diagonal causal mask, each sample's attention
+    computed on its own (actor/packed_attention.py); GPU: THD sequences through Transformer Engine (needs
+    model.transformer_engine=true; not yet run on a GPU). false: padded micro-batches of micro_batch_size
+    samples, all as long as the batch's longest sample."""
     max_tokens_per_micro_batch: int = 1024
-    """Token budget of a packed forward (actor.packing); a longer sample gets a forward of its own. On CPU
-    attention costs S^2 per packed row, so a budget near the longest sample is fastest (bench/packing.py)."""
+    """Token budget of a packed forward (actor.packing); a longer sample gets a forward of its own. Attention
+    costs each sample's own length squared, not the row's, so the budget trades fewer forwards against
+    larger ones (bench/packing.py: 1024 and 2048 within a few percent on CPU)."""
     expert_bias_update_rate: float = 0.0
     """Models with an expert bias (glm4_moe, DeepSeek-V3): step of megatron's aux-loss-free balancing update
     after each optimizer step. 0 keeps the checkpoint's bias: the bias only selects experts, and moving it

@@ -154,6 +154,7 @@ def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = Non
     from megatron.core.transformer.identity_op import IdentityOp
 
     from moe_rl.actor.norms import FullWidthKNorm, FullWidthQNorm, RMSNorm
+    from moe_rl.actor.packed_attention import packed_row_attention
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
     if use_te and conv.qk_norm != "full_width":
@@ -192,6 +193,8 @@ def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = Non
             attn.q_layernorm, attn.k_layernorm = q_norm, k_norm
         if cp_attention is not None:
             attn.core_attention = cp_attention
+        elif not use_te:  # a packed row's attention per sample, not over the whole row
+            attn.core_attention = packed_row_attention(attn.core_attention)
         if not use_te:
             sub.input_layernorm = RMSNorm
             sub.pre_mlp_layernorm = RMSNorm
