@@ -14,8 +14,8 @@ the two variants alternating so that background load hits both alike. Reported: 
 time; CPU time summed over the ranks as a check on a busy machine), the update's
 perf/padding_fraction and perf/micro_batches, and what each variant computes per pass, summed over
 the ranks: positions (every linear layer; packed / padded = positions_ratio) and attention scores
-(a dense [s, s] block per row on CPU: b * T^2 padded, the sum of S^2 over the bins packed;
-attention_scores_ratio).
+(padded: a dense [T, T] block per row, b * T^2; packed: each bin's samples in length classes, n * L^2 per
+class, as actor/packed_attention.py computes them; attention_scores_ratio).
 
   python bench/packing.py                        # launches torchrun --nproc-per-node=2 itself
   torchrun --standalone --nproc-per-node=2 bench/packing.py --samples 16 --repeats 3
@@ -81,6 +81,22 @@ def build_actors(a, model: str) -> dict:
         "packed": ActorConfig(**common, packing=True, max_tokens_per_micro_batch=a.max_tokens),
     }
     return {name: Actor(TrainConfig(actor=cfg), model, record_routes=False) for name, cfg in variants.items()}
+
+
+def _packed_scores(lengths: list[int], row_len: int) -> int:
+    """Attention scores the packed path computes for one bin (its samples, then the row's tail padding)."""
+    import torch
+
+    from moe_rl.actor.packed_attention import row_plan
+    from moe_rl.actor.packing import _block_causal_mask
+
+    sample = torch.cat(
+        [torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((row_len - sum(lengths),), -1)]
+    )
+    plan = row_plan(_block_causal_mask(sample))
+    if plan is None:  # one sample, no padding: megatron's own [S, S]
+        return row_len * row_len
+    return sum(at.shape[1] * at.shape[0] ** 2 for at, _, _ in plan.classes)
 
 
 def worker(a) -> None:
@@ -151,9 +167,13 @@ def worker(a) -> None:
     cpu = {name: statistics.median(t) for name, t in cpu_times.items()}
     tokens = padded.attention_mask.sum(-1)
     # what each variant computes per pass, summed over the ranks: positions (every linear layer) and
-    # attention scores (a dense [s, s] block per row: b * T^2 padded, the sum of S^2 over the bins packed)
+    # attention scores (padded: a dense [T, T] block per row, b * T^2; packed: each bin's samples in their
+    # length classes, n * L^2 per class, as actor/packed_attention.py runs them)
     b, t = padded.input_ids.shape
-    work = torch.tensor([b * t, b * t * t, sum(plan.seq_lens), sum(s * s for s in plan.seq_lens)], dtype=torch.float64)
+    packed_scores = sum(
+        _packed_scores(tokens[rows].tolist(), n) for rows, n in zip(plan.bins, plan.seq_lens, strict=True)
+    )
+    work = torch.tensor([b * t, b * t * t, sum(plan.seq_lens), packed_scores], dtype=torch.float64)
     dist.all_reduce(work)
     if rank == 0:
         out = {
