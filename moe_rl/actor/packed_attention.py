@@ -83,8 +83,9 @@ def packed_row_attention(base: type) -> type:
     class PackedRowAttention(base):
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
             """query [S, 1, heads, d], key/value [S, 1, groups, d] of one packed row -> context [S, 1, heads * dv]."""
-            plan = _LastPlan.of(attention_mask) if query.shape[1] == 1 and attention_bias is None else None
-            if plan is None or kwargs.get("packed_seq_params") is not None:
+            one_row = query.shape[1] == 1 and attention_bias is None and kwargs.get("packed_seq_params") is None
+            plan = _LastPlan.of(attention_mask) if one_row else None
+            if plan is None:
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, **kwargs)
             q, k, v = query[:, 0], key[:, 0], value[:, 0]
             outputs = []
