@@ -671,6 +671,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                 bad("rollout.sleep_while_training", f"true {reason}")
     if r.tensor_parallel_size < 1:
         bad("rollout.tensor_parallel_size", f"{r.tensor_parallel_size}: must be >= 1")
+    if r.max_num_batched_tokens is not None and r.max_num_batched_tokens < 1:
+        bad("rollout.max_num_batched_tokens", f"{r.max_num_batched_tokens}: must be >= 1 (or null: vLLM's default)")
     if r.tensor_parallel_size > 1 and r.placement == "separate":
         bad(
             "rollout.tensor_parallel_size",

@@ -36,6 +36,54 @@ def on_prepare_inputs(runner, begin_step: Callable[[list[str], list[int], list[i
     runner._moe_rl_wrapped = True
 
 
+def keep_seeded_samples_across_chunks(runner) -> bool:
+    """vLLM 0.32 on CPU: a request whose prompt is prefilled over several steps (chunked prefill: a step's prompts
+    exceed `max_num_batched_tokens`) is sampled in each partial step too, and that sample is discarded. To give the
+    request the draws it would have had without chunking, `_bookkeeping_sync` rewinds its seeded generator with
+    `gen.set_offset(gen.get_offset() - 4)`, an offset only CUDA's Philox generator has: a CPU `torch.Generator`
+    raises "CPU Generator does not use offset" and the engine dies. Here, after `_prepare_inputs` has marked the
+    step's discarded requests (`discard_request_mask`), their generators' states are saved; `_bookkeeping_sync`
+    then puts those states back (the CPU sampler drew one seed from each) and runs with the rewound generators out
+    of its sight. Same samples as an unchunked prefill. CPU only (a CUDA generator keeps vLLM's rewind); False if
+    the runner lacks what this was written for. Delete when vLLM rewinds CPU generators by state."""
+    import torch
+
+    if runner.device.type != "cpu":
+        return False
+    if getattr(runner, "_moe_rl_chunk_safe", False):
+        return True
+    if not all(hasattr(runner, a) for a in ("_prepare_inputs", "_bookkeeping_sync", "discard_request_mask")):
+        return False
+    prepare, bookkeeping = runner._prepare_inputs, runner._bookkeeping_sync
+    saved: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # batch row -> (generator, state before sampling)
+
+    def prepare_inputs(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        batch = runner.input_batch
+        saved.clear()
+        for i in map(int, runner.discard_request_mask.np[: batch.num_reqs].nonzero()[0]):
+            gen = batch.generators.get(i)
+            if gen is not None:
+                saved[i] = gen, gen.get_state()
+        return out
+
+    def bookkeeping_sync(*args, **kwargs):
+        generators = runner.input_batch.generators
+        for i, (gen, state) in saved.items():
+            gen.set_state(state)
+            del generators[i]
+        try:
+            return bookkeeping(*args, **kwargs)
+        finally:
+            for i, (gen, _) in saved.items():
+                generators[i] = gen
+            saved.clear()
+
+    runner._prepare_inputs, runner._bookkeeping_sync = prepare_inputs, bookkeeping_sync
+    runner._moe_rl_chunk_safe = True
+    return True
+
+
 def request_amx_permission() -> bool:
     """vLLM's CPU attention picks its AMX kernels for bf16 when the CPU has AMX tiles
     (`cpu_attn._get_attn_isa`) but never asks the kernel for permission to use them

@@ -84,6 +84,13 @@ class RolloutConfig:
     """Route capture: auto (native on CUDA, hook on CPU) | hook | native | none."""
     max_model_len: int | None = None
     """Context length; None: the model's max_position_embeddings."""
+    max_num_batched_tokens: int | None = None
+    """The engine's token budget per forward step (vLLM's max_num_batched_tokens); None: vLLM's own default (on
+    CPU 4,096 here; on GPUs it depends on the device, e.g. 8,192 or 16,384). A step whose prompts add up to more
+    prefills them over several steps, a prompt longer than the budget in chunks; seeded samples are the same either
+    way (moe_rl.compat.vllm.keep_seeded_samples_across_chunks). Below vLLM's max_num_seqs (256 on CPU) the engine
+    schedules at most this many sequences per step. MLA models on CPU cannot chunk a prefill: vLLM raises the
+    budget there to at least the context length."""
     kv_cache_gib: int = 1
     """CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_busy_loop_s: float | None = 0.05
@@ -138,6 +145,16 @@ def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _default_max_num_seqs(world_size: int) -> int:
+    """vLLM's default max_num_seqs for an offline `LLM` of `world_size` workers on this platform."""
+    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    defaults = EngineArgs.get_batch_defaults(world_size)[1]
+    return defaults.get(UsageContext.LLM_CLASS, SchedulerConfig.DEFAULT_MAX_NUM_SEQS)
 
 
 def _engine_start(cfg: RolloutConfig):
@@ -279,6 +296,12 @@ class RolloutEngine:
             kwargs["distributed_executor_backend"] = UniProcExecutor
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
+        if cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+            # vLLM refuses a budget below max_num_seqs; a step of that budget cannot schedule more sequences anyway
+            default_seqs = _default_max_num_seqs(cfg.tensor_parallel_size)
+            if cfg.max_num_batched_tokens < default_seqs:
+                kwargs["max_num_seqs"] = cfg.max_num_batched_tokens
         if cfg.sleep_while_training:
             kwargs["enable_sleep_mode"] = True
         self._asleep: set[str] = set()  # what sleep() released: "weights", "kv_cache"

@@ -60,9 +60,10 @@ class MoeRLWorkerExtension(WeightReceiver):
 
     def moe_rl_init_worker(self) -> bool:
         """Per-process CPU setup (runs in each worker process, hence a method here)."""
-        from moe_rl.compat.vllm import flatten_cpu_rope_heads, request_amx_permission
+        from moe_rl.compat.vllm import flatten_cpu_rope_heads, keep_seeded_samples_across_chunks, request_amx_permission
 
         flatten_cpu_rope_heads(self.model_runner.model)
+        keep_seeded_samples_across_chunks(self.model_runner)
         return request_amx_permission()
 
     def moe_rl_store_file(self) -> str | None:

@@ -64,3 +64,36 @@ def test_nan_reward_stops_the_run_naming_the_sample_and_saves_nothing(tmp_path):
     assert "step 1: reward function nan_reward returned nan for sample 0 (prompt '" in out, out[-5000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_prompt_filling_the_context_trains_and_one_token_more_is_refused_before_any_engine(tmp_path, tiny_models):
+    """rollout.max_model_len=128, sampling.max_tokens=8: 120-token prompts train (sequences fill the context
+    exactly); a 121-token row is refused by name before the actor or an engine is built."""
+    from transformers import AutoTokenizer
+
+    model = tiny_models["qwen3_moe"]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def prompt(tokens: int) -> str:
+        text = " ".join(["the"] * (tokens - 1))  # this tokenizer: 2 tokens for the first word, 1 for each next one
+        assert len(tokenizer(text)["input_ids"]) == tokens
+        return text
+
+    def data(name: str, lengths: list[int]):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": prompt(n)}) + "\n" for n in lengths))
+        return path
+
+    common = [f"model.path={model}", "rollout.max_model_len=128", "data.task=file", "trainer.checkpoint_every=0"]
+    common.append("data.reward=moe_rl.data.rewards:toy_low_token_reward")
+    exact = data("exact", [120] * 4)
+    code, out = _run(tmp_path / "exact_run", [*common, f"data.path={exact}"])
+    assert code == 0, out[-5000:]
+    history = [json.loads(line) for line in (tmp_path / "exact_run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(history) == 1 and history[0]["actor/skipped_steps"] == 0.0
+
+    over = data("over", [120, 120, 121, 120])
+    code, out = _run(tmp_path / "over_run", [*common, f"data.path={over}"])
+    assert code != 0
+    assert f"{over}:3: the prompt has 121 tokens, more than the 120 allowed" in out, out[-5000:]
+    assert "EngineCore" not in out and "step 1" not in out, out[-5000:]
