@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 def rollout_batch(rng: np.random.Generator, a, vocab: int, moe_layers: list[int], experts: int, topk: int):
     """This rank's RolloutBatch: long-tailed lengths, random ids and routes (rollout log-probs 0: set
     from the old pass later)."""
-    from moe_rl.rollout.batch import RolloutBatch
+    from moe_rl.common.batch import RolloutBatch
     from moe_rl.routing.records import route_dtype
 
     prompt_lens = rng.integers(a.prompt_len[0], a.prompt_len[1] + 1, a.samples)
@@ -104,7 +104,8 @@ def worker(a) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed, world_max
+    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from moe_rl.common.distributed import world_max
     from moe_rl.config import AlgorithmConfig
     from moe_rl.models.tiny import TinySpec, build_tiny_model
     from moe_rl.objectives import Objective

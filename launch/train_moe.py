@@ -78,11 +78,13 @@ if __name__ == "__main__":
     # console) instead of its own handler on stdout.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from moe_rl.config import register_configs
+    from moe_rl.trainer.run_dir import register_run_stamp
     from moe_rl.trainer.signals import run_then_exit
 
     if sys.argv[1:2] == ["--keys"]:
         _print_keys(sys.argv[2] if len(sys.argv) > 2 else "")
         raise SystemExit(0)
     register_configs()
+    register_run_stamp()  # conf/train_moe.yaml's run directory
     _check_command_line()
     run_then_exit(main)

@@ -15,17 +15,13 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from moe_rl.actor.parallel import ParallelConfig
+from moe_rl.common.errors import ConfigError
 from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
 from moe_rl.objectives.aggregation import AGG_MODES
 from moe_rl.objectives.corrections import IcePopConfig
 from moe_rl.objectives.policy_loss import GSPOConfig
 from moe_rl.rollout.engine import RolloutConfig, SamplingConfig
 from moe_rl.rollout.placement import PLACEMENTS
-
-
-class ConfigError(ValueError):
-    """A setting that cannot run, found before anything is built: the message names the key. The launcher prints
-    it as one line, without a traceback."""
 
 
 @dataclass
@@ -692,14 +688,10 @@ GROUPS = {"algorithm/loss": POLICY_LOSSES, "algorithm/correction": CORRECTIONS}
 
 
 def register_configs() -> None:
-    """The schema (`train_moe_schema`), one group option per registered loss and correction, and the
-    `${run_stamp:...}` resolver of the run directory."""
+    """The schema (`train_moe_schema`) and one group option per registered loss and correction."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import MISSING, OmegaConf
 
-    from moe_rl.trainer.run_dir import register_run_stamp
-
-    register_run_stamp()  # conf/train_moe.yaml's run directory
     cs = ConfigStore.instance()
     schema = OmegaConf.structured(TrainConfig)
     # Filled by the algorithm preset (conf/algorithm/): a typed slot could not take another

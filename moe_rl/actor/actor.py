@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.parallel import global_mean
-from moe_rl.rollout.batch import PaddedBatch
+from moe_rl.common.batch import PaddedBatch
+from moe_rl.common.distributed import global_mean
 
 
 def global_count(x: torch.Tensor) -> float:

@@ -76,7 +76,7 @@ def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
     stages = parallel.pp * (parallel.vpp or 1)
     need(conv.num_layers % stages == 0, f"parallel.pp*vpp={stages} does not divide num_hidden_layers={conv.num_layers}")
     if problems:
-        from moe_rl.config import ConfigError
+        from moe_rl.common.errors import ConfigError
 
         raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
 

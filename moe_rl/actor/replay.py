@@ -230,7 +230,7 @@ def route_share() -> RouteShare:
     """This rank's RouteShare. Collective over its tensor x context-parallel group (when that has several)."""
     from megatron.core import parallel_state as ps
 
-    from moe_rl.actor.parallel import all_gather_objects
+    from moe_rl.common.distributed import all_gather_objects
 
     layout = _rank_layout()
     group = ps.get_tensor_and_context_parallel_group()

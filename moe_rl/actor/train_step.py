@@ -22,7 +22,7 @@ from moe_rl.actor.context_parallel import seq_multiple
 from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
 from moe_rl.actor.optimizer import is_expert
 from moe_rl.actor.packing import PackPlan
-from moe_rl.actor.parallel import buckets, global_mean
+from moe_rl.common.distributed import buckets, global_mean
 
 
 def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:

@@ -14,7 +14,6 @@ set when megatron initialises weights itself, which the actor skips):
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.actor.converters import Converter
+from moe_rl.common.distributed import tensor_nbytes
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
@@ -264,11 +264,6 @@ class ExportEntry:
         return sum(tensor_nbytes(shape, dtype) for _, shape, dtype in self.tensors)
 
 
-def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    """Bytes of a tensor of this shape and dtype name ("float32", "bfloat16", ...)."""
-    return math.prod(shape) * getattr(torch, dtype).itemsize
-
-
 def export_plan(chunks: list[torch.nn.Module], conv: Converter) -> list[ExportEntry]:
     """Every distinct HF tensor of the model with the rank that contributes it, in one order all ranks
     share (by owner rank, then parameter order). Shapes come from converting meta tensors: no weight
@@ -285,7 +280,7 @@ def export_plan(chunks: list[torch.nn.Module], conv: Converter) -> list[ExportEn
         hf = conv.to_hf(gname, torch.empty(shape, dtype=p.dtype, device="meta"))
         specs = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in hf.items()]
         mine.append(ExportEntry(me, i, kind, specs))
-    from moe_rl.actor.parallel import all_gather_objects
+    from moe_rl.common.distributed import all_gather_objects
 
     return [e for part in all_gather_objects(mine) for e in part]
 

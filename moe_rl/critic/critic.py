@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.rollout.batch import PaddedBatch
+from moe_rl.common.batch import PaddedBatch
 
 
 class ValueOutput(torch.nn.Module):

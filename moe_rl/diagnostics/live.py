@@ -40,8 +40,9 @@ def live(args) -> dict | None:
 
     from moe_rl.actor.forward import routing_views
     from moe_rl.actor.model import ModelOptions, load_hf_config, load_model
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed, world_max
+    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
     from moe_rl.actor.replay import RouteReplay
+    from moe_rl.common.distributed import world_max
     from moe_rl.diagnostics.output import write_report
     from moe_rl.diagnostics.report import load_dumps
     from moe_rl.rollout import dump

@@ -101,7 +101,7 @@ def all_layers(routes: torch.Tensor | None, layers: list[int], moe_layers: list[
     the other stages (which hold the same samples). Collective over the pipeline group unless it has one stage."""
     from megatron.core import parallel_state as ps
 
-    from moe_rl.actor.parallel import all_gather_objects
+    from moe_rl.common.distributed import all_gather_objects
     from moe_rl.routing.layout import layer_columns
 
     if routes is None or list(layers) == list(moe_layers):

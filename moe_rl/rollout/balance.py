@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.parallel import all_gather_objects
-from moe_rl.rollout.batch import PaddedBatch
+from moe_rl.common.batch import PaddedBatch
+from moe_rl.common.distributed import all_gather_objects
 from moe_rl.rollout.source import Rollout
 
 

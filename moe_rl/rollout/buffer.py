@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.rollout.batch import PaddedBatch
+from moe_rl.common.batch import PaddedBatch
 from moe_rl.rollout.source import Rollout
 
 PRIORITIES = ("uniform", "recency", "advantage", "rarity", "mixed")
@@ -301,7 +301,7 @@ class BufferSource:
         self.step_metrics: dict[str, float] = {}
 
     def next(self, step: int) -> Rollout:
-        from moe_rl.actor.parallel import world_max
+        from moe_rl.common.distributed import world_max
 
         want = self.prompts_per_step
         fresh_wanted = fresh_count(self.buffer.fresh_fraction, want)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_rl.rollout.batch import RolloutBatch
+from moe_rl.common.batch import RolloutBatch
 from moe_rl.rollout.multi_turn.config import MultiTurnConfig
 from moe_rl.rollout.route_capture import HookRouteCapture, NativeRouteCapture, RouteCapture
 from moe_rl.routing.records import route_dtype, validate_routes

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from moe_rl.actor.parallel import all_gather_objects
+from moe_rl.common.distributed import all_gather_objects
 
 
 @dataclass

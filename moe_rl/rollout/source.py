@@ -12,8 +12,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.parallel import world_max
-from moe_rl.rollout.batch import PaddedBatch
+from moe_rl.common.batch import PaddedBatch
+from moe_rl.common.distributed import world_max
 from moe_rl.routing.layout import layer_columns
 
 
@@ -64,17 +64,21 @@ class EngineSource:
         may_stop,
         agent=None,
         route_layers: list[int] | None = None,
+        holds_routes: bool = True,
     ):
         """`engine`: the RolloutEngine on an engine leader, None elsewhere; `groups`: EngineGroups;
         `may_stop`: context manager under which an engine failure during a stop signal ends the step
         instead of the run (Trainer._engine_may_stop); `agent`: the multi-turn AgentLoop on a leader
         (rollout.multi_turn.env), which then samples instead of `engine.generate`; `route_layers`: the MoE layers
-        whose routes this rank replays (its pipeline stage's; None: all), the only ones the leader sends it."""
+        whose routes this rank replays (its pipeline stage's; None: all), the only ones the leader sends it;
+        `holds_routes`: whether this rank holds its tensor/context-parallel group's routes (actor.replay.holds_routes),
+        the only ranks the leader sends routes to."""
         if groups.is_leader != (engine is not None):
             raise ValueError(f"rank {dist.get_rank()}: an engine belongs on the engine leaders only ({groups})")
         self.engine, self.groups, self.data, self.tokenizer = engine, groups, data, tokenizer
         self.sampling, self.prompts_per_step, self.pad_multiple = sampling, prompts_per_step, pad_multiple
         self.may_stop, self.agent, self.route_layers = may_stop, agent, route_layers
+        self.holds_routes = holds_routes
 
     def next(self, step: int) -> Rollout:
         prompts = self.data.next(self.prompts_per_step)
@@ -118,12 +122,10 @@ class EngineSource:
         gathers the prompts of every data-parallel rank it serves, samples them in one call and
         sends each rank its data-parallel rank's share, with the routes of that rank's MoE layers only, and only
         to the rank that holds them for its tensor/context-parallel group (the others get zero-width routes)."""
-        from moe_rl.actor.replay import holds_routes
-
         g = self.groups
         # Whole Prompts travel, not token ids: only the leader knows whether an agent samples them, and its
         # environments need every served rank's answers.
-        request = (g.dp_rank, prompts, self.route_layers, holds_routes())
+        request = (g.dp_rank, prompts, self.route_layers, self.holds_routes)
         asked = [request]
         if g.group is not None:
             asked = [None] * len(g.group_ranks) if g.is_leader else None
@@ -175,11 +177,14 @@ class DumpSource:
         mini_batches: int,
         router_replay: str,
         route_layers: list[int] | None = None,
+        holds_routes: bool = True,
     ):
         """`route_layers`: the MoE layers this rank replays (its pipeline stage's; None: all); a dump holds every
-        MoE layer's routes, the rank keeps these."""
+        MoE layer's routes, the rank keeps these. `holds_routes`: whether this rank holds its group's routes
+        (actor.replay.holds_routes); the others get theirs from it."""
         from moe_rl.rollout import dump
 
+        self.holds_routes = holds_routes
         self.steps = dump.step_folders(dump_dir)
         self.fingerprint, self.group_size = fingerprint, group_size
         self.mini_batches, self.router_replay = mini_batches, router_replay
@@ -187,7 +192,6 @@ class DumpSource:
         self.route_cols = None if route_layers in (None, layers) else layer_columns(route_layers, layers)
 
     def next(self, step: int) -> Rollout:
-        from moe_rl.actor.replay import holds_routes
         from moe_rl.rollout import dump
 
         folder = self.steps[step % len(self.steps)]
@@ -209,7 +213,7 @@ class DumpSource:
             raise dump.DumpError(f"{folder}: actor.router_replay=r3 needs engine routes; the dump has none")
         if routes is not None and self.route_cols is not None:
             routes = routes[:, :, self.route_cols]
-        if routes is not None and not holds_routes():  # its group's route holder sends this rank its positions
+        if routes is not None and not self.holds_routes:  # its group's route holder sends this rank its positions
             routes = routes[:, :0].clone()
         b = tensors["input_ids"].shape[0]
         if b % self.mini_batches:

@@ -1,6 +1,6 @@
 """Methods that run inside vLLM's worker (`worker_extension_cls`; the engine core process runs a CPU engine's
 one worker), called through `LLM.collective_rpc("moe_rl_...")`: route capture here, weight updates in
-`moe_rl.weight_sync.WeightReceiver` (mixed in). What they use of vLLM:
+`moe_rl.rollout.weight_receiver.WeightReceiver` (mixed in). What they use of vLLM:
 
 - `MoERunner.layer_id` and `BaseRouter.set_capture_fn` (fused_moe): the routed expert ids;
 - `model.load_weights` and `model_loader.reload` (weight_sync.py).
@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from moe_rl.weight_sync import WeightReceiver
+from moe_rl.rollout.weight_receiver import WeightReceiver
 
 
 class MoeRLWorkerExtension(WeightReceiver):

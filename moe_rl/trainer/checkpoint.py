@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.parallel import all_gather_objects
+from moe_rl.common.distributed import all_gather_objects
 
 
 class CheckpointError(RuntimeError):

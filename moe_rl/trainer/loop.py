@@ -24,6 +24,7 @@ from moe_rl.trainer.health import HealthMonitor, SkipCounter
 from moe_rl.trainer.logger import RunLogger, run_header, say
 from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
+from moe_rl.weight_sync import sync_metrics
 
 
 class Trainer:
@@ -160,6 +161,7 @@ class Trainer:
         """(RolloutSource, this rank's engine or None) for trainer.mode."""
         from megatron.core import parallel_state as ps
 
+        from moe_rl.actor.replay import holds_routes
         from moe_rl.rollout import dump, placement
         from moe_rl.rollout.engine import RolloutEngine
         from moe_rl.rollout.engine_groups import engine_groups
@@ -175,6 +177,7 @@ class Trainer:
                 cfg.actor.mini_batches,
                 cfg.actor.router_replay,
                 route_layers=a.route_layers,
+                holds_routes=holds_routes(),
             )
             return source, None
         groups = engine_groups(cfg.rollout.engines, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
@@ -208,6 +211,7 @@ class Trainer:
             self._engine_may_stop,
             agent,
             route_layers=a.route_layers,
+            holds_routes=holds_routes(),
         )
         if cfg.trainer.max_staleness:
             source = AheadSource(source, cfg.trainer.max_staleness, cfg.trainer.steps, engine_cores)
@@ -392,11 +396,12 @@ class Trainer:
         if self.updates and self.critic is not None:
             with timer("critic_update"):
                 metrics |= self._train_critic(rollout.padded, values, returns)
+        synced = {}
         if actor_updates and self.weight_sync is not None:
             if isinstance(self.source, AheadSource):  # the next step's sampling ends before weights change
                 self.source.wait_idle()
             with timer("weight_sync"), self._engine_may_stop():
-                self.weight_sync()
+                synced = sync_metrics(self.weight_sync())
         if self.actor.replay is not None:  # the replay check over every position this step's passes replayed
             counts = torch.tensor(self.actor.replay.dispatch_check(), dtype=torch.long)
             dist.all_reduce(counts)
@@ -405,7 +410,7 @@ class Trainer:
         if self.validator is not None and every and (self.step_index + 1) % every == 0:
             with timer("validation"):
                 val = self.validator(self.step_index + 1)
-        peaks = timer.times | self.memory.read() | self._idle_times(timer, time.perf_counter() - start)
+        peaks = timer.times | self.memory.read() | self._idle_times(timer, time.perf_counter() - start) | synced
         metrics = global_metrics(rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, peaks)
         metrics |= val | balance | self._staleness(rollout)
         if "perf/tokens" in metrics:  # the update's real tokens over the data-parallel ranks
@@ -422,7 +427,7 @@ class Trainer:
     def _not_exact(self, padded, old: dict[str, torch.Tensor], fraction: float) -> None:
         """trainer.true_on_policy and some response token's pi_old != mu: warn (or stop, under
         true_on_policy_strict) naming the first such token over the ranks. Collective."""
-        from moe_rl.actor.parallel import all_gather_objects
+        from moe_rl.common.distributed import all_gather_objects
 
         differ = (old["logprobs"].float() != padded.rollout_logprobs.float()) & (padded.loss_mask > 0)
         first = None
@@ -450,7 +455,7 @@ class Trainer:
     def _gae(self, mask: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor):
         """(advantages, returns), [B, T]: each sample's reward on its last response token, GAE over the response
         (algorithm.gamma, algorithm.lam), advantages whitened over the global batch (algorithm.whiten_advantages)."""
-        from moe_rl.actor.parallel import global_mean
+        from moe_rl.common.distributed import global_mean
         from moe_rl.objectives.aggregation import masked_mean
         from moe_rl.objectives.value import gae_advantages, masked_whiten
 
@@ -471,7 +476,7 @@ class Trainer:
         (critic/explained_variance, values_mean, returns_mean; over the global batch), the update's loss,
         clip fraction and gradient norm, and its routing (the replay check against its own values pass, and
         agreement with the engine's routes)."""
-        from moe_rl.actor.parallel import global_mean
+        from moe_rl.common.distributed import global_mean
         from moe_rl.diagnostics.step_hooks import router_agreement
         from moe_rl.objectives.aggregation import masked_mean
 

@@ -80,7 +80,7 @@ def global_metrics(
         reward/zero_variance_groups: mean over ranks of each rank's value (every rank holds the same
         number of samples and groups; the actor's loss and correction metrics arrive already global,
         token-weighted over the data-parallel ranks);
-      `peaks` (time/*, memory/*): the largest rank's (the slowest, the most memory).
+      `peaks` (time/*, memory/*, weight_sync/*): the largest rank's (the slowest, the most memory).
     """
     from moe_rl.objectives.metrics import mismatch_from_sums, mismatch_sums
 

@@ -40,7 +40,7 @@ def register_run_stamp() -> None:
 def check_same_run_dir(run_dir: Path) -> None:
     """Fail on every rank, naming the directories, when the ranks of a job were given different run directories
     (call after torch.distributed is up)."""
-    from moe_rl.actor.parallel import all_gather_objects
+    from moe_rl.common.distributed import all_gather_objects
 
     dirs = all_gather_objects(str(Path(run_dir).absolute()))
     if len(set(dirs)) > 1:

@@ -20,8 +20,8 @@ GROUPS, N, LAYERS, TOPK, MINI_BATCHES = 4, 3, 2, 2, 2
 
 
 def rollout_for(rank: int):
+    from moe_rl.common.batch import RolloutBatch
     from moe_rl.data.prompts import Prompt
-    from moe_rl.rollout.batch import RolloutBatch
     from moe_rl.rollout.source import Rollout
 
     rng = np.random.default_rng(rank)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.common.batch import PaddedBatch
 from moe_rl.rollout import dump
-from moe_rl.rollout.batch import PaddedBatch
 from tests.conftest import run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

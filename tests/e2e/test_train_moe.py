@@ -81,6 +81,12 @@ def test_default_run_learns_the_toy_task(default_run):
     assert norms[0] <= 10 * max(norms[1], norms[2]), norms[:3]
     assert all(h["actor/skipped_steps"] == 0 for h in history)
     assert all(0.0 <= h["reward/zero_variance_groups"] <= 1.0 for h in history)
+    # every step syncs the engine: the whole model (the tiny model's fp32 HF tensors) in bounded buckets
+    model_bytes = sum(f.stat().st_size for f in (tmp_path / "tiny_model").glob("*.safetensors"))
+    for h in history:
+        assert 0.9 * model_bytes <= h["weight_sync/bytes"] <= model_bytes, (h["weight_sync/bytes"], model_bytes)
+        assert h["weight_sync/seconds"] > 0 and h["weight_sync/buckets"] >= 1
+        assert h["weight_sync/gb_per_s"] == pytest.approx(h["weight_sync/bytes"] / h["weight_sync/seconds"] / 1e9)
 
 
 def test_overrides_r2_ep2_tis(tmp_path):

@@ -13,9 +13,9 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
+from moe_rl.common.batch import PaddedBatch
 from moe_rl.data.prompts import Prompt
 from moe_rl.objectives import grpo_advantages
-from moe_rl.rollout.batch import PaddedBatch
 from moe_rl.rollout.buffer import PRIORITIES, ReplayBuffer, assemble
 from moe_rl.rollout.source import Rollout
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from moe_rl.common.batch import PaddedBatch
 from moe_rl.config import TrainConfig
 from moe_rl.objectives.value import explained_variance
-from moe_rl.rollout.batch import PaddedBatch
 from tests.reference import random_batch
 
 

@@ -83,3 +83,37 @@ def test_tools_are_leaves():
         if mod.startswith("moe_rl.tools") or (mod == "moe_rl" and attr == "tools")
     ]
     assert not bad, "; ".join(bad)
+
+
+# The units of moe_rl (each subpackage, and each top-level module) from the bottom up: a unit imports units of
+# lower layers only, function-level imports included, so no two units import each other (design.md, "Which part
+# may know which"). The data flow reads upwards: rollout -> routes -> actor -> objectives -> update -> weight sync.
+LAYERS = [
+    {"kernels", "routing"},  # torch (and Triton) only: the fused kernels, the route contract
+    {"common"},  # batch types and collective helpers every part uses
+    {"objectives", "compat", "data", "models"},  # losses and corrections; reaches into megatron/vLLM; prompts
+    {"actor", "rollout"},  # the Megatron actor; the vLLM engines and rollout sources (neither knows the other)
+    {"weight_sync", "critic", "diagnostics"},  # actor -> engines; the value model; step hooks and the CLI
+    {"config"},  # composes every part's config section and checks them together
+    {"trainer"},  # the loop: builds the parts from the config
+    {"tools"},  # command lines
+]
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_units_import_only_lower_layers():
+    layer = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+    found = {_unit(m) for m in _package_imports() if m != "moe_rl"}
+    assert found <= set(layer), f"units without a layer in LAYERS: {sorted(found - set(layer))}"
+    bad = [
+        f"{name} imports {mod} ({_unit(name)}, layer {layer[_unit(name)]} -> {_unit(mod)}, layer {layer[_unit(mod)]})"
+        for name, imported in _package_imports().items()
+        if name != "moe_rl"
+        for mod, attr in imported
+        for mod in [f"{mod}.{attr}" if mod == "moe_rl" else mod]
+        if _unit(mod) != _unit(name) and layer[_unit(mod)] >= layer[_unit(name)]
+    ]
+    assert not bad, "imports against the layers (a unit imports lower layers only):\n" + "\n".join(bad)

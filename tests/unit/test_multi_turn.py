@@ -252,7 +252,7 @@ def test_env_loader_and_config_checks():
 def test_padded_batch_trains_only_the_sampled_tokens_of_a_fixed_trajectory():
     """prompt [5, 6] | turn 0 samples [7, 8] | observation [9] | turn 1 samples [10]: the loss mask is 1 on 7, 8
     and 10, mu sits at those positions, and a split by prompt keeps the multi-turn fields with their samples."""
-    from moe_rl.rollout.batch import RolloutBatch
+    from moe_rl.common.batch import RolloutBatch
 
     lp = np.array([-0.5, -0.25, 0.0, -1.0], dtype=np.float32)
     routes = np.zeros((6, L, K), dtype=np.uint8)

@@ -126,8 +126,8 @@ def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, wor
     on a real Megatron actor (same weights after two mini-batches); the update reports its own forward's
     log-probs, which for the first mini-batch are the actor's before the update."""
     from moe_rl.actor.actor import Actor
+    from moe_rl.common.batch import PaddedBatch
     from moe_rl.config import TrainConfig
-    from moe_rl.rollout.batch import PaddedBatch
     from tests.reference import random_batch
 
     cfg = TrainConfig()

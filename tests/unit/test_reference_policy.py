@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from moe_rl.actor.actor import Actor
+from moe_rl.common.batch import PaddedBatch
 from moe_rl.config import TrainConfig
 from moe_rl.objectives import Objective
-from moe_rl.rollout.batch import PaddedBatch
 from tests.reference import random_batch
 
 

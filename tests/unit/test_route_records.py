@@ -7,7 +7,7 @@ import base64
 import numpy as np
 import pytest
 
-from moe_rl.rollout.batch import RolloutBatch
+from moe_rl.common.batch import RolloutBatch
 from moe_rl.rollout.route_capture import RouteAssembler, child_request_ids
 from moe_rl.routing.records import (
     RouteError,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_rl.rollout.batch import RolloutBatch
+from moe_rl.common.batch import RolloutBatch
 from moe_rl.rollout.multi_turn.builtin_envs import env_class
 from moe_rl.rollout.multi_turn.config import MultiTurnConfig
 from moe_rl.rollout.multi_turn.environment import EnvSample, StepResult, Turn

@@ -1,0 +1,61 @@
+"""Collective helpers for small host-side values, used by every part (the actor, the rollout sources, the weight
+sync, the trainer): maxima, object gathers, token-weighted means, and byte-bounded buckets."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def world_max(*values: int) -> list[int]:
+    """Max over all ranks (one all-reduce). Used for the padded length (data-parallel ranks that
+    share an expert-parallel group must pad to one sequence length: megatron's token dispatchers
+    exchange equal-sized blocks) and for flags every rank must agree on."""
+    t = torch.tensor(values, dtype=torch.long)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's `obj` (picklable; small metadata only), in rank order of `group` (default: the world)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def global_mean(values: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+    """Each value (a mean over this rank's `weights[key]` tokens or sequences) as the mean over the
+    data-parallel ranks' tokens or sequences: one all-reduce."""
+    from megatron.core import parallel_state as ps  # the data-parallel group (megatron is the actor's, not a need here)
+
+    keys = list(values)
+    t = torch.tensor([[values[k] * weights[k] for k in keys], [weights[k] for k in keys]], dtype=torch.float64)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return {k: float(n / d) if d > 0 else 0.0 for k, n, d in zip(keys, t[0].tolist(), t[1].tolist(), strict=True)}
+
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a tensor of this shape and dtype name ("float32", "bfloat16", ...)."""
+    return math.prod(shape) * getattr(torch, dtype).itemsize
+
+
+def buckets(items: Iterable, limit: int, size) -> Iterator[list]:
+    """Consecutive items of at most `limit` bytes in all (`size(item)`; a larger item travels alone)."""
+    bucket, total = [], 0
+    for item in items:
+        n = size(item)
+        if bucket and total + n > limit:
+            yield bucket
+            bucket, total = [], 0
+        bucket.append(item)
+        total += n
+    if bucket:
+        yield bucket
