@@ -49,12 +49,13 @@ def _print_keys(prefix: str) -> None:
 
 
 def _check_command_line() -> None:
-    """A misspelled key fails here with the closest valid key, not in Hydra's words."""
-    from moe_rl.config import ConfigKeyError, check_overrides
+    """A misspelled key fails here with the closest valid key, and a value outside a key's fixed set with the valid
+    ones, not in Hydra's words."""
+    from moe_rl.config import ConfigError, check_overrides
 
     try:
         check_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
-    except ConfigKeyError as e:
+    except ConfigError as e:
         _refuse(e)
 
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
 from typing import Any
 
+from moe_rl.actor.model import Recompute
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.common.errors import ConfigError
+from moe_rl.models.tiny import Arch
 from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
 from moe_rl.objectives.aggregation import AGG_MODES
 from moe_rl.objectives.corrections import IcePopConfig
@@ -28,11 +31,11 @@ from moe_rl.rollout.placement import PLACEMENTS
 class ModelConfig:
     path: str = ""
     """HF model folder. Empty: build the tiny model below into the run directory."""
-    tiny_arch: str = "qwen3_moe"
-    """Architecture of the built-in tiny model (qwen3_moe | mixtral | olmoe | glm4_moe)."""
+    tiny_arch: Arch = Arch.qwen3_moe
+    """Architecture of the built-in tiny model (qwen3_moe | mixtral | olmoe | glm4_moe | deepseek_v3)."""
     dtype: str = "float32"
     """Actor dtype: float32 | bfloat16."""
-    recompute: str | None = None
+    recompute: Recompute | None = None
     """Activation recompute: null | full | selective."""
     transformer_engine: bool = False
     """Transformer Engine layer spec (GPU only, needs transformer-engine; not yet run on a GPU here). Packed
@@ -708,6 +711,24 @@ class ConfigKeyError(ConfigError):
     """A command-line key that is not in the schema."""
 
 
+def _choices(node: Any, prefix: str = "") -> dict[str, tuple[type[Enum], bool]]:
+    """{dotted key: (its Enum type, whether null is allowed)} of every key of a fixed set of values."""
+    import typing
+
+    out = {}
+    hints = typing.get_type_hints(type(node))
+    for f in fields(node):
+        value, hint = getattr(node, f.name), hints[f.name]
+        if is_dataclass(value):
+            out |= _choices(value, f"{prefix}{f.name}.")
+            continue
+        args = typing.get_args(hint) or (hint,)
+        enums = [a for a in args if isinstance(a, type) and issubclass(a, Enum)]
+        if enums:
+            out[f"{prefix}{f.name}"] = enums[0], type(None) in args
+    return out
+
+
 def _schema_keys(node: Any, prefix: str = "") -> list[str]:
     """Every dotted key of a config dataclass (instance), nested ones included."""
     keys = []
@@ -774,6 +795,7 @@ def check_overrides(overrides: list[str]) -> None:
     composes anything (Hydra's own message lists no alternative). Group choices
     (`algorithm=ppo_tis`, `algorithm/loss=ppo`) and `hydra.*` / `+key` / `~key` pass through."""
     known = set(_schema_keys(TrainConfig()))
+    choices = _choices(TrainConfig())
     for registry_group, registry in GROUPS.items():  # every loss's and correction's settings
         slot = registry_group.replace("/", ".")
         for cls in registry.configs().values():
@@ -781,7 +803,12 @@ def check_overrides(overrides: list[str]) -> None:
     for arg in overrides:
         if "=" not in arg or arg[0] in "+~" or arg.startswith("hydra"):
             continue
-        key = arg.split("=", 1)[0]
+        key, value = arg.split("=", 1)
+        if key in choices:
+            enum, nullable = choices[key]
+            allowed = [m.value for m in enum] + (["null"] if nullable else [])
+            if value not in allowed:
+                raise ConfigError(f"config {key}={value!r}: choose one of {', '.join(allowed)}")
         if "/" in key or key in known:
             continue
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)

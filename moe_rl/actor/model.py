@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,13 @@ from moe_rl.actor.converters import Converter, get_converter
 from moe_rl.actor.parallel import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Recompute(StrEnum):
+    """Activation recompute (model.recompute; null: none)."""
+
+    full = "full"  # every decoder layer's activations, recomputed in the backward
+    selective = "selective"  # the core attention only (megatron's recompute_granularity=selective)
 
 
 @dataclass
@@ -31,7 +39,7 @@ class ModelOptions:
     """Transformer Engine layer spec (GPU only). The local spec is the CPU path."""
     router_dtype: str | None = None
     """Router logits dtype: None (model dtype, like HF and vLLM) | fp32 | fp64."""
-    recompute: str | None = None
+    recompute: Recompute | None = None
     """Activation recompute: None | full | selective."""
     max_seq_len: int | None = None
     """RoPE table length; default: the HF config's max_position_embeddings."""

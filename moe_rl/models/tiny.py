@@ -14,11 +14,23 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+
+class Arch(StrEnum):
+    """The tiny model's architectures (HF model_type)."""
+
+    qwen3_moe = "qwen3_moe"
+    mixtral = "mixtral"
+    olmoe = "olmoe"
+    glm4_moe = "glm4_moe"
+    deepseek_v3 = "deepseek_v3"
+
+
+ARCHS = tuple(Arch)
 # Families with sigmoid grouped routing, an expert bias, shared experts and leading dense layers.
 SIGMOID_ARCHS = ("glm4_moe", "deepseek_v3")
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

@@ -19,6 +19,7 @@ import os
 import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,22 @@ class SamplingConfig:
     """Base seed; prompt i uses seed + i. None: unseeded."""
 
 
+class Capture(StrEnum):
+    """Route capture (rollout.capture)."""
+
+    auto = "auto"  # native on CUDA, hook on CPU
+    hook = "hook"  # the routers' capture hook in the engine's worker (CPU)
+    native = "native"  # vLLM's routed_experts output (GPU)
+    none = "none"  # no routes (then actor.router_replay cannot be r3)
+
+
+class LogprobsMode(StrEnum):
+    """Which log-probs the engine returns (rollout.logprobs_mode, vLLM's logprobs_mode)."""
+
+    raw_logprobs = "raw_logprobs"  # the model's distribution at temperature 1
+    processed_logprobs = "processed_logprobs"  # after temperature and top-p
+
+
 @dataclass
 class RolloutConfig:
     """vLLM engine settings."""
@@ -80,7 +97,7 @@ class RolloutConfig:
     """colocated (the engine shares its rank's cores or device) | separate (CPU: the rank's cores split in
     halves, trainer threads pinned to one, the engine's to the other; rollout/placement.py). With
     trainer.max_staleness >= 1 separate lets generation and training run side by side."""
-    capture: str = "auto"
+    capture: Capture = Capture.auto
     """Route capture: auto (native on CUDA, hook on CPU) | hook | native | none."""
     max_model_len: int | None = None
     """Context length; None: the model's max_position_embeddings."""
@@ -111,7 +128,7 @@ class RolloutConfig:
     """GPU, colocated engines: after each rollout the engine sleeps (vLLM sleep level 1: KV cache freed, weights
     offloaded to host memory) so the actor trains with the device to itself; the weight sync wakes its weights,
     the next sampling its KV cache. Not yet run on a GPU."""
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: LogprobsMode = LogprobsMode.raw_logprobs
     """raw_logprobs (model distribution at temperature 1) | processed_logprobs (after temperature/top-p)."""
     weight_sync_bucket_mb: int = 64
     """Upper bound of one weight-sync bucket."""
@@ -273,7 +290,7 @@ class RolloutEngine:
             seed=cfg.seed or 0,
             max_model_len=cfg.max_model_len,
             worker_extension_cls="moe_rl.rollout.worker_ext.MoeRLWorkerExtension",
-            logprobs_mode=cfg.logprobs_mode,
+            logprobs_mode=str(cfg.logprobs_mode),
             enforce_eager=not torch.cuda.is_available(),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             # vLLM's bar over the checkpoint's files: progress for a many-file model, noise for one file

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from moe_rl.config import AlgorithmConfig, ConfigKeyError, TrainConfig, check_overrides, register_configs, validate
+from moe_rl.config import (
+    AlgorithmConfig,
+    ConfigError,
+    ConfigKeyError,
+    TrainConfig,
+    check_overrides,
+    register_configs,
+    validate,
+)
 from moe_rl.objectives.corrections import GeoMaskConfig, TISConfig
 from moe_rl.objectives.policy_loss import GSPOConfig, PPOConfig
 
@@ -92,12 +101,37 @@ def test_unknown_key_names_the_closest(override, suggestion):
     check_overrides(["algorithm=ppo_tis", "algorithm/loss=ppo", "+extra=1", "hydra.run.dir=x", suggestion + "=1"])
 
 
-def test_unknown_key_from_torchrun_is_one_message(tmp_path):
+TYPOS = {  # a value outside a key's fixed set, and the valid ones the refusal lists
+    "rollout.capture=hok": "config rollout.capture='hok': choose one of auto, hook, native, none",
+    "model.recompute=fulll": "config model.recompute='fulll': choose one of full, selective, null",
+    "model.tiny_arch=deepseek_v4": "config model.tiny_arch='deepseek_v4': choose one of qwen3_moe, mixtral, olmoe, "
+    "glm4_moe, deepseek_v3",
+    "rollout.logprobs_mode=raw": "config rollout.logprobs_mode='raw': choose one of raw_logprobs, processed_logprobs",
+}
+
+
+@pytest.mark.parametrize("override", sorted(TYPOS))
+def test_a_value_outside_a_fixed_set_is_refused_naming_the_valid_ones(override):
+    with pytest.raises(ConfigError) as e:
+        check_overrides([override])
+    assert str(e.value) == TYPOS[override]
+    with pytest.raises(Exception, match=override.split("=")[1]):  # a YAML preset's value: Hydra refuses it too
+        _compose([override])
+    key, _ = override.split("=")
+    check_overrides([f"{key}={TYPOS[override].split('choose one of ')[1].split(',')[0]}"])
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [("trainer.stepz=3", "did you mean trainer.steps?"), ("rollout.capture=hok", TYPOS["rollout.capture=hok"])],
+)
+def test_a_bad_command_line_from_torchrun_is_one_message_before_anything_is_built(override, message, tmp_path):
+    start = time.monotonic()
     out = subprocess.run(
         # --standalone: a free port (the default 29500 may be another job's); the timeout leaves room for
         # the suite's concurrent lane on 2 cores
         [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", "launch/train_moe.py"]
-        + ["trainer.stepz=3"],
+        + [override, f"hydra.run.dir={tmp_path / 'run'}"],
         capture_output=True,
         text=True,
         cwd=Path(CONF).parent,
@@ -105,7 +139,11 @@ def test_unknown_key_from_torchrun_is_one_message(tmp_path):
     )
     text = out.stdout + out.stderr
     assert out.returncode != 0
-    assert text.count("did you mean trainer.steps?") == 1, text[-3000:]
+    assert text.count(message) == 1, text[-3000:]
+    assert not (tmp_path / "run").exists()  # refused before Hydra made the run directory: nothing was built
+    elapsed = time.monotonic() - start
+    print(f"\n{override}: refused in {elapsed:.1f} s")
+    assert elapsed <= 15
 
 
 @pytest.mark.parametrize(
