@@ -96,6 +96,7 @@ class Actor:
             self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
         self.max_tokens = a.max_tokens_per_micro_batch if a.packing else None  # token budget of a packed forward
         self.thd = opts.use_te  # packed rows as THD sequences through Transformer Engine (GPU)
+        self._plan: tuple[torch.Tensor, object] | None = None  # (the attention mask it was made for, the plan)
         if a.packing:
             check_packing_supported(self.chunks[0].config)
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
@@ -168,17 +169,20 @@ class Actor:
     def pack_plan(self, padded: PaddedBatch):
         """The bins of this batch under actor.packing (None when off): within each mini-batch, so every
         pass of the step (old, reference, diagnostics, update) runs each sample in the same bin at the
-        same row length. Collective."""
+        same row length. Planned once per batch (its attention mask, which every pass of a step shares, is the
+        key; every rank passes the same batches in the same order): planning is collective (two all-reduces)."""
         from megatron.core import parallel_state as ps
 
+        from moe_rl.actor import packing
         from moe_rl.actor.context_parallel import seq_multiple
-        from moe_rl.actor.packing import plan_packing
 
         if self.max_tokens is None:
             return None
+        if self._plan is not None and self._plan[0] is padded.attention_mask:
+            return self._plan[1]
         lengths = padded.attention_mask.sum(-1).tolist()
         interleaved = (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
-        return plan_packing(
+        plan = packing.plan_packing(
             lengths,
             self.max_tokens,
             self.cfg.mini_batches,
@@ -191,6 +195,8 @@ class Actor:
             count_multiple=ps.get_pipeline_model_parallel_world_size() if interleaved else 1,
             thd=self.thd,
         )
+        self._plan = padded.attention_mask, plan
+        return plan
 
     def train(
         self,

@@ -32,7 +32,7 @@ def test_sigmoid_router_family_learns_and_exports(arch, attention_weight, tmp_pa
     last = sum(h["reward/mean"] for h in history[-5:]) / 5
     print(f"\n{arch} mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert last >= 2 * first
-    assert min(h["router/agreement"] for h in history) > 0.99
+    assert min(h["router/agreement"] for h in history if "router/agreement" in h) > 0.99  # steps 1 and 11
     assert all(h["router/replay_mismatches"] == 0 for h in history)
     # the engine serves the synced weights (fp32): mu and pi_old agree to rounding after every sync
     assert max(abs(h["mismatch/kl"]) for h in history) < 1e-5

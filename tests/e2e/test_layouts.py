@@ -139,6 +139,7 @@ def test_an_engine_with_tensor_parallelism_serves_the_tp2_actor(one_rank, tmp_pa
     assert len(history) == 2
     for h in history:
         assert h["router/replay_mismatches"] == 0  # the captured routes replay exactly
-        assert h["router/agreement"] > one_rank["router/agreement"] - 0.02  # bf16 engine: ~3% disagree
+        if "router/agreement" in h:  # step 1 (logging.router_agreement_every)
+            assert h["router/agreement"] > one_rank["router/agreement"] - 0.02  # bf16 engine: ~3% disagree
         assert abs(h["actor/first_minibatch_ppo_kl"]) < 1e-4
         assert h["mismatch/kl"] < 10 * one_rank["mismatch/kl"], (h["step"], h["mismatch/kl"], one_rank["mismatch/kl"])

@@ -75,7 +75,8 @@ def test_default_run_learns_the_toy_task(default_run):
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000030"
     assert (tmp_path / "checkpoints" / "step_000030" / "optimizer" / "metadata.json").is_file()
     # fp32 actor and engine route identically on almost every token-layer
-    assert min(h["router/agreement"] for h in history) > 0.99
+    agreement = [h["router/agreement"] for h in history if "router/agreement" in h]
+    assert len(agreement) == 3 and min(agreement) > 0.99  # steps 1, 11, 21 (logging.router_agreement_every=10)
     # no step-1 gradient-norm spike (the tiny model has no all-zero embedding row), nothing skipped
     norms = [h["actor/grad_norm"] for h in history]
     assert norms[0] <= 10 * max(norms[1], norms[2]), norms[:3]
@@ -104,7 +105,7 @@ def test_overrides_r2_ep2_tis(tmp_path):
     assert [h["step"] for h in history] == [1, 2, 3]
     assert max(abs(h["actor/first_minibatch_ppo_kl"]) for h in history) < 1e-4
     assert "tis/capped_fraction" in history[0]
-    assert 0.99 < history[-1]["router/agreement"] <= 1.0
+    assert 0.99 < history[0]["router/agreement"] <= 1.0
 
     # The same checkpoint on one rank: model and optimizer reshard; the per-rank RNG states stay behind, and each
     # rank's data position (12 prompts on each of 2 data-parallel ranks) becomes the global count on the one rank.

@@ -193,3 +193,31 @@ def test_routes_pack_in_token_order_and_routes_held_elsewhere_stay_zero_width():
     # a tensor/context-parallel peer (actor/replay.py): its group's route holder packs and cuts for it
     _, _, peer = pack_bin(ids, lengths, [2, 0], 16, {"routes": routes[:, :0]})
     assert peer["routes"].shape == (1, 0, 2, 2)
+
+
+def test_a_steps_passes_share_one_packing_plan(tiny_models, world1, monkeypatch, tmp_path):
+    """The old-log-prob pass, the diagnostics' forward and the update of one batch plan its bins once (planning
+    is two all-reduces); the next batch is planned anew."""
+    from moe_rl.actor import packing
+    from moe_rl.actor.actor import Actor
+    from moe_rl.common.batch import PaddedBatch
+    from moe_rl.config import TrainConfig
+    from moe_rl.diagnostics.step_hooks import StepDiagnostics
+    from moe_rl.objectives import Objective
+    from tests.reference import random_batch
+
+    plans = []
+    monkeypatch.setattr(packing, "plan_packing", lambda *a, **k: plans.append(a) or plan_packing(*a, **k))
+    cfg = TrainConfig()
+    cfg.actor.router_replay, cfg.actor.mini_batches = "r2", 2
+    actor = Actor(cfg, tiny_models["qwen3_moe"], record_routes=True)
+    diagnostics = StepDiagnostics(cfg, actor, tmp_path)
+    objective = Objective(cfg.algorithm, group_size=4)
+    for step in range(2):
+        ids, attn = random_batch(actor.hf_config.vocab_size, batch=8, length=12, seed=step, min_len=6)
+        padded = PaddedBatch(ids, attn, attn.float(), torch.zeros(ids.shape), None)
+        old = actor.old_logprobs(padded)
+        padded.rollout_logprobs = old["logprobs"].clone()
+        diagnostics.routing_views(padded, old)
+        actor.train(padded, old, torch.randn(8), objective, lambda skipped, i: skipped)
+        assert len(plans) == step + 1
