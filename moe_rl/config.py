@@ -429,8 +429,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             registry.name_of(value)
         except ValueError as e:
             bad(f"algorithm.{key}", f"{e}; choose one with algorithm/{key}=<name>")
-    if alg.advantage not in ADVANTAGES and alg.advantage != "gae":
-        bad("algorithm.advantage", f"{alg.advantage!r} is not one of {[*ADVANTAGES.names(), 'gae']}")
+    if alg.advantage not in ADVANTAGES:
+        bad("algorithm.advantage", f"{alg.advantage!r} is not one of {ADVANTAGES.names()}")
     if alg.advantage == "gae":
         c = cfg.critic
         if POLICY_LOSSES.name_of(alg.loss) != "ppo":

@@ -389,3 +389,22 @@ class RouteReplay:
                 rows = mb.index.numpy()[sample[real]]
                 full[rows, mb.pack.position.numpy()[pos][real], col] = ids[0, real]
         return full
+
+
+def router_agreement(replay, padded, routes: torch.Tensor) -> float:
+    """Fraction of (token, MoE layer) pairs where `routes` (recorded by `replay`, a RouteReplay: the layers
+    of this rank) pick the same expert set as the rollout engine's `padded.routes` (real tokens but the last).
+    Computed by the route holder of the tensor/context-parallel group, which has both (collective over it)."""
+    from moe_rl.routing.compare import route_sets_differ, routed_positions
+    from moe_rl.routing.records import missing_rows
+
+    def agreement() -> float:
+        cols = sorted({replay.col[h.layer] for h in replay.hooks})
+        valid = routed_positions(padded.attention_mask)
+        engine = padded.routes[:, :, cols][valid]
+        differ, _ = route_sets_differ(routes[:, :, cols][valid], engine)
+        recorded = ~missing_rows(engine)  # rows without an engine route (multi-turn missing_routes=live) do not count
+        agree = ~differ if recorded.all() else (~differ)[recorded]
+        return float(agree.float().mean()) if agree.numel() else 1.0
+
+    return replay.share.from_holder(agreement)

@@ -49,9 +49,11 @@ class ValueHead:
 
 
 class Critic:
-    def __init__(self, cfg, model_path: str, lr: float, router_replay: str = "r2"):
-        """`cfg`: moe_rl.config.TrainConfig (model, parallel, actor: clipping, micro-batches, packing);
-        `model_path`: an HF folder of the actor's architecture (its LM head is dropped). Call after
+    def __init__(self, critic, model, parallel, actor, model_path: str):
+        """Its sections of the config: `critic` (moe_rl.config.CriticConfig: learning rate, replay, value clip,
+        mini-batches, epochs), `model` (ModelConfig: dtype, recompute, Transformer Engine), `parallel`
+        (ParallelConfig) and `actor` (ActorConfig: weight decay, gradient clip, micro-batch size, as the
+        actor's); `model_path`: an HF folder of the actor's architecture (its LM head is dropped). Call after
         `init_distributed`."""
         from megatron.core import parallel_state as ps
 
@@ -59,11 +61,12 @@ class Critic:
         from moe_rl.actor.optimizer import build_optimizer
         from moe_rl.actor.replay import RouteReplay, rank_moe_layers
 
+        router_replay = critic.router_replay
         if router_replay not in ("r2", "off"):
             raise ValueError(f"critic.router_replay={router_replay!r}: choose r2 (its own values pass) or off")
-        self.cfg, self.router_replay = cfg.actor, router_replay
-        opts = ModelOptions(dtype=cfg.model.dtype, use_te=cfg.model.transformer_engine, recompute=cfg.model.recompute)
-        m = load_model(model_path, cfg.parallel, opts)
+        self.cfg, self.critic_cfg, self.router_replay = actor, critic, router_replay
+        opts = ModelOptions(dtype=model.dtype, use_te=model.transformer_engine, recompute=model.recompute)
+        m = load_model(model_path, parallel, opts)
         self.chunks, self.layout = m.chunks, m.layout
         for c in self.chunks:
             if getattr(c, "post_process", False):
@@ -78,7 +81,7 @@ class Critic:
             if router_replay == "r2"
             else None
         )
-        self.optimizer = build_optimizer(self.chunks, lr, cfg.actor.weight_decay, cfg.actor.grad_clip)
+        self.optimizer = build_optimizer(self.chunks, critic.lr, actor.weight_decay, actor.grad_clip)
 
     def values(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
         """{"values": [B, T] V before token t (0 at column 0 and padding)} and, under R2, the "routes" this
@@ -149,3 +152,49 @@ class Critic:
                 out[f"critic/{k}"] = out.get(f"critic/{k}", 0.0) + v / mini_batches
         out["critic/grad_norm"] = sum(norms) / len(norms)
         return out
+
+    def update(self, padded: PaddedBatch, values: dict[str, torch.Tensor], returns: torch.Tensor) -> dict[str, float]:
+        """The critic's epochs on this batch (critic.epochs x critic.mini_batches optimizer steps), and its
+        metrics: the values before the update against the returns (critic/explained_variance, values_mean,
+        returns_mean; over the global batch), the update's loss, clip fraction and gradient norm (means over the
+        epochs), and its routing (the replay check against its own values pass, and agreement with the engine's
+        routes)."""
+        from moe_rl.actor.replay import router_agreement
+        from moe_rl.common.distributed import global_mean
+        from moe_rl.objectives.value import value_stats
+
+        c = self.critic_cfg
+        stats = value_stats(values["values"], returns, padded.loss_mask, reduce=global_mean)
+        out = {f"critic/{k}": v for k, v in stats.items()}
+        if self.replay is not None:
+            self.replay.dispatch_check(reset=True)
+        epochs = [self.train(padded, values, returns, c.value_clip, c.mini_batches) for _ in range(c.epochs)]
+        for k in epochs[0]:
+            if k not in out:
+                out[k] = sum(e[k] for e in epochs) / len(epochs)
+        if self.replay is not None:
+            checked, mismatched = self.replay.dispatch_check()
+            out["critic/replay_mismatches"] = float(mismatched)
+            out["critic/router_agreement"] = 1 - mismatched / checked if checked else 1.0
+            if padded.routes is not None:
+                out["critic/engine_router_agreement"] = router_agreement(self.replay, padded, values["routes"])
+        return out
+
+
+def gae_targets(
+    objective, rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, whiten: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), [B, T], of the objective's value-based estimator (algorithm.advantage=gae: GAE over
+    each response with algorithm.gamma and lam), the advantages whitened over the global batch when `whiten`
+    (algorithm.whiten_advantages). Collective when whitening."""
+    from moe_rl.common.distributed import global_mean
+    from moe_rl.objectives.aggregation import masked_mean
+    from moe_rl.objectives.value import masked_whiten
+
+    advantages, returns = objective.token_advantages(rewards, mask, values)
+    if whiten:
+        n = {"x": float(mask.sum())}
+        mean = global_mean({"x": float(masked_mean(advantages, mask))}, n)["x"]
+        var = global_mean({"x": float(masked_mean((advantages - mean) ** 2, mask))}, n)["x"]
+        advantages = masked_whiten(advantages, mask, mean, var)
+    return advantages, returns

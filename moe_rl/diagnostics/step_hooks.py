@@ -61,6 +61,8 @@ class StepDiagnostics:
     def router_agreement(self, padded, live_routes: torch.Tensor) -> float:
         """Fraction of (token, MoE layer) pairs where the actor's own routing picks the same expert
         set as the rollout engine (this rank's layers; real tokens except the last)."""
+        from moe_rl.actor.replay import router_agreement
+
         return router_agreement(self.actor.replay, padded, live_routes)
 
     def write_dump(
@@ -110,22 +112,3 @@ def all_layers(routes: torch.Tensor | None, layers: list[int], moe_layers: list[
     for stage_layers, part in all_gather_objects((list(layers), routes), ps.get_pipeline_model_parallel_group()):
         out[:, :, layer_columns(stage_layers, moe_layers)] = part
     return out
-
-
-def router_agreement(replay, padded, routes: torch.Tensor) -> float:
-    """Fraction of (token, MoE layer) pairs where `routes` (recorded by `replay`, a RouteReplay: the layers
-    of this rank) pick the same expert set as the rollout engine's `padded.routes` (real tokens but the last).
-    Computed by the route holder of the tensor/context-parallel group, which has both (collective over it)."""
-    from moe_rl.routing.compare import route_sets_differ, routed_positions
-    from moe_rl.routing.records import missing_rows
-
-    def agreement() -> float:
-        cols = sorted({replay.col[h.layer] for h in replay.hooks})
-        valid = routed_positions(padded.attention_mask)
-        engine = padded.routes[:, :, cols][valid]
-        differ, _ = route_sets_differ(routes[:, :, cols][valid], engine)
-        recorded = ~missing_rows(engine)  # rows without an engine route (multi-turn missing_routes=live) do not count
-        agree = ~differ if recorded.all() else (~differ)[recorded]
-        return float(agree.float().mean()) if agree.numel() else 1.0
-
-    return replay.share.from_holder(agreement)

@@ -24,7 +24,7 @@ from moe_rl.objectives.metrics import MISMATCH_KEYS, mismatch_metrics
 from moe_rl.objectives.objective import Objective
 from moe_rl.objectives.policy_loss import LossInputs, gspo_loss, gspo_sequence_log_ratio, ppo_loss
 from moe_rl.objectives.registry import ADVANTAGES, CORRECTIONS, POLICY_LOSSES, Registry
-from moe_rl.objectives.value import explained_variance, gae_advantages, masked_whiten, value_loss
+from moe_rl.objectives.value import gae, gae_advantages, masked_whiten, value_loss, value_stats
 
 __all__ = [
     "ADVANTAGES",
@@ -38,7 +38,7 @@ __all__ = [
     "Registry",
     "aggregate",
     "drgrpo_advantages",
-    "explained_variance",
+    "gae",
     "gae_advantages",
     "grpo_advantages",
     "gspo_loss",
@@ -59,4 +59,5 @@ __all__ = [
     "sequence_log_ratio",
     "tis_weights",
     "value_loss",
+    "value_stats",
 ]

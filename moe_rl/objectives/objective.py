@@ -34,8 +34,10 @@ class Objective:
         if self.fused:
             self._loss = fused
         self._correction = CORRECTIONS.get(self.correction_name)
-        # gae: token-level advantages from the critic's values (the trainer's _gae), not from rewards alone
-        self._advantages = None if algorithm.advantage == "gae" else ADVANTAGES.get(algorithm.advantage)
+        self._advantages = ADVANTAGES.get(algorithm.advantage)
+        # gae: token-level advantages from the critic's values too (token_advantages), not from rewards alone
+        self.needs_values = bool(ADVANTAGES.meta(algorithm.advantage).get("needs_values"))
+        self.gamma, self.lam = algorithm.gamma, algorithm.lam
         self.group_size = group_size
         # the band mismatch/k_outside_icepop_fraction reports: the run's own under IcePop
         self.icepop_band = self.correction_cfg if isinstance(self.correction_cfg, IcePopConfig) else IcePopConfig()
@@ -57,9 +59,16 @@ class Objective:
         return self.kl_coef * (kl_penalty(logp, ref_logp, self.kl_type) * mask).sum(-1)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        if self._advantages is None:
-            raise ValueError("algorithm.advantage=gae needs the critic's values: objectives.value.gae_advantages")
+        """[B] one advantage per sample, from the rewards [B] (group-relative estimators)."""
+        if self.needs_values:
+            raise ValueError("this advantage estimator needs the critic's values: use token_advantages")
         return self._advantages(rewards, self.group_size)
+
+    def token_advantages(
+        self, rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns), [B, T], of an estimator that needs the critic's values (gae)."""
+        return self._advantages(rewards, self.group_size, mask=mask, values=values, gamma=self.gamma, lam=self.lam)
 
     def correct(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> Correction:
         """Token weights and mask that correct pi_old against the rollout engine's mu."""

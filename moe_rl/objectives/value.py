@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from moe_rl.objectives.aggregation import aggregate, masked_mean
+from moe_rl.objectives.registry import ADVANTAGES
 
 
 @torch.no_grad()
@@ -43,6 +44,18 @@ def gae_advantages(
         next_advantage = torch.where(k, a, next_advantage)
     returns = torch.where(keep, advantages + values, 0.0)
     return advantages.to(token_rewards.dtype), returns.to(token_rewards.dtype)
+
+
+@ADVANTAGES.register("gae", needs_values=True)
+def gae(
+    rewards: torch.Tensor, group_size: int, *, mask: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO with a critic: (advantages, returns), [B, T], from each sample's reward `rewards` [B] on its last
+    response token and the critic's `values` [B, T] by GAE over the response (not whitened; groups ignored)."""
+    last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # each sample's last response token
+    token_rewards = torch.zeros_like(values)
+    token_rewards[torch.arange(len(rewards)), last] = rewards.to(values.dtype) * (mask.sum(-1) > 0)
+    return gae_advantages(token_rewards, values, mask, gamma, lam)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, mean=None, var=None, eps: float = 1e-8) -> torch.Tensor:
@@ -90,10 +103,26 @@ def value_loss(
     return loss, metrics
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over mask-1 tokens (1: the critic explains the returns; 0: no
-    better than their mean; NaN when the returns do not vary)."""
-    m = mask.bool()
-    r, v = returns[m].double(), values[m].double()
-    var = r.var(unbiased=False)
-    return float(1 - (r - v).var(unbiased=False) / var) if var > 0 else float("nan")
+def value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce=None) -> dict[str, float]:
+    """explained_variance = 1 - Var(returns - values) / Var(returns) over mask-1 tokens (1: the critic explains
+    the returns; 0: no better than their mean; NaN when the returns do not vary), values_mean and returns_mean.
+    From token means of the moments; `reduce(means, token counts)` turns this rank's into the global batch's
+    (common.distributed.global_mean; None: this batch's)."""
+    n = float(mask.sum())
+    means = {
+        "returns": masked_mean(returns, mask),
+        "returns_sq": masked_mean(returns**2, mask),
+        "values": masked_mean(values, mask),
+        "residual": masked_mean(returns - values, mask),
+        "residual_sq": masked_mean((returns - values) ** 2, mask),
+    }
+    g = {k: float(x) for k, x in means.items()}
+    if reduce is not None:
+        g = reduce(g, dict.fromkeys(g, n))
+    var_returns = g["returns_sq"] - g["returns"] ** 2
+    var_residual = g["residual_sq"] - g["residual"] ** 2
+    return {
+        "explained_variance": 1 - var_residual / var_returns if var_returns > 0 else float("nan"),
+        "values_mean": g["values"],
+        "returns_mean": g["returns"],
+    }

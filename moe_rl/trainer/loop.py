@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import TrainConfig, validate
+from moe_rl.critic.critic import Critic, gae_targets
 from moe_rl.objectives.proximal import loglinear_alpha
 from moe_rl.rollout.ahead import AheadSource
 from moe_rl.rollout.source import StepAbandoned
@@ -78,7 +79,7 @@ class Trainer:
             say(f"[moe-rl] {note}")
         self.actor = Actor(cfg, self.model_path, record_routes=t.dump_every > 0 or t.mode == "rollout_only")
         self.diagnostics = StepDiagnostics(cfg, self.actor, Path(t.dump_dir or run_dir / "dumps"))
-        self.critic = self._build_critic() if cfg.algorithm.advantage == "gae" else None
+        self.critic = self._build_critic() if self.objective.needs_values else None
         self.step_index = 0
         self.skips = SkipCounter(t.max_skipped_steps)
         recomputed = cfg.algorithm.prox_logp != "loglinear"  # else pi_prox is interpolated: no check to make
@@ -380,7 +381,10 @@ class Trainer:
         if self.critic is not None:  # PPO with a critic: token-level GAE on the values before the update
             with timer("values"):
                 values = self.critic.values(rollout.padded)
-            advantages, returns = self._gae(rollout.padded.loss_mask, rewards - penalty, values["values"])
+            whiten = self.cfg.algorithm.whiten_advantages
+            advantages, returns = gae_targets(
+                self.objective, rewards - penalty, rollout.padded.loss_mask, values["values"], whiten
+            )
         else:
             advantages = self.objective.advantages(rewards - penalty)
         with timer("diagnostics"):  # dumps and router agreement, before the update changes the actor
@@ -395,7 +399,7 @@ class Trainer:
                 metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip, ref)
         if self.updates and self.critic is not None:
             with timer("critic_update"):
-                metrics |= self._train_critic(rollout.padded, values, returns)
+                metrics |= self.critic.update(rollout.padded, values, returns)
         synced = {}
         if actor_updates and self.weight_sync is not None:
             if isinstance(self.source, AheadSource):  # the next step's sampling ends before weights change
@@ -447,70 +451,8 @@ class Trainer:
         self.logger.warn(self.step_index, message)
 
     def _build_critic(self):
-        from moe_rl.critic.critic import Critic
-
-        c = self.cfg.critic
-        return Critic(self.cfg, c.model_path or self.model_path, c.lr, c.router_replay)
-
-    def _gae(self, mask: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor):
-        """(advantages, returns), [B, T]: each sample's reward on its last response token, GAE over the response
-        (algorithm.gamma, algorithm.lam), advantages whitened over the global batch (algorithm.whiten_advantages)."""
-        from moe_rl.common.distributed import global_mean
-        from moe_rl.objectives.aggregation import masked_mean
-        from moe_rl.objectives.value import gae_advantages, masked_whiten
-
-        a = self.cfg.algorithm
-        last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # each sample's last response token
-        token_rewards = torch.zeros_like(values)
-        token_rewards[torch.arange(len(rewards)), last] = rewards.to(values.dtype) * (mask.sum(-1) > 0)
-        advantages, returns = gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
-        if a.whiten_advantages:
-            n = {"x": float(mask.sum())}
-            mean = global_mean({"x": float(masked_mean(advantages, mask))}, n)["x"]
-            var = global_mean({"x": float(masked_mean((advantages - mean) ** 2, mask))}, n)["x"]
-            advantages = masked_whiten(advantages, mask, mean, var)
-        return advantages, returns
-
-    def _train_critic(self, padded, values: dict[str, torch.Tensor], returns: torch.Tensor) -> dict[str, float]:
-        """The critic's epochs on this batch, and its metrics: the values before the update against the returns
-        (critic/explained_variance, values_mean, returns_mean; over the global batch), the update's loss,
-        clip fraction and gradient norm, and its routing (the replay check against its own values pass, and
-        agreement with the engine's routes)."""
-        from moe_rl.common.distributed import global_mean
-        from moe_rl.diagnostics.step_hooks import router_agreement
-        from moe_rl.objectives.aggregation import masked_mean
-
-        c, critic = self.cfg.critic, self.critic
-        mask, v = padded.loss_mask, values["values"]
-        n = float(mask.sum())
-        stats = {
-            "returns": masked_mean(returns, mask),
-            "returns_sq": masked_mean(returns**2, mask),
-            "values": masked_mean(v, mask),
-            "residual": masked_mean(returns - v, mask),
-            "residual_sq": masked_mean((returns - v) ** 2, mask),
-        }
-        g = global_mean({k: float(x) for k, x in stats.items()}, dict.fromkeys(stats, n))
-        var_returns = g["returns_sq"] - g["returns"] ** 2
-        var_residual = g["residual_sq"] - g["residual"] ** 2
-        out = {
-            "critic/explained_variance": 1 - var_residual / var_returns if var_returns > 0 else float("nan"),
-            "critic/values_mean": g["values"],
-            "critic/returns_mean": g["returns"],
-        }
-        if critic.replay is not None:
-            critic.replay.dispatch_check(reset=True)
-        epochs = [critic.train(padded, values, returns, c.value_clip, c.mini_batches) for _ in range(c.epochs)]
-        for k in epochs[0]:
-            if k not in out:
-                out[k] = sum(e[k] for e in epochs) / len(epochs)
-        if critic.replay is not None:
-            checked, mismatched = critic.replay.dispatch_check()
-            out["critic/replay_mismatches"] = float(mismatched)
-            out["critic/router_agreement"] = 1 - mismatched / checked if checked else 1.0
-            if padded.routes is not None:
-                out["critic/engine_router_agreement"] = router_agreement(critic.replay, padded, values["routes"])
-        return out
+        cfg = self.cfg
+        return Critic(cfg.critic, cfg.model, cfg.parallel, cfg.actor, cfg.critic.model_path or self.model_path)
 
     def _staleness(self, rollout) -> dict[str, float]:
         """How many actor versions the step's samples lag the actor that trains on them (every rank's samples

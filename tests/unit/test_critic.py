@@ -8,7 +8,7 @@ import torch
 
 from moe_rl.common.batch import PaddedBatch
 from moe_rl.config import TrainConfig
-from moe_rl.objectives.value import explained_variance
+from moe_rl.objectives.value import value_stats
 from tests.reference import random_batch
 
 
@@ -24,7 +24,9 @@ def test_critic_learns_fixed_returns_with_its_own_routes_replayed(tiny_models, w
     from moe_rl.trainer import checkpoint
 
     cfg = TrainConfig()
-    critic = Critic(cfg, tiny_models["qwen3_moe"], lr=1e-2)
+    cfg.critic.lr = 1e-2
+    sections = cfg.critic, cfg.model, cfg.parallel, cfg.actor, tiny_models["qwen3_moe"]
+    critic = Critic(*sections)
     padded = _batch(critic.layout.num_experts * 0 + 512)
     old = critic.values(padded)
     assert torch.equal(old["values"], torch.zeros_like(old["values"]))  # a fresh head: V = 0
@@ -37,7 +39,8 @@ def test_critic_learns_fixed_returns_with_its_own_routes_replayed(tiny_models, w
         m = critic.train(padded, old, returns, clip=None, mini_batches=2)
         checked, mismatched = critic.replay.dispatch_check()
         assert checked > 0 and mismatched == 0  # the update routed exactly as its values pass
-        history.append((m["critic/value_loss"], explained_variance(old["values"], returns, padded.loss_mask)))
+        explained = value_stats(old["values"], returns, padded.loss_mask)["explained_variance"]
+        history.append((m["critic/value_loss"], explained))
     assert history[-1][0] < 0.5 * history[0][0], history
     assert history[-1][1] > history[1][1], history
     assert set(m) >= {"critic/value_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/grad_norm"}
@@ -45,6 +48,6 @@ def test_critic_learns_fixed_returns_with_its_own_routes_replayed(tiny_models, w
     assert torch.equal(values * (1 - padded.attention_mask), torch.zeros_like(values))  # nothing on padding
     # checkpoint round trip: a new critic restored from it gives the same values
     path = checkpoint.save(tmp_path, 8, critic.chunks, critic.optimizer, {})
-    restored = Critic(cfg, tiny_models["qwen3_moe"], lr=1e-2)
+    restored = Critic(*sections)
     checkpoint.load(path, restored.chunks, restored.optimizer)
     assert torch.equal(restored.values(padded)["values"], values)

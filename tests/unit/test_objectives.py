@@ -54,8 +54,8 @@ def test_advantage_edge_cases_are_finite():
     assert torch.equal(O.rloo_advantages(torch.tensor([3.0]), 1), torch.zeros(1))
     with pytest.raises(ValueError, match="not a whole number of groups of 4"):
         O.grpo_advantages(torch.ones(6), 4)
-    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'.*grpo"):
-        O.ADVANTAGES.get("gae")
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gea'.*grpo"):
+        O.ADVANTAGES.get("gea")
 
 
 # ---- aggregation ----------------------------------------------------------------------------

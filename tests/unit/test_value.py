@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_rl.objectives.value import explained_variance, gae_advantages, masked_whiten, value_loss
+from moe_rl.objectives.value import gae_advantages, masked_whiten, value_loss, value_stats
 
 # one prompt token, then three response tokens; the outcome reward on the last
 REWARDS = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
@@ -78,5 +78,18 @@ def test_whiten_and_explained_variance():
     w = masked_whiten(x, mask)
     assert w[0, 3] == 0 and w[0, :3].mean().abs() < 1e-6 and w[0, :3].pow(2).mean() == pytest.approx(1, abs=1e-6)
     returns = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
-    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
-    assert explained_variance(torch.full_like(returns, 2.0), returns, mask) == pytest.approx(0.0)
+    assert value_stats(returns, returns, mask)["explained_variance"] == pytest.approx(1.0)
+    assert value_stats(torch.full_like(returns, 2.0), returns, mask)["explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert value_stats(returns, returns, mask)["returns_mean"] == pytest.approx(2.0)
+
+
+def test_gae_is_a_registered_advantage_that_puts_each_reward_on_its_last_response_token():
+    from moe_rl.objectives import ADVANTAGES
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.0, 0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    assert ADVANTAGES.meta("gae")["needs_values"]
+    adv, ret = ADVANTAGES.get("gae")(torch.tensor([1.0, 2.0, 3.0]), 1, mask=mask, values=values, gamma=1.0, lam=1.0)
+    # gamma = lambda = 1: every response token's return is its sample's reward; advantage = return - value
+    assert torch.equal(ret, torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0]]))
+    assert torch.equal(adv, (ret - values) * mask)  # a sample without response tokens gets nothing
