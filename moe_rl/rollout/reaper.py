@@ -23,7 +23,7 @@ the job does not kill it first):
   socket file was left once beside CI's other test lanes after the ranks' clean exit, with
   engines forked from the ranks; which process held it then is not known.)
 
-Which case each part covers is listed in the README's troubleshooting section.
+Which case each part covers is listed in docs/operations/troubleshooting.md.
 """
 
 from __future__ import annotations

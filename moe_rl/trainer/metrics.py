@@ -73,7 +73,7 @@ def global_metrics(
     rollout, rewards, old, group_size: int, icepop_band, rank_means: dict[str, float], peaks: dict[str, float]
 ) -> dict[str, float]:
     """The step's metrics over the global batch (every rank's samples), with one all-reduce of
-    sums and one of maxima. Reductions (docs/metrics.md):
+    sums and one of maxima. Reductions (docs/reference/metrics.md):
       reward/*, response/length_mean, actor/entropy, mismatch/*: sums and counts of every rank's
         samples and tokens added, then divided (maxima / minima over ranks): the whole batch's value;
       `rank_means` (actor/*, the correction's metrics, router/agreement) and

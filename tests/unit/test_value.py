@@ -79,7 +79,8 @@ def test_whiten_and_explained_variance():
     assert w[0, 3] == 0 and w[0, :3].mean().abs() < 1e-6 and w[0, :3].pow(2).mean() == pytest.approx(1, abs=1e-6)
     returns = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
     assert value_stats(returns, returns, mask)["explained_variance"] == pytest.approx(1.0)
-    assert value_stats(torch.full_like(returns, 2.0), returns, mask)["explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    flat = value_stats(torch.full_like(returns, 2.0), returns, mask)  # float32 moments: ~3e-7 off 0
+    assert flat["explained_variance"] == pytest.approx(0.0, abs=1e-6)
     assert value_stats(returns, returns, mask)["returns_mean"] == pytest.approx(2.0)
 
 
