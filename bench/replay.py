@@ -25,13 +25,12 @@ def route_memory(batch=64, seq=4096, layers=48, experts=128, topk=8, dp=8, tp=2,
     """Route bytes per rank, from the slicing functions the actor uses. Of a data-parallel rank's TP x CP ranks
     only the route holder keeps the shard's routes; every rank queues its own positions of a pass as replay
     targets in the record's dtype (int64 before 2026-11-26, when every TP/CP rank also kept the whole shard)."""
-    from moe_rl.routing.layout import dp_shard, rank_positions
+    from moe_rl.routing.layout import rank_positions
     from moe_rl.routing.records import route_dtype
 
     item = np.dtype(route_dtype(experts)).itemsize
     full = batch * seq * layers * topk * item
-    shard = dp_shard(batch, dp, 0)
-    rows = shard.stop - shard.start
+    rows = batch // dp  # data-parallel rank 0's shard
     host = rows * seq * layers * topk * item
     pos = rank_positions(seq, tp=tp, tp_rank=0, cp=cp, cp_rank=0, sequence_parallel=tp > 1)
     targets = rows * len(pos) * layers * topk

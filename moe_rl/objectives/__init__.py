@@ -19,7 +19,7 @@ from moe_rl.objectives.corrections import (
     sequence_log_ratio,
     tis_weights,
 )
-from moe_rl.objectives.kl import kl_loss, kl_penalty, kl_shaped_token_rewards
+from moe_rl.objectives.kl import kl_penalty
 from moe_rl.objectives.metrics import MISMATCH_KEYS, mismatch_metrics
 from moe_rl.objectives.objective import Objective
 from moe_rl.objectives.policy_loss import LossInputs, gspo_loss, gspo_sequence_log_ratio, ppo_loss
@@ -44,9 +44,7 @@ __all__ = [
     "gspo_loss",
     "gspo_sequence_log_ratio",
     "icepop_weights",
-    "kl_loss",
     "kl_penalty",
-    "kl_shaped_token_rewards",
     "masked_mean",
     "masked_sum",
     "masked_whiten",

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.objectives.aggregation import aggregate
-
 KL_KINDS = ("k1", "k3", "low_var_kl")
 
 
@@ -23,33 +21,3 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
         k3 = d.exp() - d - 1.0
         return k3 if kind == "k3" else k3.clamp(-10.0, 10.0)
     raise ValueError(f"unknown KL estimator {kind!r}; choose one of {KL_KINDS}")
-
-
-def kl_loss(
-    logp: torch.Tensor,
-    ref_logp: torch.Tensor,
-    mask: torch.Tensor,
-    kind: str = "k3",
-    agg: str = "token-mean",
-    **agg_kwargs,
-) -> torch.Tensor:
-    """KL as a loss term (add coef * kl_loss to the policy loss)."""
-    return aggregate(kl_penalty(logp, ref_logp, kind), mask.to(logp.dtype), agg, **agg_kwargs)
-
-
-@torch.no_grad()
-def kl_shaped_token_rewards(
-    rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, beta: float, kind: str = "k1"
-) -> torch.Tensor:
-    """Classic RLHF shaping: r_t = -beta * KL_t on every response token, plus the sequence
-    reward on its last response token. Returns [B, T] (0 off the mask)."""
-    m = mask.to(logp.dtype)
-    token = -beta * kl_penalty(logp, ref_logp, kind) * m
-    lengths = mask.sum(-1)
-    has = lengths > 0
-    # last response token = last index where mask is 1
-    idx = torch.arange(mask.shape[-1], device=mask.device)
-    last = torch.where(mask.bool(), idx, torch.full_like(idx, -1)).max(dim=-1).values
-    rows = torch.nonzero(has).squeeze(-1)
-    token[rows, last[rows]] += rewards.to(token.dtype)[rows]
-    return token

@@ -55,7 +55,8 @@ class Objective:
     @torch.no_grad()
     def reward_kl(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[B] kl_coef * sum_t KL_t(pi_old || ref) over each response (algorithm.kl_in_reward): the total
-        that token-level KL shaping (kl_shaped_token_rewards) takes from an outcome reward."""
+        that classic token-level KL shaping (-kl_coef * KL_t on every response token) takes from an outcome
+        reward."""
         return self.kl_coef * (kl_penalty(logp, ref_logp, self.kl_type) * mask).sum(-1)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:

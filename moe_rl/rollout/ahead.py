@@ -41,6 +41,8 @@ class AheadSource:
     """An EngineSource whose next batch is sampled on a background thread while the trainer trains."""
 
     phase = "rollout"
+    live = True
+    buffer = None
 
     def __init__(self, inner: EngineSource, max_staleness: int, steps: int, engine_cores: list[int] | None = None):
         """`steps`: the run's last step (trainer.steps): nothing is sampled beyond it. `engine_cores`
@@ -89,8 +91,9 @@ class AheadSource:
             self.pending.future.exception()  # waits; an error is raised by next()
             self._idle["time/trainer_idle"] += time.perf_counter() - t0
 
-    def idle_times(self) -> dict[str, float]:
-        """Seconds the trainer waited for samples and the engine had nothing to sample, since the last call."""
+    def idle_times(self, rollout_s: float = 0.0, step_s: float = 0.0) -> dict[str, float]:
+        """Seconds the trainer waited for samples and the engine had nothing to sample, since the last call (both
+        measured here: sampling overlaps the step)."""
         out, self._idle = self._idle, {"time/trainer_idle": 0.0, "time/rollout_idle": 0.0}
         return out
 

@@ -276,6 +276,7 @@ class BufferSource:
     generation batches run and how many groups train)."""
 
     phase = "rollout"
+    live = True
 
     def __init__(
         self,
@@ -298,7 +299,6 @@ class BufferSource:
         self.group_size, self.prompts_per_step, self.mini_batches = group_size, prompts_per_step, mini_batches
         self.pad_id, self.pad_multiple, self.filler, self.warn = pad_id, pad_multiple, filler, warn
         self.groups = inner.groups
-        self.step_metrics: dict[str, float] = {}
 
     def next(self, step: int) -> Rollout:
         from moe_rl.common.distributed import world_max
@@ -342,7 +342,7 @@ class BufferSource:
         (longest,) = world_max(max(g.tensors["input_ids"].shape[1] for g in chosen))  # EP ranks: one length
         longest += (-longest) % self.pad_multiple
         out = assemble(chosen, self.pad_id, longest, self.filler)
-        self.step_metrics = self.buffer.metrics(step) | {
+        out.metrics = self.buffer.metrics(step) | {
             "buffer/replay_ratio": sum(g.trained > 1 for g in chosen) / len(chosen),
             "buffer/zero_variance_dropped": float(dropped),
             "buffer/zero_variance_trained": float(sum(g.zero_variance for g in chosen)),
@@ -351,6 +351,16 @@ class BufferSource:
             "buffer/evicted": float(evicted),
         }
         return out
+
+    @property
+    def position(self) -> int:
+        return self.inner.position
+
+    def wait_idle(self) -> None:
+        self.inner.wait_idle()
+
+    def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:
+        return self.inner.idle_times(rollout_s, step_s)
 
     def close(self) -> None:
         self.inner.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,11 +39,36 @@ class Rollout:
 
 
 class RolloutSource(Protocol):
-    phase: str  # its time metric: time/<phase>
+    """What the trainer asks of a source of rollouts (the engine, the engine sampling ahead, the replay buffer,
+    an earlier run's dumps): it calls these and nothing else."""
 
-    def next(self, step: int) -> Rollout: ...
+    phase: str  # its time metric: time/<phase> (rollout | load_dump)
+    live: bool  # samples of this run's engine: their policy versions and the engine's idle time mean something
+    buffer: Any  # state a checkpoint keeps beside the actor (the replay buffer), or None
+
+    def next(self, step: int) -> Rollout:
+        """Step `step`'s samples (0-based); the source's own metrics ride in `Rollout.metrics`."""
+        ...
+
+    @property
+    def position(self) -> int | None:
+        """Prompts consumed by the steps handed out so far (what a checkpoint saves); None: it reads no prompts."""
+        ...
+
+    def wait_idle(self) -> None:
+        """Return once no sampling is in flight (before the weights change)."""
+        ...
+
+    def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:
+        """time/trainer_idle and time/rollout_idle of the step, which spent `rollout_s` of its `step_s` in next()."""
+        ...
 
     def close(self) -> None: ...
+
+
+def waiting_times(rollout_s: float, step_s: float) -> dict[str, float]:
+    """Synchronous sampling: the trainer waits the whole rollout, the engine the rest of the step."""
+    return {"time/trainer_idle": rollout_s, "time/rollout_idle": step_s - rollout_s}
 
 
 class EngineSource:
@@ -51,6 +76,8 @@ class EngineSource:
     rank or on its engine group's leader: rollout/engine_groups.py), routes captured."""
 
     phase = "rollout"
+    live = True
+    buffer = None
 
     def __init__(
         self,
@@ -152,6 +179,16 @@ class EngineSource:
         dist.scatter_object_list(mine, shares, src=g.leader, group=g.group)
         return mine[0]
 
+    @property
+    def position(self) -> int:
+        return self.data.position
+
+    def wait_idle(self) -> None:
+        pass  # sampling ends inside next()
+
+    def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:
+        return waiting_times(rollout_s, step_s)
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
@@ -168,6 +205,9 @@ class DumpSource:
     """The dumped steps of an earlier run, cycled through (trainer.mode=from_dump; no engine)."""
 
     phase = "load_dump"
+    live = False  # an earlier run's samples: no engine here
+    buffer = None
+    position = None
 
     def __init__(
         self,
@@ -230,6 +270,12 @@ class DumpSource:
             response_lengths=padded.loss_mask.sum(-1).long(),
             rewards=tensors["rewards"],
         )
+
+    def wait_idle(self) -> None:
+        pass
+
+    def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         pass

@@ -108,11 +108,6 @@ def validate_routes(
     return out
 
 
-def moe_layer_indices(layer_is_moe: list[int] | list[bool]) -> list[int]:
-    """Decoder layer numbers of the MoE layers, from a per-layer 0/1 pattern."""
-    return [i for i, is_moe in enumerate(layer_is_moe) if is_moe]
-
-
 def from_native(routed_experts: np.ndarray, moe_layers: list[int], sample: int | str = "?") -> np.ndarray:
     """vLLM's native `CompletionOutput.routed_experts` -> MoE-layer record.
 

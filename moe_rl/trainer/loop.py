@@ -331,7 +331,7 @@ class Trainer:
         state = {"data_position": self.data_position, "wandb_run_id": self.logger.run_id, "model_path": self.model_path}
         state |= {"world_size": dist.get_world_size(), "data_parallel_size": _data_parallel_size()}
         a, keep = self.actor, self.cfg.trainer.checkpoint_keep
-        buffer = getattr(self.source, "buffer", None)
+        buffer = self.source.buffer
 
         def extra(partial: Path) -> None:  # every rank: the parts beside the actor
             if buffer is not None:
@@ -389,7 +389,7 @@ class Trainer:
             advantages = self.objective.advantages(rewards - penalty)
         with timer("diagnostics"):  # dumps and router agreement, before the update changes the actor
             metrics = self.diagnostics(self.step_index, rollout, old, rewards)
-        metrics |= getattr(self.source, "step_metrics", {}) | rollout.metrics  # buffer/*; multi_turn/*, routes/*
+        metrics |= rollout.metrics  # the source's: buffer/*; multi_turn/*, routes/*
         if self.objective.kl_in_reward:
             metrics["reward/kl_penalty_mean"] = float(penalty.mean())
         warming = self.critic is not None and self.step_index < self.cfg.critic.warmup_steps
@@ -402,8 +402,7 @@ class Trainer:
                 metrics |= self.critic.update(rollout.padded, values, returns)
         synced = {}
         if actor_updates and self.weight_sync is not None:
-            if isinstance(self.source, AheadSource):  # the next step's sampling ends before weights change
-                self.source.wait_idle()
+            self.source.wait_idle()  # sampling ahead: the next step's ends before the weights change
             with timer("weight_sync"), self._engine_may_stop():
                 synced = sync_metrics(self.weight_sync())
         if self.actor.replay is not None:  # the replay check over every position this step's passes replayed
@@ -420,7 +419,8 @@ class Trainer:
         if "perf/tokens" in metrics:  # the update's real tokens over the data-parallel ranks
             metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/update"]
         self.step_index += 1
-        self.data_position = getattr(self.source, "position", self.data.position)  # not the prompts sampled ahead
+        position = self.source.position  # not the prompts sampled ahead
+        self.data_position = self.data.position if position is None else position
         self.logger.log(self.step_index, metrics)
         for warning in self.health(metrics):
             self.logger.warn(self.step_index, warning)
@@ -457,7 +457,7 @@ class Trainer:
     def _staleness(self, rollout) -> dict[str, float]:
         """How many actor versions the step's samples lag the actor that trains on them (every rank's samples
         come from one version per step, so this rank's values are the step's)."""
-        if self.source.phase != "rollout":  # dumps: no engine, no versions to compare
+        if not self.source.live:  # dumps: no engine, no versions to compare
             return {}
         lag = (self.step_index - rollout.policy_version).float()
         return {"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max()), "staleness/dropped": 0.0}
@@ -465,14 +465,8 @@ class Trainer:
     def _idle_times(self, timer, step_s: float) -> dict[str, float]:
         """time/step, and time/trainer_idle (waiting for samples) and time/rollout_idle (the engine with nothing
         to sample) of the step: synchronously the trainer waits the whole rollout and the engine the rest."""
-        if isinstance(self.source, AheadSource):
-            idle = self.source.idle_times()
-        elif self.source.phase != "rollout":  # dumps: no engine
-            idle = {}
-        else:
-            rollout = timer.times.get(f"time/{self.source.phase}", 0.0)
-            idle = {"time/trainer_idle": rollout, "time/rollout_idle": step_s - rollout}
-        return {"time/step": step_s} | idle
+        rollout_s = timer.times.get(f"time/{self.source.phase}", 0.0)
+        return {"time/step": step_s} | self.source.idle_times(rollout_s, step_s)
 
     def balance(self, rollout):
         """(this rank's rollout after balancing tokens over the data-parallel ranks, its metrics)."""
@@ -519,8 +513,7 @@ class Trainer:
             self.logger.warn(self.step_index + 1, f"engine stopped by the signal ({e}); checkpointing without it")
 
     def close(self) -> None:
-        if getattr(self, "source", None) is not None:
-            self.source.close()
+        self.source.close()
         for line in self.health.summary():
             self.logger.warn(self.step_index, line)
         self.logger.close()

@@ -304,26 +304,13 @@ def test_a_loss_without_fused_kernel_says_so_once():
 # ---- KL -------------------------------------------------------------------------------------
 
 
-def test_kl_estimators_and_reward_shaping():
+def test_kl_estimators():
     logp, old, _, mask, _ = _rand_batch(4, 6, scale=0.4)
     ref = old
     assert torch.allclose(O.kl_penalty(logp, ref, "k1"), logp - ref)
     d = ref - logp
     assert torch.allclose(O.kl_penalty(logp, ref, "k3"), torch.exp(d) - d - 1)
     assert (O.kl_penalty(logp, ref, "k3") >= 0).all()
-    x = logp.clone().requires_grad_(True)
-    O.kl_loss(x, ref, mask, "k3").backward()
-    assert torch.allclose(x.grad, (1 - torch.exp(ref - logp)) * mask / mask.sum())
-    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
-    shaped = O.kl_shaped_token_rewards(rewards, logp, ref, mask, beta=0.1)
-    for i in range(4):
-        idx = torch.nonzero(mask[i]).flatten()
-        if len(idx) == 0:
-            assert shaped[i].abs().max() == 0
-            continue
-        expect = -0.1 * (logp[i] - ref[i]) * mask[i]
-        expect[idx[-1]] += rewards[i]
-        assert torch.allclose(shaped[i], expect)
 
 
 def _verl_kl_penalty(logprob, ref_logprob, kind):
@@ -375,14 +362,15 @@ def test_objective_adds_the_reference_kl_and_the_entropy_bonus(kind):
 
 def test_kl_in_reward_takes_the_shaped_total_from_each_reward():
     """algorithm.kl_in_reward: reward - kl_coef * sum_t KL_t(pi_old || ref) = the sequence total of the
-    token-level shaping (kl_shaped_token_rewards), and no KL loss term."""
+    classic token-level shaping (-kl_coef * KL_t on every response token), and no KL loss term."""
     from moe_rl.config import AlgorithmConfig
 
     logp, old, roll, mask, adv = _rand_batch(6, 7, scale=0.3)
     mask[1, 3] = 1  # every row has a response (the shaping puts the reward on its last token)
     rewards = torch.randn(6, dtype=torch.float64)
     obj = O.Objective(AlgorithmConfig(kl_coef=0.2, kl_type="k1", kl_in_reward=True, fused_loss=False), 6)
-    shaped = O.kl_shaped_token_rewards(rewards, logp, old, mask, beta=0.2, kind="k1").sum(-1)
+    # classic RLHF shaping, summed over each response: -0.2 * KL_t on every response token, plus the reward
+    shaped = rewards + (-0.2 * (logp - old) * mask).sum(-1)
     assert torch.allclose(rewards - obj.reward_kl(logp, old, mask), shaped)
     mb = {"old_logprobs": old, "rollout_logprobs": roll, "advantages": adv, "loss_mask": mask, "weights": None}
     plain = O.Objective(AlgorithmConfig(fused_loss=False), 6)

@@ -11,7 +11,7 @@ from moe_rl.actor.model import build_model, load_hf_config
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.replay import RouteReplay, check_replay_supported
 from moe_rl.actor.weights import load_hf_weights
-from moe_rl.routing.layout import dp_shard, rank_positions, thd_pack, thd_rank_positions, zigzag_indices
+from moe_rl.routing.layout import rank_positions, zigzag_indices
 from moe_rl.routing.model_layout import moe_layout
 from moe_rl.routing.records import RouteError
 from tests.reference import random_batch, random_routes
@@ -113,30 +113,12 @@ def test_recorded_routes_replay_bit_identically_with_other_microbatching(actor):
     assert torch.allclose(replayed["logprobs"], live["logprobs"], atol=1e-5)
 
 
-def test_zigzag_thd_and_dp_layouts():
+def test_zigzag_layouts():
     assert zigzag_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
     assert zigzag_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="not divisible by 2\\*cp"):
         zigzag_indices(10, 2, 0)
     assert rank_positions(8, tp=2, tp_rank=1, cp=2, cp_rank=0, sequence_parallel=True).tolist() == [6, 7]
-    cu, index = thd_pack([3, 5, 1], multiple=4)
-    assert cu.tolist() == [0, 4, 12, 16]
-    assert index.tolist() == [0, 1, 2, -1, 5, 6, 7, 8, 9, -1, -1, -1, 10, -1, -1, -1]
-    # CP=2 on packed sequences: each sample's padded segment is zig-zagged on its own
-    pos = thd_rank_positions(cu, cp=2, cp_rank=1)
-    assert pos.tolist() == [1, 2, 6, 7, 8, 9, 13, 14]
-    # every packed position lands on exactly one (tp, cp) rank
-    all_pos = np.concatenate(
-        [
-            thd_rank_positions(cu, tp=2, tp_rank=t, cp=2, cp_rank=c, sequence_parallel=True)
-            for c in range(2)
-            for t in range(2)
-        ]
-    )
-    assert sorted(all_pos.tolist()) == list(range(16))
-    assert dp_shard(8, 4, 2) == slice(4, 6)
-    with pytest.raises(ValueError, match="do not split evenly"):
-        dp_shard(7, 2, 0)
 
 
 def _expected_positions(s: int, tp: int, tp_rank: int, cp: int, cp_rank: int) -> list[int]:
