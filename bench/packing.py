@@ -73,14 +73,17 @@ def rollout_batch(rng: np.random.Generator, a, vocab: int, moe_layers: list[int]
 def build_actors(a, model: str) -> dict:
     """The two variants' Actors, same weights (the HF folder), same layout (DP = world)."""
     from moe_rl.actor.actor import Actor
-    from moe_rl.config import ActorConfig, TrainConfig
+    from moe_rl.actor.parallel import ParallelConfig
+    from moe_rl.config import ActorConfig, ModelConfig
 
     common = dict(router_replay="r3", mini_batches=a.mini_batches, micro_batch_size=a.micro_batch_size)
     variants = {
         "padded": ActorConfig(**common, packing=False),
         "packed": ActorConfig(**common, packing=True, max_tokens_per_micro_batch=a.max_tokens),
     }
-    return {name: Actor(TrainConfig(actor=cfg), model, record_routes=False) for name, cfg in variants.items()}
+    return {
+        name: Actor(cfg, ModelConfig(), ParallelConfig(), model, record_routes=False) for name, cfg in variants.items()
+    }
 
 
 def _packed_scores(lengths: list[int], row_len: int) -> int:

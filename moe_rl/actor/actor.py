@@ -59,30 +59,42 @@ def _from_last_stage_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 class Actor:
-    def __init__(self, cfg, model_path: str, record_routes: bool):
-        """`cfg`: moe_rl.config.TrainConfig (model, parallel, actor); `record_routes`: bind replay
-        hooks even with actor.router_replay=off (the dumps' live routes need them). Call after
+    def __init__(
+        self,
+        actor,
+        model,
+        parallel,
+        model_path: str,
+        *,
+        record_routes: bool,
+        reference: bool = False,
+        true_on_policy: bool = False,
+    ):
+        """Its sections of the config: `actor` (moe_rl.config.ActorConfig), `model` (ModelConfig: dtype, recompute,
+        Transformer Engine), `parallel` (ParallelConfig). `record_routes`: bind replay hooks even with
+        actor.router_replay=off (the dumps' live routes need them); `reference`: keep the initial weights frozen
+        as the reference policy (algorithm.kl_coef > 0); `true_on_policy`: trainer.true_on_policy. Call after
         `init_distributed`."""
         from moe_rl.actor.model import ModelOptions, load_model
         from moe_rl.actor.optimizer import build_optimizer
         from moe_rl.actor.packing import check_packing_supported
         from moe_rl.actor.replay import RouteReplay, rank_moe_layers
 
-        a = cfg.actor
+        a = actor
         self.cfg, self.model_path = a, model_path
         self.version = 0  # optimizer updates so far (the engine-op pass reloads its weights when this moves)
         # trainer.true_on_policy: on CPU the engine's own ops (engine_ops), on GPU batch-invariant kernels
-        batch_invariant = cfg.trainer.true_on_policy and torch.cuda.is_available()
+        batch_invariant = true_on_policy and torch.cuda.is_available()
         opts = ModelOptions(
-            dtype=cfg.model.dtype,
-            use_te=cfg.model.transformer_engine,
-            recompute=cfg.model.recompute,
+            dtype=model.dtype,
+            use_te=model.transformer_engine,
+            recompute=model.recompute,
             expert_bias_update_rate=a.expert_bias_update_rate,
             batch_invariant=batch_invariant,
         )
         # log-prob values as the engine computes them (full-vocabulary log_softmax) under the GPU mode
         self.fused_logprob = False if batch_invariant else a.fused_logprob
-        m = load_model(model_path, cfg.parallel, opts)
+        m = load_model(model_path, parallel, opts)
         self.chunks, self.conv, self.hf_config, self.layout = m.chunks, m.conv, m.hf_config, m.layout
         wants_replay = a.router_replay != "off" or record_routes
         self.route_layers = rank_moe_layers(self.chunks, self.layout.moe_layers)  # this PP stage's route columns
@@ -101,9 +113,9 @@ class Actor:
             check_packing_supported(self.chunks[0].config)
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
         self.reference = None
-        if cfg.algorithm.kl_coef > 0:
-            ref_opts = ModelOptions(dtype=cfg.model.dtype, use_te=opts.use_te, batch_invariant=batch_invariant)
-            ref = load_model(model_path, cfg.parallel, ref_opts).chunks
+        if reference:
+            ref_opts = ModelOptions(dtype=model.dtype, use_te=opts.use_te, batch_invariant=batch_invariant)
+            ref = load_model(model_path, parallel, ref_opts).chunks
             for c in ref:
                 c.requires_grad_(False)
             replay = RouteReplay(ref, self.route_layers, verify="count") if a.router_replay != "off" else None
@@ -113,12 +125,12 @@ class Actor:
             from moe_rl.actor import batch_invariant as bik
 
             bik.enable()
-        elif cfg.trainer.true_on_policy:
+        elif true_on_policy:
             from moe_rl.actor.engine_ops import EngineOpForward, check_machine
 
             check_machine()
-            self.exact = EngineOpForward(self.hf_config, getattr(torch, cfg.model.dtype))
-        if a.packing and cfg.parallel.pp > 1 and not (cfg.parallel.vpp or 1) > 1:
+            self.exact = EngineOpForward(self.hf_config, getattr(torch, model.dtype))
+        if a.packing and parallel.pp > 1 and not (parallel.vpp or 1) > 1:
             # Packed rows have their own lengths: pipeline stages send shapes first. (Megatron refuses this
             # flag with the allgather dispatcher at construction; plan_packing gives the ranks that dispatch
             # together equal row lengths, which is what that dispatcher needs.) Under the interleaved schedule

@@ -10,12 +10,14 @@ import torch
 
 
 class StepDiagnostics:
-    def __init__(self, cfg, actor, dump_dir: Path):
-        """`cfg`: moe_rl.config.TrainConfig; `actor`: moe_rl.actor.actor.Actor."""
-        t = cfg.trainer
-        self.cfg, self.actor, self.dump_dir = cfg, actor, dump_dir
-        self.dump_every = 1 if t.mode == "rollout_only" else t.dump_every
-        self.agreement_every = cfg.logging.router_agreement_every if actor.replay is not None else 0
+    def __init__(self, actor, dump_dir: Path, dump_every: int, agreement_every: int, dump_meta: dict):
+        """`actor`: moe_rl.actor.actor.Actor; `dump_every`: write a dump of every this many steps (0: none;
+        trainer.dump_every, 1 under trainer.mode=rollout_only); `agreement_every`: log router/agreement on step 1
+        and every this many steps (logging.router_agreement_every; 0: never); `dump_meta`: what each dump records
+        of the run (actor_dtype, rollout_dtype, n)."""
+        self.actor, self.dump_dir, self.dump_meta = actor, dump_dir, dump_meta
+        self.dump_every = dump_every
+        self.agreement_every = agreement_every if actor.replay is not None else 0
 
     @property
     def dumping(self) -> bool:
@@ -70,7 +72,7 @@ class StepDiagnostics:
     ) -> None:
         from moe_rl.rollout import dump
 
-        a, cfg = self.actor, self.cfg
+        a = self.actor
         # every rank's dump holds its samples' routes in full: the route holder of each tensor/context-parallel
         # group sends them to the others (collective over that group), and every MoE layer's: each pipeline
         # stage has its own layers' (collective over PP)
@@ -88,10 +90,10 @@ class StepDiagnostics:
             a.replay.dispatch_check(),
             model_path=a.model_path,
             model=dump.model_fingerprint(a.hf_config, a.layout),
-            actor_dtype=cfg.model.dtype,
-            rollout_dtype=cfg.rollout.dtype,
+            actor_dtype=self.dump_meta["actor_dtype"],
+            rollout_dtype=self.dump_meta["rollout_dtype"],
             router_replay=a.cfg.router_replay,
-            n=cfg.sampling.n,
+            n=self.dump_meta["n"],
             rewards=rewards,
             policy_version=policy_version,
             turn_index=turn_index,

@@ -77,8 +77,22 @@ class Trainer:
             say(f"[moe-rl] {line}")
         for note in notes if self.rank == 0 else []:
             say(f"[moe-rl] {note}")
-        self.actor = Actor(cfg, self.model_path, record_routes=t.dump_every > 0 or t.mode == "rollout_only")
-        self.diagnostics = StepDiagnostics(cfg, self.actor, Path(t.dump_dir or run_dir / "dumps"))
+        self.actor = Actor(
+            cfg.actor,
+            cfg.model,
+            cfg.parallel,
+            self.model_path,
+            record_routes=t.dump_every > 0 or t.mode == "rollout_only",
+            reference=self.objective.needs_reference,
+            true_on_policy=t.true_on_policy,
+        )
+        self.diagnostics = StepDiagnostics(
+            self.actor,
+            Path(t.dump_dir or run_dir / "dumps"),
+            dump_every=1 if t.mode == "rollout_only" else t.dump_every,
+            agreement_every=cfg.logging.router_agreement_every,
+            dump_meta={"actor_dtype": cfg.model.dtype, "rollout_dtype": cfg.rollout.dtype, "n": cfg.sampling.n},
+        )
         self.critic = self._build_critic() if self.objective.needs_values else None
         self.step_index = 0
         self.skips = SkipCounter(t.max_skipped_steps)

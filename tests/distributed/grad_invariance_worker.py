@@ -164,7 +164,7 @@ def run_variant(
             distributed_optimizer=distributed_optimizer,
         ),
     )
-    actor = Actor(cfg, model, record_routes=False)
+    actor = Actor(cfg.actor, cfg.model, cfg.parallel, model, record_routes=False)
     objective = Objective(cfg.algorithm, group_size=1)
 
     rows = local_rows(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())

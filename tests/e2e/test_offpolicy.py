@@ -120,7 +120,8 @@ def test_mu_routes_and_version_of_every_sample_come_from_one_engine_version(stra
     run, _ = straight
     actors = {}
     for v in range(4):  # the weights after v updates
-        actors[v] = Actor(TrainConfig(), str(run / "tiny_model"), record_routes=True)
+        cfg = TrainConfig()
+        actors[v] = Actor(cfg.actor, cfg.model, cfg.parallel, str(run / "tiny_model"), record_routes=True)
         if v:
             checkpoint.load(run / "checkpoints" / f"step_{v:06d}", actors[v].chunks, actors[v].optimizer)
     for step in range(1, 5):

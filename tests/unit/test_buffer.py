@@ -324,7 +324,8 @@ def test_replayed_groups_give_the_actor_the_original_logprobs(tiny_models, world
 
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
-    actor = Actor(TrainConfig(), tiny_models["qwen3_moe"], record_routes=True)
+    cfg = TrainConfig()
+    actor = Actor(cfg.actor, cfg.model, cfg.parallel, tiny_models["qwen3_moe"], record_routes=True)
     lay = actor.layout
     layers, n = len(lay.moe_layers), 3
     rollout = _rollout(

@@ -138,7 +138,7 @@ def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, wor
     weights, seen = [], {}
     for prox_logp in ("recompute", "loglinear"):
         cfg.algorithm.prox_logp = prox_logp
-        actor = Actor(cfg, tiny_models["qwen3_moe"], record_routes=False)
+        actor = Actor(cfg.actor, cfg.model, cfg.parallel, tiny_models["qwen3_moe"], record_routes=False)
         ids, attn = random_batch(actor.hf_config.vocab_size, batch=8, length=14, seed=seed, min_len=8)
         loss_mask = attn.float().clone()
         loss_mask[:, :4] = 0

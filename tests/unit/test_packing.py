@@ -210,8 +210,8 @@ def test_a_steps_passes_share_one_packing_plan(tiny_models, world1, monkeypatch,
     monkeypatch.setattr(packing, "plan_packing", lambda *a, **k: plans.append(a) or plan_packing(*a, **k))
     cfg = TrainConfig()
     cfg.actor.router_replay, cfg.actor.mini_batches = "r2", 2
-    actor = Actor(cfg, tiny_models["qwen3_moe"], record_routes=True)
-    diagnostics = StepDiagnostics(cfg, actor, tmp_path)
+    actor = Actor(cfg.actor, cfg.model, cfg.parallel, tiny_models["qwen3_moe"], record_routes=True)
+    diagnostics = StepDiagnostics(actor, tmp_path, dump_every=0, agreement_every=1, dump_meta={})
     objective = Objective(cfg.algorithm, group_size=4)
     for step in range(2):
         ids, attn = random_batch(actor.hf_config.vocab_size, batch=8, length=12, seed=step, min_len=6)

@@ -26,7 +26,7 @@ def test_kl_ref_is_zero_on_the_first_minibatch_then_grows(replay, tiny_models, w
     cfg.actor.router_replay, cfg.actor.mini_batches, cfg.actor.micro_batch_size = replay, 2, 4
     cfg.actor.lr = 3e-2
     cfg.algorithm.kl_coef = 0.1
-    actor = Actor(cfg, tiny_models["qwen3_moe"], record_routes=False)
+    actor = Actor(cfg.actor, cfg.model, cfg.parallel, tiny_models["qwen3_moe"], record_routes=False, reference=True)
     ref_chunks, _ = actor.reference
     assert all(not p.requires_grad for c in ref_chunks for p in c.parameters())
     frozen = [p.detach().clone() for c in ref_chunks for p in c.parameters()]
@@ -50,5 +50,6 @@ def test_kl_ref_is_zero_on_the_first_minibatch_then_grows(replay, tiny_models, w
 
 
 def test_no_reference_without_kl(tiny_models, world1):
-    actor = Actor(TrainConfig(), tiny_models["qwen3_moe"], record_routes=False)
+    cfg = TrainConfig()
+    actor = Actor(cfg.actor, cfg.model, cfg.parallel, tiny_models["qwen3_moe"], record_routes=False)
     assert actor.reference is None
