@@ -192,11 +192,10 @@ class TrainerConfig:
     val_before_train: bool = False
     """Also evaluate once before the first step (logged as step 0)."""
     max_staleness: int = 0
-    """Off-policy rollouts: 0 = synchronous (the engine samples, then the actor trains). >= 1: the engine
-    samples the next step's prompts while the actor trains this step's, with the weights it has; a sample
-    trains at most this many versions after the one that generated it (the engine runs one batch ahead, so
-    staleness is at most 1; rollout/ahead.py). Logged: staleness/mean, staleness/max, staleness/dropped,
-    time/trainer_idle, time/rollout_idle. Needs rollout.engines = the data-parallel size."""
+    """Off-policy rollouts: 0 = synchronous (the engine samples, then the actor trains). 1: the engine samples the
+    next step's prompts while the actor trains this step's, with the weights it has, so a sample trains one version
+    after the one that generated it (rollout/ahead.py). A deeper pipeline (> 1) is not built and is refused.
+    Logged: staleness/mean, staleness/max, time/trainer_idle, time/rollout_idle."""
     balance_batch: bool = True
     """Before the step's passes, move whole GRPO groups between data-parallel ranks, each within its
     mini-batch, so each rank holds about as many tokens (verl's balance_batch; perf/dp_token_imbalance,
@@ -589,12 +588,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             "zigzag split per sample, not built yet; set actor.packing=false",
         )
     r = cfg.rollout
-    if r.topology != "per_rank":
-        bad(
-            "rollout.topology",
-            f"{r.topology!r}: the trainer places its engines with rollout.engines (topology per_rank); "
-            "tp_group is a RolloutEngine topology for GPU tools",
-        )
     if r.engines < 0 or (r.engines and dp % r.engines):
         bad(
             "rollout.engines",
@@ -605,8 +598,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("rollout.placement", f"{r.placement!r}: choose one of {', '.join(PLACEMENTS)}")
     if r.placement == "separate" and _has_cuda():
         bad("rollout.placement", "separate engines on devices of their own are not built yet on GPU; use colocated")
-    if t.max_staleness < 0:
-        bad("trainer.max_staleness", f"{t.max_staleness}: must be >= 0 (0 = synchronous)")
+    if t.max_staleness not in (0, 1):
+        bad(
+            "trainer.max_staleness",
+            f"{t.max_staleness}: choose 0 (synchronous) or 1 (the engine samples one batch ahead); a deeper "
+            "pipeline is not built",
+        )
     if t.max_staleness and t.mode != "train":
         bad("trainer.max_staleness", f"{t.max_staleness}: off-policy rollouts need trainer.mode=train, not {t.mode}")
     b = cfg.buffer
@@ -648,12 +645,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("rollout.weight_transport", f"{r.weight_transport!r}: choose one of {TRANSPORTS}")
     if r.weight_transport in DEVICE_TRANSPORTS and not _has_cuda():
         bad("rollout.weight_transport", f"{r.weight_transport} moves device memory: needs CUDA; use shm on CPU")
-    elif r.weight_transport == "nccl" and r.placement == "colocated":
-        bad(
-            "rollout.weight_transport",
-            "nccl broadcasts to engines on other GPUs, but a colocated engine's first worker shares its leader's GPU "
-            "(NCCL refuses two ranks on one device); use cuda_ipc",
-        )
     elif r.weight_transport == "cuda_ipc" and r.tensor_parallel_size > 1:
         bad(
             "rollout.weight_transport",

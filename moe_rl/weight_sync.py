@@ -14,10 +14,8 @@ Transports (last hop, leader -> its engine's worker process, `rollout.weight_tra
             the engine loads a bucket while the trainer writes the next;
   rpc       the bucket as a safetensors blob through vLLM's collective_rpc;
   cuda_ipc  (GPU, colocated) the bucket buffer is on the leader's device; the worker rebuilds it from its
-            CUDA IPC handle as vLLM's IPCWeightTransferEngine does (not yet run on a GPU);
-  nccl      (GPU) the leader broadcasts each bucket to its engine's workers over an NCCL group of its own
-            (vLLM's stateless_init_process_group, leader rank 0): workers on other devices than the leader's,
-            e.g. an engine with tensor parallelism (not yet run on a GPU).
+            CUDA IPC handle as vLLM's IPCWeightTransferEngine does.
+Engines on GPUs of their own (an NCCL broadcast to their workers) are not built.
 The engine side (`WeightReceiver`) uses vLLM's layerwise reload, then re-runs each layer's
 post-load processing.
 """
@@ -40,8 +38,8 @@ import torch.distributed as dist
 from moe_rl.common.distributed import all_gather_objects, buckets, tensor_nbytes
 from moe_rl.rollout.weight_receiver import bucket_tensors, map_shared
 
-TRANSPORTS = ("shm", "rpc", "cuda_ipc", "nccl")
-DEVICE_TRANSPORTS = ("cuda_ipc", "nccl")  # the bucket buffer lives in device memory
+TRANSPORTS = ("shm", "rpc", "cuda_ipc")
+DEVICE_TRANSPORTS = ("cuda_ipc",)  # the bucket buffer lives in device memory
 
 
 class WeightSync:
@@ -267,40 +265,12 @@ def _load_bucket(engine, transport: str, buf: _BucketBuffer, manifest: list) -> 
         # pickled: vLLM's rpc encoder (msgpack) refuses the handle's storage class and dtype, as in its own
         # IPCWeightTransferEngine (weight_transfer/ipc_engine.py)
         loaded = engine.rpc("moe_rl_load_cuda_ipc", pickle.dumps({uuid: args}), manifest)
-    elif transport == "nccl":
-        from concurrent.futures import ThreadPoolExecutor
-
-        comm = _nccl_group(engine)
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers wait inside the broadcast the leader joins
-            receiving = pool.submit(engine.rpc, "moe_rl_load_nccl", buf.nbytes, manifest)
-            comm.broadcast(buf.data, src=0, stream=torch.cuda.current_stream())
-            loaded = receiving.result()
     else:
         from safetensors.torch import save
 
         loaded = engine.rpc("moe_rl_load_weights", save(dict(buf.tensors(manifest))))
     if any(n != len(manifest) for n in loaded):
         raise RolloutEngineError(f"weight sync: engine loaded {loaded} of {len(manifest)} tensors")
-
-
-def _nccl_group(engine):
-    """The leader's NCCL group with its engine's workers (rank 0 and 1 + worker rank), opened on first use
-    and kept on the engine (vLLM's stateless_init_process_group on both sides, joined concurrently)."""
-    comm = getattr(engine, "_weight_sync_nccl", None)
-    if comm is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-
-        from moe_rl.actor.parallel import free_port
-
-        port, world = free_port(), 1 + engine.cfg.tensor_parallel_size
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(engine.rpc, "moe_rl_open_nccl", "127.0.0.1", port, world)
-            comm = stateless_init_process_group("127.0.0.1", port, 0, world, torch.cuda.current_device())
-            joined.result()
-        engine._weight_sync_nccl = comm
-    return comm
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

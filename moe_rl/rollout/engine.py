@@ -1,11 +1,7 @@
 """The vLLM rollout engine: sampling with per-token log-probs and expert routes, weight sync.
 
-Topologies (`RolloutConfig.topology`):
-- `per_rank` (default; the trainer's): the engine belongs to one rank (engine core in its own
-  subprocess with a private process group). The trainer runs `rollout.engines` of them on the
-  leaders of its engine groups (rollout/engine_groups.py).
-- `tp_group` (GPU): one engine with tensor_parallel_size = world size spanning the ranks via
-  vLLM's external launcher (not yet run on a GPU).
+An engine belongs to one rank (its engine core in a subprocess with a private process group); the
+trainer runs `rollout.engines` of them on the leaders of its engine groups (rollout/engine_groups.py).
 
 Weight sync (moe_rl/weight_sync.py) calls the worker extension through `rpc`. For GPU colocation
 (`rollout.sleep_while_training`), vLLM's `sleep(level=1)` frees the KV cache and offloads the weights
@@ -84,14 +80,12 @@ class RolloutConfig:
     dtype: str = "bfloat16"
     """Engine dtype (bfloat16 on GPUs; the training-inference mismatch is what replay and corrections
     handle)."""
-    topology: str = "per_rank"
-    """per_rank | tp_group (see module doc; the trainer uses per_rank)."""
     engines: int = 0
     """Number of engines in a training run; 0 = one per data-parallel rank. Each serves an equal share of the
     data-parallel ranks and runs on the lowest rank among them (rollout/engine_groups.py)."""
     tensor_parallel_size: int = 1
     """Tensor-parallel size of each engine: its workers are processes of their own (vLLM's mp executor),
-    each holding a shard and a KV cache (under tp_group: the ranks of the group). With 1 on CPU the engine core
+    each holding a shard and a KV cache. With 1 on CPU the engine core
     process runs its one worker itself."""
     placement: str = "colocated"
     """colocated (the engine shares its rank's cores or device) | separate (CPU: the rank's cores split in
@@ -136,10 +130,7 @@ class RolloutConfig:
     """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps, the whole
     update one engine call whose buckets are announced on a socket; CPU, and on GPU through host memory) | rpc
     (a safetensors blob through collective_rpc) | cuda_ipc (GPU, colocated, tensor_parallel_size 1: the bucket
-    stays on the leader's device, the worker maps it by CUDA IPC handle) | nccl (GPU, engines on other devices
-    than their leader's: the leader broadcasts each bucket to the workers; refused with placement colocated,
-    whose first worker shares the leader's GPU, and separate placement is not built on GPU yet). cuda_ipc and
-    nccl are not yet run on a GPU."""
+    stays on the leader's device, the worker maps it by CUDA IPC handle)."""
     seed: int | None = None
     """Engine seed; None = 0. The trainer sets it from trainer.seed (setting it there is an error)."""
     block_size: int | None = None
@@ -178,7 +169,7 @@ def _engine_start(cfg: RolloutConfig):
     """The context an engine starts in: forked from this rank on CPU where rollout.cpu_start_method says so."""
     if cfg.cpu_start_method not in ("fork", "spawn"):
         raise ValueError(f"rollout.cpu_start_method={cfg.cpu_start_method!r}: choose fork or spawn")
-    if torch.cuda.is_available() or cfg.cpu_start_method == "spawn" or cfg.topology == "tp_group":
+    if torch.cuda.is_available() or cfg.cpu_start_method == "spawn":
         return nullcontext()
     threads = torch.get_num_threads()
     if threads != 1 or os.environ.get("OMP_NUM_THREADS") != "1":
@@ -272,8 +263,6 @@ class RolloutEngine:
     """One vLLM engine with route capture. Use as a context manager (or call `shutdown`)."""
 
     def __init__(self, cfg: RolloutConfig, moe_layers: list[int], num_experts: int, topk: int):
-        if cfg.topology not in ("per_rank", "tp_group"):
-            raise ValueError(f"rollout.topology={cfg.topology!r}: choose per_rank or tp_group")
         if not os.path.isfile(os.path.join(cfg.model, "config.json")):
             raise FileNotFoundError(f"rollout.model={cfg.model!r}: config.json not found")
         self.cfg = cfg
@@ -296,11 +285,7 @@ class RolloutEngine:
             # vLLM's bar over the checkpoint's files: progress for a many-file model, noise for one file
             use_tqdm_on_load=len(glob.glob(os.path.join(cfg.model, "*.safetensors"))) > 1,
         )
-        if cfg.topology == "tp_group":
-            kwargs.update(
-                tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="external_launcher"
-            )
-        elif cfg.tensor_parallel_size > 1:  # routes are taken from worker 0: every TP worker routes all tokens
+        if cfg.tensor_parallel_size > 1:  # routes are taken from worker 0: every TP worker routes all tokens
             kwargs.update(tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="mp")
         elif not torch.cuda.is_available():
             # vLLM-CPU turns the one-worker executor ("uni") into its multiprocess one, whose single worker is a
@@ -337,7 +322,7 @@ class RolloutEngine:
         try:
             with (
                 _engine_start(cfg),
-                nullcontext() if cfg.topology == "tp_group" else _engine_sees_its_gpus(cfg.tensor_parallel_size),
+                _engine_sees_its_gpus(cfg.tensor_parallel_size),
             ):
                 self.llm = LLM(**kwargs)
         except Exception as e:

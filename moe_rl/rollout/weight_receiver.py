@@ -130,24 +130,6 @@ class WeightReceiver:
         self.model_runner.get_model().load_weights(weights=tensors)
         return len(tensors)
 
-    def moe_rl_open_nccl(self, host: str, port: int, world_size: int) -> bool:
-        """Join the leader's NCCL group for weight sync (nccl; not yet run on a GPU) as rank 1 + this worker's."""
-        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-
-        self._moe_rl_nccl = stateless_init_process_group(host, port, 1 + self.rank, world_size, self.device)
-        return True
-
-    @_under_vllm_config
-    def moe_rl_load_nccl(self, nbytes: int, manifest: list) -> int:
-        """Receive one bucket by the leader's broadcast and load it (nccl; not yet run on a GPU)."""
-        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._moe_rl_nccl.broadcast(data, src=0, stream=torch.cuda.current_stream())
-        torch.cuda.current_stream().synchronize()
-        tensors = [(name, t.clone()) for name, t in bucket_tensors(data, manifest)]
-        del data
-        self.model_runner.get_model().load_weights(weights=tensors)
-        return len(tensors)
-
     @_under_vllm_config
     def moe_rl_finish_weight_update(self) -> float:
         """Finish the layerwise reload; the seconds the CPU experts' repack took (0 without CPU experts)."""

@@ -474,7 +474,7 @@ class Trainer:
         if not self.source.live:  # dumps: no engine, no versions to compare
             return {}
         lag = (self.step_index - rollout.policy_version).float()
-        return {"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max()), "staleness/dropped": 0.0}
+        return {"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max())}
 
     def _idle_times(self, timer, step_s: float) -> dict[str, float]:
         """time/step, and time/trainer_idle (waiting for samples) and time/rollout_idle (the engine with nothing

@@ -94,7 +94,6 @@ LOGGED_KEYS = [
     "weight_sync/buckets",
     "staleness/mean",
     "staleness/max",
-    "staleness/dropped",
     "time/step",
     "time/trainer_idle",
     "time/rollout_idle",
