@@ -109,6 +109,8 @@ class Actor:
         self.max_tokens = a.max_tokens_per_micro_batch if a.packing else None  # token budget of a packed forward
         self.thd = opts.use_te  # packed rows as THD sequences through Transformer Engine (GPU)
         self._plan: tuple[torch.Tensor, object] | None = None  # (the attention mask it was made for, the plan)
+        # algorithm.prox_logp=loglinear: {"logprobs", "entropy"} [B, T] of the last update's own forward (train)
+        self.update_policy: dict[str, torch.Tensor] | None = None
         if a.packing:
             check_packing_supported(self.chunks[0].config)
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
@@ -225,9 +227,10 @@ class Actor:
         for the objective's KL (metric actor/kl_ref).
 
         `old`: the old-log-prob pass (pi_prox), or under algorithm.prox_logp=loglinear just {"alpha": [B]}
-        (objectives/proximal.py): pi_prox and the correction are then formed inside the loss, and the
-        update fills `old["logprobs"]` / `old["entropy"]` with its own forward's (pi_theta as each sample's
-        mini-batch met it: pi_prox exactly for the first) for the step's mismatch and entropy metrics."""
+        (objectives/proximal.py): pi_prox and the correction are then formed inside the loss, and the update's
+        own forward's log-probs and entropy (pi_theta as each sample's mini-batch met it: pi_prox exactly for the
+        first) are kept in `self.update_policy` for the step's mismatch and entropy metrics. Nothing the caller
+        passed is changed."""
         from moe_rl.actor.train_step import train_minibatch
 
         a = self.cfg
@@ -307,8 +310,7 @@ class Actor:
         self.version += 1
         applied = [x for x in norms if math.isfinite(x)]
         out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
-        if loglinear:
-            old |= _from_last_stage_tensors(seen)
+        self.update_policy = _from_last_stage_tensors(seen) if loglinear else None
         return out | self._pass_shape(padded, plan)
 
     def _pass_shape(self, padded: PaddedBatch, plan) -> dict[str, float]:

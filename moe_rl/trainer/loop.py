@@ -381,7 +381,7 @@ class Trainer:
                 rollout, balance = self.balance(rollout)
         with timer("reward"):
             rewards = self.reward(rollout)
-        if self.objective.prox_logp == "loglinear":  # no pi_prox pass: the update interpolates it and fills `old`
+        if self.objective.prox_logp == "loglinear":  # no pi_prox pass: the update interpolates it
             old = {"alpha": loglinear_alpha(rollout.policy_version, self.step_index)}
         else:
             with timer("old_logprobs"):
@@ -411,6 +411,8 @@ class Trainer:
         if actor_updates:
             with timer("update"):
                 metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip, ref)
+            if self.actor.update_policy is not None:  # loglinear: no pi_old pass; the update's pi_theta stands in
+                old = old | self.actor.update_policy
         if self.updates and self.critic is not None:
             with timer("critic_update"):
                 metrics |= self.critic.update(rollout.padded, values, returns)

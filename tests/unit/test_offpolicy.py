@@ -155,11 +155,15 @@ def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, wor
             old = {"logprobs": padded.rollout_logprobs, "entropy": before["entropy"]}
         else:
             old = {"alpha": torch.zeros(8)}
+        given = {k: v.clone() for k, v in old.items()}, [t.clone() for t in vars(padded).values() if t is not None]
         m = actor.train(padded, old, adv, objective, lambda skipped, i: skipped)
+        # Actor.train changes nothing it was given: the old-policy dict (same keys, same values) and the batch
+        assert old.keys() == given[0].keys() and all(torch.equal(old[k], given[0][k]) for k in old)
+        assert all(torch.equal(a, b) for a, b in zip(given[1], [t for t in vars(padded).values() if t is not None]))
         # pi_prox = mu: every token's IcePop ratio is 1
         assert m["actor/skipped_steps"] == 0 and m["icepop/weight_mean"] == pytest.approx(1.0), m
         weights.append([p.detach().clone() for c in actor.chunks for p in c.parameters()])
-        seen[prox_logp] = (before, old, m)
+        seen[prox_logp] = (before, actor.update_policy, m)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(*weights, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(weights[1], initial, strict=True))  # the update moved
     before, old, m = seen["loglinear"]
