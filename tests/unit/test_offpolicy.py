@@ -159,7 +159,8 @@ def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, wor
         m = actor.train(padded, old, adv, objective, lambda skipped, i: skipped)
         # Actor.train changes nothing it was given: the old-policy dict (same keys, same values) and the batch
         assert old.keys() == given[0].keys() and all(torch.equal(old[k], given[0][k]) for k in old)
-        assert all(torch.equal(a, b) for a, b in zip(given[1], [t for t in vars(padded).values() if t is not None]))
+        now = [t for t in vars(padded).values() if t is not None]
+        assert all(torch.equal(a, b) for a, b in zip(given[1], now, strict=True))
         # pi_prox = mu: every token's IcePop ratio is 1
         assert m["actor/skipped_steps"] == 0 and m["icepop/weight_mean"] == pytest.approx(1.0), m
         weights.append([p.detach().clone() for c in actor.chunks for p in c.parameters()])
