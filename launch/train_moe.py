@@ -65,12 +65,13 @@ def main(cfg) -> None:
     from omegaconf import OmegaConf
 
     from moe_rl.config import ConfigError, TrainConfig
+    from moe_rl.data.prompts import DataError
     from moe_rl.trainer.loop import train
 
     train_cfg: TrainConfig = OmegaConf.to_object(cfg)
     try:
         train(train_cfg, HydraConfig.get().runtime.output_dir)
-    except ConfigError as e:  # found before anything was built
+    except (ConfigError, DataError) as e:  # a setting, or a prompt file (every rank reads it whole), refused early
         _refuse(e)
 
 

@@ -88,7 +88,10 @@ class PromptSource:
         max_prompt_tokens: int | None = None,
         context_limit: int | None = None,
         overlong: str = "error",
+        answers_for: str | None = None,
     ):
+        """`answers_for`: what needs every prompt's reference answer (a reward or an environment), named in the
+        error when a prompt has none; None: answers are optional."""
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong_prompts={overlong!r}: choose one of {OVERLONG_POLICIES}")
         if task == "toy":
@@ -119,6 +122,11 @@ class PromptSource:
             if tokenizer is None:
                 raise ValueError("a prompt token limit needs the tokenizer")
             self.items, self.dropped = _check_lengths(self.items, self.token_limit, self.limit_name, overlong)
+        if answers_for is not None and (bare := next((p for p in self.items if p.answer is None), None)):
+            raise DataError(
+                f"{bare.source}: the prompt has no answer (data.answer_key={answer_key!r}), and {answers_for} needs "
+                "one for every prompt"
+            )
         if len(self.items) < dp_size:
             raise DataError(f"{len(self.items)} prompts cannot feed {dp_size} data-parallel ranks")
         self.items = self.items[dp_rank::dp_size]

@@ -22,6 +22,13 @@ TOY_TARGET_IDS = range(2, 64)  # byte-level tokens of the tiny tokenizer; 0/1 ar
 TOY_HORIZON = 16
 
 
+def needs_answer(fn: Callable) -> Callable:
+    """Mark a reward plugin as scoring against each prompt's reference answer (data.answer_key): the trainer
+    refuses data with a prompt that has none before any engine starts."""
+    fn.needs_answer = True
+    return fn
+
+
 def toy_low_token_reward(responses: list[str], answers: list, response_ids: list[list[int]]) -> list[float]:
     """Toy task: (number of response tokens with id in [2, 64)) / 16, capped at 1.
 
@@ -35,6 +42,7 @@ def toy_low_token_reward(responses: list[str], answers: list, response_ids: list
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
+@needs_answer
 def numeric_answer_reward(responses: list[str], answers: list, response_ids: list[list[int]]) -> list[float]:
     """GSM8K style: 1 if the last number in the response (or the one after '####') equals the answer."""
     out = []

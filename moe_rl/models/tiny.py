@@ -257,13 +257,13 @@ def build_tokenizer(vocab_size: int):
     )
 
 
-def build_tiny_model(spec: TinySpec, out: str | Path) -> Path:
-    """Write a random HF model folder for `spec` to `out` and return its path."""
+def build_tiny_model(spec: TinySpec, out: str | Path, check=None) -> Path:
+    """Write a random HF model folder for `spec` to `out` and return its path. `check(hf_config)`, if given, may
+    refuse the model (raise ValueError) before anything is written."""
     from transformers import AutoModelForCausalLM
 
     spec.validate()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size)
     special = dict(
         eos_token_id=tokenizer.eos_token_id,
@@ -273,6 +273,9 @@ def build_tiny_model(spec: TinySpec, out: str | Path) -> Path:
     # Pad the embedding table to the requested size (vLLM and Megatron pad vocabularies too).
     vocab_size = max(spec.vocab_size, len(tokenizer))
     cfg = hf_config(spec, vocab_size, special)
+    if check is not None:
+        check(cfg)
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():

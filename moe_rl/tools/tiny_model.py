@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from moe_rl.actor.converters import get_converter
 from moe_rl.models.tiny import ARCHS, TinySpec, build_tiny_model
 
 
@@ -89,10 +90,19 @@ def main(argv: list[str] | None = None) -> None:
         mtp_layers=a.mtp_layers,
     )
     try:
-        out = build_tiny_model(spec, a.out)
+        out = build_tiny_model(spec, a.out, check=_actor_accepts)
     except ValueError as e:
         p.error(str(e))
     print(f"wrote {spec.arch} model ({spec.num_experts} experts, top-{spec.topk}, {spec.layers} layers) to {out}")
+
+
+def _actor_accepts(hf_config) -> None:
+    """Refuse a model the trainer's actor would refuse (e.g. GLM/DeepSeek grouped routing megatron-core cannot
+    reproduce), as the trainer would: through its converter's megatron config."""
+    try:
+        get_converter(hf_config).transformer_config_kwargs()
+    except ValueError as e:
+        raise ValueError(f"the trainer's actor would refuse this model: {e}") from e
 
 
 if __name__ == "__main__":

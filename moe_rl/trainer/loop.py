@@ -138,19 +138,37 @@ class Trainer:
 
         cfg, d = self.cfg, self.cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.reward_fn = load_reward(d.reward)
         self.data = self._read_prompts(
-            d.path, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), cfg.sampling.max_tokens, d.task
+            d.path,
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size(),
+            cfg.sampling.max_tokens,
+            d.task,
+            answers_for=self._answers_for(training=True),
         )  # context-parallel ranks share their samples
         if self.data.dropped and self.rank == 0:
             say(
                 f"[moe-rl] data: dropped {self.data.dropped} prompts of {d.path or d.task} longer than "
                 f"{self.data.token_limit} tokens ({self.data.limit_name}; data.overlong_prompts=drop)"
             )
-        self.reward_fn = load_reward(d.reward)
 
-    def _read_prompts(self, path: str, dp_rank: int, dp_size: int, max_tokens: int, task: str = "file"):
+    def _answers_for(self, training: bool) -> str | None:
+        """What scores the prompts against their reference answers (so every prompt needs one): the multi-turn
+        environment in training, else the reward function; None when neither needs answers."""
+        from moe_rl.rollout.multi_turn.builtin_envs import env_class
+
+        env = self.cfg.rollout.multi_turn.env
+        if training and env != "none":  # the environment scores; the reward function is not called
+            needs = getattr(env_class(env), "needs_answer", False)  # an optional attribute of an environment class
+            return f"rollout.multi_turn.env={env}" if needs else None
+        return f"data.reward={self.cfg.data.reward}" if getattr(self.reward_fn, "needs_answer", False) else None
+
+    def _read_prompts(
+        self, path: str, dp_rank: int, dp_size: int, max_tokens: int, task: str = "file", answers_for=None
+    ):
         """A PromptSource over `path` (this data-parallel rank's shard), rendered, tokenized and length-checked
-        as data.* says, for responses of up to `max_tokens`."""
+        as data.* says, for responses of up to `max_tokens`; `answers_for`: see PromptSource."""
         from moe_rl.actor.model import load_hf_config
         from moe_rl.data.prompts import PromptSource
 
@@ -170,6 +188,7 @@ class Trainer:
             max_prompt_tokens=d.max_prompt_tokens,
             context_limit=context - max_tokens,
             overlong=d.overlong_prompts,
+            answers_for=answers_for,
         )
 
     def _build_source(self):
@@ -269,7 +288,8 @@ class Trainer:
         from moe_rl.trainer.validation import Validator
 
         cfg = self.cfg
-        val = self._read_prompts(cfg.data.val_path, 0, 1, cfg.val.max_tokens or cfg.sampling.max_tokens)
+        max_tokens = cfg.val.max_tokens or cfg.sampling.max_tokens
+        val = self._read_prompts(cfg.data.val_path, 0, 1, max_tokens, answers_for=self._answers_for(training=False))
         prompts = val.items  # in file order, every rank the same list
         if self.rank == 0:
             dropped = f", {val.dropped} dropped as too long" if val.dropped else ""

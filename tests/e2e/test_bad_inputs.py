@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,3 +98,14 @@ def test_prompt_filling_the_context_trains_and_one_token_more_is_refused_before_
     assert code != 0
     assert f"{over}:3: the prompt has 121 tokens, more than the 120 allowed" in out, out[-5000:]
     assert "EngineCore" not in out and "step 1" not in out, out[-5000:]
+
+
+def test_multi_turn_math_on_data_without_answers_is_refused_before_any_engine(tmp_path):
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"what is {a} + 1?"}) + "\n" for a in range(4)))
+    start = time.monotonic()
+    code, out = _run(tmp_path / "run", ["rollout.multi_turn.env=math_retry", "data.task=file", f"data.path={data}"])
+    assert code != 0
+    assert f"{data}:1: the prompt has no answer (data.answer_key='answer')" in out, out[-5000:]
+    assert "EngineCore" not in out and not (tmp_path / "run" / "metrics.jsonl").exists()
+    print(f"\nrefused in {time.monotonic() - start:.1f} s")

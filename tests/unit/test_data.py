@@ -158,3 +158,19 @@ def test_overlong_prompts_error_naming_the_line_or_are_dropped_and_counted(tmp_p
 def test_toy_prompts_are_deterministic():
     a, b = PromptSource("toy", seed=3), PromptSource("toy", seed=3)
     assert [p.text for p in a.next(20)] == [p.text for p in b.next(20)]
+
+
+def test_prompts_without_an_answer_are_refused_by_name_when_something_scores_against_answers(tmp_path):
+    from moe_rl.data.rewards import math_answer_reward
+    from moe_rl.rollout.multi_turn.builtin_envs import env_class
+
+    path = tmp_path / "math.jsonl"
+    path.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n{"prompt": "2 + 2 ="}\n')
+    with pytest.raises(DataError, match=f"{path}:2: the prompt has no answer .* rollout.multi_turn.env=math_retry"):
+        PromptSource("file", str(path), answers_for="rollout.multi_turn.env=math_retry")
+    assert len(PromptSource("file", str(path)).items) == 2  # answers are optional for what does not score them
+    # what declares the need: the answer-scoring rewards and environments, not the toy ones
+    assert numeric_answer_reward.needs_answer and math_answer_reward.needs_answer
+    assert not getattr(toy_low_token_reward, "needs_answer", False)
+    assert env_class("math_retry").needs_answer and env_class("calculator").needs_answer
+    assert not getattr(env_class("toy"), "needs_answer", False)

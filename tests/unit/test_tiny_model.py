@@ -96,6 +96,18 @@ def test_cli_help_has_examples_and_errors_exit_2(tmp_path):
     assert spec["hidden"] % 32 == 0
 
 
+def test_the_tool_refuses_a_model_the_trainer_would_refuse(tmp_path):
+    """GLM grouped routing with top-4 of 2 groups keeping 1: megatron-core scores a group by its top 4 experts,
+    transformers and vLLM by their top 2. The trainer refuses that model; the tool refuses to build it."""
+    from moe_rl.tools.tiny_model import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--arch", "glm4_moe", "--topk", "4", "--out", str(tmp_path / "glm")])
+    assert e.value.code == 2 and not (tmp_path / "glm").exists()
+    main(["--arch", "glm4_moe", "--topk", "4", "--topk-group", "2", "--out", str(tmp_path / "ok")])  # 4 // 2 = 2
+    assert (tmp_path / "ok" / "config.json").is_file()
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3"])
 def test_no_all_zero_row_in_embedding_or_output(arch, tmp_path):
     """transformers zeroes the pad row; an all-zero row makes step 1's gradient norm explode."""

@@ -44,6 +44,7 @@ class MathRetryEnv:
 
     discount = 0.5
     FEEDBACK = "Your answer is wrong. Try again."
+    needs_answer = True  # every prompt's reference answer (checked before any engine starts)
 
     def reset(self, sample: EnvSample) -> None:
         if sample.answer is None:
@@ -125,6 +126,7 @@ class CalculatorEnv:
     as the answer whatever it holds."""
 
     REMINDER = "Call the calculator as <tool_call>expression</tool_call>, or give the final answer after ####."
+    needs_answer = True  # every prompt's reference answer (checked before any engine starts)
 
     def reset(self, sample: EnvSample) -> None:
         if sample.answer is None:

@@ -70,6 +70,9 @@ class StepResult:
 
 
 class Environment(Protocol):
+    """An environment class may also set `needs_answer = True`: it scores against each prompt's reference answer
+    (data.answer_key), and the trainer refuses data with a prompt that has none before any engine starts."""
+
     def reset(self, sample: EnvSample) -> None: ...
 
     def step(self, turn: Turn) -> StepResult: ...
