@@ -38,7 +38,7 @@ class ModelConfig:
     recompute: Recompute | None = None
     """Activation recompute: null | full | selective."""
     transformer_engine: bool = False
-    """Transformer Engine layer spec (GPU only, needs transformer-engine; not yet run on a GPU here). Packed
+    """Transformer Engine layer spec (GPU only, needs transformer-engine). Packed
     passes (actor.packing) then run as THD sequences through its attention. false: megatron's local spec
     (the CPU path)."""
 
@@ -109,7 +109,7 @@ class ActorConfig:
     """Padding-free passes: the samples of a pass are packed into bins of at most max_tokens_per_micro_batch
     tokens, one row per forward (actor/packing.py). CPU: a block-diagonal causal mask, each sample's attention
     computed on its own (actor/packed_attention.py); GPU: THD sequences through Transformer Engine (needs
-    model.transformer_engine=true; not yet run on a GPU). false: padded micro-batches of micro_batch_size
+    model.transformer_engine=true). false: padded micro-batches of micro_batch_size
     samples, all as long as the batch's longest sample."""
     max_tokens_per_micro_batch: int = 1024
     """Token budget of a packed forward (actor.packing); a longer sample gets a forward of its own. Attention
@@ -206,7 +206,7 @@ class TrainerConfig:
     engine's own CPU ops (moe_rl/actor/engine_ops.py), so pi_old == mu bit for bit on every response token:
     mismatch/exact_fraction 1.0, mismatch/k3_kl and mismatch/logprob_abs_diff_max 0.0; gradients still come
     from megatron's autograd. CPU engines without AMX, Qwen3-MoE models, data and expert parallelism only;
-    sets VLLM_CPU_ATTN_SPLIT_KV=0 for the engine. On CUDA (not yet run on a GPU) both sides use batch-invariant
+    sets VLLM_CPU_ATTN_SPLIT_KV=0 for the engine. On CUDA both sides use batch-invariant
     kernels instead: VLLM_BATCH_INVARIANT=1 and megatron's batch_invariant_mode (moe_rl/actor/batch_invariant.py;
     needs model.transformer_engine=true). docs/guides/true-on-policy.md lists what it refuses and costs."""
     true_on_policy_strict: bool = False

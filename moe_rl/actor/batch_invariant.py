@@ -1,4 +1,4 @@
-"""trainer.true_on_policy on GPU: both sides run batch-invariant kernels (not yet run on a GPU).
+"""trainer.true_on_policy on GPU: both sides run batch-invariant kernels.
 
 On CPU the mode reproduces the engine's own ops (`engine_ops`). On CUDA it instead asks each library
 for kernels whose reductions do not depend on the batch: the engine runs with `VLLM_BATCH_INVARIANT=1`

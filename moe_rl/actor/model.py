@@ -2,7 +2,7 @@
 
 CPU: local layer spec + `moe_rl.actor.norms` (sequence-parallel-capable RMSNorm), allgather
 dispatcher, `moe_rl.actor.context_parallel`'s attention under CP. GPU: Transformer Engine spec
-(`use_te=True`; not yet run on a GPU here).
+(`use_te=True`).
 """
 
 from __future__ import annotations

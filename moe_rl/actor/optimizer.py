@@ -7,7 +7,7 @@ statistics reduce over the model-parallel group, expert ones over the expert ten
 expert-tensor-parallel group deciding which expert grads are duplicates. It is built here
 without megatron's DDP wrapper because on CPU gradients are synchronised by
 `train_step.sync_gradients` (gloo). GPU (`actor.distributed_optimizer`): megatron's DDP gradient
-buffers and distributed optimizer (`build_distributed_optimizer`; not yet run on a GPU).
+buffers and distributed optimizer (`build_distributed_optimizer`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def build_distributed_optimizer(chunks: list[torch.nn.Module], lr: float, weight
     """GPU: the chunks wrapped in megatron's DistributedDataParallel (gradients in contiguous buffers, reduced
     by `finalize_model_grads`) and `get_megatron_optimizer`'s distributed optimizer (Adam state sharded over
     data-parallel ranks). Returns (ddp_chunks, optimizer); the chunks stay what the forward runs (the DDP
-    hooks sit on their parameters). Not yet run on a GPU.
+    hooks sit on their parameters).
 
     Losses here are already divided by the global token/sequence counts, so gradients are summed over
     data-parallel ranks (`calculate_per_token_loss`: megatron then scales by 1, not 1/DP)."""

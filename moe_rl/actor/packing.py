@@ -17,7 +17,7 @@ back per sample (`unpack`), so losses see `[n, T]` rows as without packing and u
 global token counts. Megatron's local attention applies a given mask as is (the CPU path). On GPU
 (model.transformer_engine) the same row runs in THD format instead: no mask, `PackedSeqParams`
 with the samples' `cu_seqlens` (`thd_params`; the row's tail padding is one more sequence), and
-megatron applies RoPE per sequence from them. Not yet run on a GPU here.
+megatron applies RoPE per sequence from them.
 
 Every rank runs the same number of bins per mini-batch (data-parallel ranks finish their passes
 together; a multiple of the pipeline size under the interleaved schedule); under pipeline

@@ -179,7 +179,7 @@ def train_minibatch(
     if ddp is None:
         sync_gradients(chunks)
         grads = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
-    else:  # not yet run on a GPU
+    else:
         from megatron.core.distributed import finalize_model_grads
 
         config = chunks[0].config  # the one megatron reads through the DDP wrapper

@@ -121,7 +121,7 @@ class RolloutConfig:
     sleep_while_training: bool = False
     """GPU, colocated engines: after each rollout the engine sleeps (vLLM sleep level 1: KV cache freed, weights
     offloaded to host memory) so the actor trains with the device to itself; the weight sync wakes its weights,
-    the next sampling its KV cache. Not yet run on a GPU."""
+    the next sampling its KV cache."""
     logprobs_mode: LogprobsMode = LogprobsMode.raw_logprobs
     """raw_logprobs (model distribution at temperature 1) | processed_logprobs (after temperature/top-p)."""
     weight_sync_bucket_mb: int = 64
@@ -204,8 +204,7 @@ def engine_visible_devices(visible: str | None, device_count: int, first: int, c
 def _engine_sees_its_gpus(count: int):
     """vLLM starts an engine's workers on devices 0..count-1 of those they see (EngineArgs has no device), so
     without this every engine of a node would sit on GPU 0. A colocated engine belongs on its leader's device
-    (and the next ones for its TP workers): its processes, started inside this block, see only those.
-    Not yet run on a GPU."""
+    (and the next ones for its TP workers): its processes, started inside this block, see only those."""
     if not torch.cuda.is_available():
         yield
         return

@@ -107,7 +107,7 @@ class WeightReceiver:
 
     @_under_vllm_config
     def moe_rl_load_cuda_ipc(self, payload: bytes, manifest: list) -> int:
-        """Load one bucket from the leader's device buffer (cuda_ipc; not yet run on a GPU). `payload`: the
+        """Load one bucket from the leader's device buffer (cuda_ipc). `payload`: the
         pickled {GPU UUID: the buffer's `reduce_tensor` arguments}; rebuilt on this worker's device index as
         vLLM's IPCWeightTransferEngine does, then copied out like the shm bucket (the leader reuses the buffer
         once this returns, so the copies are waited for)."""
