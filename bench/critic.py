@@ -2,7 +2,7 @@
 
 Runs `torchrun --nproc-per-node=2 launch/train_moe.py` twice with the same seed and data: the default GRPO
 advantages (algorithm.advantage=grpo, GSPO + IcePop) and PPO with a critic (algorithm.advantage=gae
-algorithm.policy_loss=ppo: one more MoE model with its optimizer per rank, a values pass and a critic update
+algorithm/loss=ppo: one more MoE model with its optimizer per rank, a values pass and a critic update
 per step). Reports each run's mean seconds per phase (time/<phase>, steps after the first), the step-time
 ratio gae / grpo, and the peak resident memory of a trainer rank (memory/peak_rss_gib, largest step).
 
@@ -18,7 +18,7 @@ from step_time import phases, run_variants
 
 VARIANTS = {
     "grpo": [],
-    "gae": ["algorithm.advantage=gae", "algorithm.policy_loss=ppo"],
+    "gae": ["algorithm.advantage=gae", "algorithm/loss=ppo"],
 }
 
 

@@ -76,9 +76,6 @@ class AlgorithmConfig:
     """GAE's lambda: 1 = Monte Carlo returns minus the value baseline, 0 = one-step TD."""
     whiten_advantages: bool = True
     """Whiten GAE advantages over the global batch's response tokens (mean 0, variance 1; gae only)."""
-    policy_loss: str = ""
-    """The policy loss by name (gspo | ppo), with that loss's defaults: the same as the group choice
-    `algorithm/loss=<name>` (use that one to also set the loss's keys). Empty: the preset's loss."""
     prox_logp: str = "recompute"
     """The proximal policy pi_prox the loss clips against and the correction weighs mu with: recompute (the
     old-log-prob pass: the actor before the update, mu's routes replayed) | loglinear (A-3PO: interpolated
@@ -326,23 +323,6 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
 
 
-def resolve_aliases(cfg: TrainConfig) -> None:
-    """algorithm.policy_loss=<name> (in place): the loss chosen by name with that loss's defaults, as the group
-    choice algorithm/loss=<name> would. Refused when the composed loss has settings of its own changed."""
-    alg = cfg.algorithm
-    if not alg.policy_loss or POLICY_LOSSES.name_of(alg.loss) == alg.policy_loss:
-        return
-    if alg.policy_loss not in POLICY_LOSSES.names():
-        raise ConfigError(f"config algorithm.policy_loss: {alg.policy_loss!r}: choose one of {POLICY_LOSSES.names()}")
-    if alg.loss != type(alg.loss)():
-        raise ConfigError(
-            f"config algorithm.policy_loss: {alg.policy_loss!r} would drop the algorithm.loss.* settings of "
-            f"{POLICY_LOSSES.name_of(alg.loss)!r}; choose the loss with algorithm/loss={alg.policy_loss} to set "
-            "its keys"
-        )
-    alg.loss = POLICY_LOSSES.configs()[alg.policy_loss]()
-
-
 def _validate_multi_turn(cfg: TrainConfig, bad) -> None:
     """rollout.multi_turn.*: the environment loads, the limits make sense, and what multi-turn rollouts do not
     combine with yet is refused."""
@@ -412,9 +392,7 @@ def _validate_true_on_policy(cfg: TrainConfig, bad) -> None:
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need no model, run before anything is built: one clear error naming the key. Resolves
-    the aliases first (resolve_aliases)."""
-    resolve_aliases(cfg)
+    """Checks that need no model, run before anything is built: one clear error naming the key."""
     from moe_rl.data.prompts import OVERLONG_POLICIES
     from moe_rl.data.rewards import load_reward
     from moe_rl.objectives import ADVANTAGES
@@ -436,7 +414,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             bad(
                 "algorithm.advantage",
                 "gae gives every token its own advantage: it needs the token-level PPO loss "
-                "(algorithm.policy_loss=ppo or algorithm/loss=ppo); GSPO's sequence ratio takes one per sequence",
+                "(algorithm/loss=ppo); GSPO's sequence ratio takes one per sequence",
             )
         if c.router_replay not in ("r2", "off"):
             bad("critic.router_replay", f"{c.router_replay!r}: choose r2 or off")
@@ -783,6 +761,10 @@ def describe_keys(prefix: str = "") -> list[tuple[str, Any, str]]:
     return [r for r in rows if r[0].startswith(prefix)]
 
 
+REMOVED = {"algorithm.policy_loss": "choose the loss with the group, algorithm/loss=<name> (gspo, ppo)"}
+"""Keys that were removed, with what replaces them."""
+
+
 def check_overrides(overrides: list[str]) -> None:
     """Refuse a command-line key that no config has, naming the closest valid one, before Hydra
     composes anything (Hydra's own message lists no alternative). Group choices
@@ -797,6 +779,8 @@ def check_overrides(overrides: list[str]) -> None:
         if "=" not in arg or arg[0] in "+~" or arg.startswith("hydra"):
             continue
         key, value = arg.split("=", 1)
+        if key in REMOVED:
+            raise ConfigKeyError(f"config: {key} is gone; {REMOVED[key]}")
         if key in choices:
             enum, nullable = choices[key]
             allowed = [m.value for m in enum] + (["null"] if nullable else [])

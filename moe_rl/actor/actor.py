@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.forward import broadcast_from_last_stage
 from moe_rl.common.batch import PaddedBatch
 from moe_rl.common.distributed import global_mean
 
@@ -45,17 +46,6 @@ def _exact_first_values(loss_fn, logp: torch.Tensor, mb: dict):
 
     exact = mb.pop("exact_logprobs")
     return loss_fn(exact_values(logp, exact, mb["loss_mask"] > 0), mb)
-
-
-def _from_last_stage_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The last pipeline stage's tensors (only it computes log-probs) on every stage of its pipeline."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        group = ps.get_pipeline_model_parallel_group()
-        for t in tensors.values():
-            dist.broadcast(t, src=dist.get_process_group_ranks(group)[-1], group=group)
-    return tensors
 
 
 class Actor:
@@ -170,8 +160,13 @@ class Actor:
         """log pi_ref per token, routed like pi_old and pi_theta: the engine's routes (R3) or the old pass's
         (R2) replayed, so the KL measures how the weights moved on the same expert paths, not routing noise."""
         chunks, replay = self.reference
-        routes = {"r3": padded.routes, "r2": old.get("routes")}.get(self.cfg.router_replay)
+        routes = self.replayed_routes(padded, old)
         return self._logprobs(chunks, replay, padded, with_entropy=False, routes=routes)["logprobs"]
+
+    def replayed_routes(self, padded: PaddedBatch, old: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The routes the passes after the old-log-prob pass replay (actor.router_replay): the engine's (r3), the
+        ones that pass recorded (r2), or none (off)."""
+        return {"r3": padded.routes, "r2": old.get("routes"), "off": None}[self.cfg.router_replay]
 
     def _logprobs(self, chunks, replay, padded: PaddedBatch, **kw) -> dict[str, torch.Tensor]:
         from moe_rl.actor.forward import compute_logprobs
@@ -235,7 +230,7 @@ class Actor:
 
         a = self.cfg
         loglinear = "logprobs" not in old
-        routes = {"r3": padded.routes, "r2": old.get("routes"), "off": None}[a.router_replay]
+        routes = self.replayed_routes(padded, old)
         b = padded.input_ids.shape[0]
         if b % a.mini_batches:
             raise ValueError(f"actor.mini_batches={a.mini_batches} does not divide this rank's {b} samples")
@@ -310,7 +305,7 @@ class Actor:
         self.version += 1
         applied = [x for x in norms if math.isfinite(x)]
         out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
-        self.update_policy = _from_last_stage_tensors(seen) if loglinear else None
+        self.update_policy = {k: broadcast_from_last_stage(t) for k, t in seen.items()} if loglinear else None
         return out | self._pass_shape(padded, plan)
 
     def _pass_shape(self, padded: PaddedBatch, plan) -> dict[str, float]:

@@ -259,7 +259,9 @@ class LogprobHead:
         return lp.view(b, s), ent.view(b, s) if with_entropy else None
 
 
-def _broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
+def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the last pipeline stage (the only one that computes log-probs) holds it, on every stage of its
+    pipeline (in place; collective over the pipeline group when there is more than one stage)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -341,7 +343,7 @@ def compute_logprobs(
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             for mb, r in zip(mbs, results, strict=True):
                 full[mb.index] = r[k].float().cpu()
-        full = _broadcast_from_last_stage(full)
+        full = broadcast_from_last_stage(full)
         out[k] = full * attention_mask.float() * _not_first(attention_mask)
     if record:
         out["routes"] = torch.from_numpy(recorded["routes"][:, :t])

@@ -17,7 +17,7 @@ from tests.conftest import ONE_ENGINE, run_job
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-GAE = ["logging.wandb.mode=disabled", "algorithm.advantage=gae", "algorithm.policy_loss=ppo", ONE_ENGINE]
+GAE = ["logging.wandb.mode=disabled", "algorithm.advantage=gae", "algorithm/loss=ppo", ONE_ENGINE]
 CRITIC_KEYS = (
     "critic/value_loss",
     "critic/vf_clipfrac",

@@ -223,12 +223,6 @@ def test_schema_errors_name_the_key(override, match):
         (["buffer.enable=true", "data.prompts_per_step=3"], 1, "config buffer.enable: needs data.prompts_per_step=3"),
         (["buffer.enable=true", "algorithm.advantage=gae", "algorithm/loss=ppo"], 1, "config buffer.enable: with alg"),
         (["algorithm.advantage=gae"], 1, "config algorithm.advantage: gae gives every token its own advantage"),
-        (["algorithm.policy_loss=sgd"], 1, "config algorithm.policy_loss: 'sgd': choose one of \\['gspo', 'ppo'\\]"),
-        (
-            ["algorithm.policy_loss=ppo", "algorithm.loss.clip_high=0.1"],
-            1,
-            "config algorithm.policy_loss: 'ppo' would drop the algorithm.loss.\\* settings of 'gspo'",
-        ),
         (["algorithm.advantage=gae", "algorithm/loss=ppo", "critic.value_clip=0"], 1, "config critic.value_clip: 0"),
         (["algorithm.advantage=gae", "algorithm/loss=ppo", "critic.mini_batches=5"], 1, "config critic.mini_batches"),
         (["algorithm.prox_logp=approx"], 1, "config algorithm.prox_logp: 'approx': choose one of recompute, log"),
@@ -324,11 +318,12 @@ def test_settings_that_cannot_learn_fail_fast_before_any_engine(override, key, t
     assert seconds < 60, seconds
 
 
-def test_policy_loss_by_name_is_the_group_choice():
-    by_name = OmegaConf.to_object(_compose(["algorithm.advantage=gae", "algorithm.policy_loss=ppo"]))
-    validate(by_name, world_size=2)
+def test_the_loss_is_chosen_by_its_group_only():
     by_group = OmegaConf.to_object(_compose(["algorithm.advantage=gae", "algorithm/loss=ppo"]))
-    assert by_name.algorithm.loss == by_group.algorithm.loss == PPOConfig()
+    validate(by_group, world_size=2)
+    assert by_group.algorithm.loss == PPOConfig()
+    with pytest.raises(ConfigKeyError, match="algorithm.policy_loss is gone; choose the loss with the group"):
+        check_overrides(["algorithm.policy_loss=ppo"])
 
 
 def test_gpu_only_transport_choices_are_checked_as_on_a_gpu(monkeypatch):
