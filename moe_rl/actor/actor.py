@@ -13,20 +13,7 @@ import torch.distributed as dist
 
 from moe_rl.actor.forward import broadcast_from_last_stage
 from moe_rl.common.batch import PaddedBatch
-from moe_rl.common.distributed import global_mean
-
-
-def global_count(x: torch.Tensor) -> float:
-    """Sum over the data-parallel and context-parallel ranks: the loss normaliser of a mini-batch. The CP ranks
-    share their samples, so each counts CP times; megatron's schedule multiplies each loss by CP, which
-    cancels it (actor/context_parallel.py)."""
-    from megatron.core import parallel_state as ps
-
-    t = x.detach().double().clone().reshape(1)
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return float(t.item())
+from moe_rl.common.distributed import global_mean, global_sums, loss_counts
 
 
 def _recording(loss_fn, seen: dict[str, torch.Tensor], logp: torch.Tensor, mb: dict):
@@ -252,6 +239,8 @@ class Actor:
             weights = corr.weights if corr.weights is not None else torch.ones_like(corr.mask)
         out["actor/skipped_steps"] = 0.0
         norms = []
+        # every mini-batch's loss normalisers, in one all-reduce
+        all_counts = loss_counts([mask_all[i * per : (i + 1) * per] for i in range(a.mini_batches)])
         for i in range(a.mini_batches):
             rows = slice(i * per, (i + 1) * per)
             mask = mask_all[rows]
@@ -270,8 +259,7 @@ class Actor:
                 batch["routes"] = routes[rows]
             if ref_logprobs is not None:
                 batch["ref_logprobs"] = ref_logprobs[rows]
-            counts = {"num_tokens": global_count(mask.sum()), "num_seqs": global_count((mask.sum(-1) > 0).sum())}
-            loss = functools.partial(objective.loss, **counts)
+            loss = functools.partial(objective.loss, **all_counts[i])
             if loglinear:
                 loss = functools.partial(_recording, loss, seen)
             if self.exact is not None and i == 0:  # pi_theta == pi_old here: the engine-op values, bit for bit
@@ -321,10 +309,10 @@ class Actor:
             positions = b * (t + (-t) % seq_multiple())
         else:
             mbs, positions = len(plan.bins), sum(plan.seq_lens)
-        tokens = global_count(padded.attention_mask.sum())
+        tokens, positions = global_sums([float(padded.attention_mask.sum()), float(positions)])
         return {
             "perf/micro_batches": float(mbs),
-            "perf/padding_fraction": 1.0 - tokens / global_count(torch.tensor(float(positions))),
+            "perf/padding_fraction": 1.0 - tokens / positions,
             "perf/tokens": tokens / cp_size(),  # context-parallel ranks share their samples
         }
 

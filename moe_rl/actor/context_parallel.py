@@ -10,7 +10,7 @@ The loss is sequence-level (GSPO sums a sample's tokens), so per-token scores ar
 to whole sequences (`gather_sequence`) and every CP rank computes the same loss; each rank's
 backward then flows through its own positions only, and the data x context-parallel gradient sum
 (`train_step.sync_gradients`) adds the ranks' parts. The loss normaliser counts every sample once
-per CP rank (`actor.global_count`) and megatron's schedule multiplies the loss by CP: the two
+per CP rank (`common.distributed.loss_counts`) and megatron's schedule multiplies the loss by CP: the two
 cancel, so the gradient is the one of a CP=1 run.
 """
 

@@ -29,6 +29,27 @@ def all_gather_objects(obj, group=None) -> list:
     return out
 
 
+def global_sums(values: list[float]) -> list[float]:
+    """Each value summed over the data-parallel and context-parallel ranks, in one all-reduce (float64; counts
+    stay exact). The CP ranks share their samples, so a count of them is CP times the samples' (megatron's
+    schedule multiplies each loss by CP, which cancels it: actor/context_parallel.py)."""
+    from megatron.core import parallel_state as ps  # the data-parallel group (megatron is the actor's, not a need here)
+
+    t = torch.tensor(values, dtype=torch.float64)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def loss_counts(masks: list[torch.Tensor]) -> list[dict[str, float]]:
+    """The loss normalisers of each mini-batch's loss mask `[b, T]` over the data-parallel ranks: num_tokens (its
+    1s) and num_seqs (rows with any), for all mini-batches in one all-reduce."""
+    local = [float(x) for m in masks for x in (m.sum(), (m.sum(-1) > 0).sum())]
+    total = global_sums(local)
+    return [{"num_tokens": total[2 * i], "num_seqs": total[2 * i + 1]} for i in range(len(masks))]
+
+
 def global_mean(values: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
     """Each value (a mean over this rank's `weights[key]` tokens or sequences) as the mean over the
     data-parallel ranks' tokens or sequences: one all-reduce."""

@@ -112,14 +112,15 @@ class Critic:
         """`mini_batches` optimizer steps of the clipped value loss against `returns` ([B, T], 0 off the
         response), starting from the values pass `old` (its routes replayed under R2). Returns critic/*
         metrics (means over the mini-batches)."""
-        from moe_rl.actor.actor import global_count
         from moe_rl.actor.train_step import train_minibatch
+        from moe_rl.common.distributed import loss_counts
         from moe_rl.objectives.value import value_loss
 
         b = padded.input_ids.shape[0]
         if b % mini_batches:
             raise ValueError(f"critic mini_batches={mini_batches} does not divide this rank's {b} samples")
         per, out, norms = b // mini_batches, {}, []
+        all_counts = loss_counts([padded.loss_mask[i * per : (i + 1) * per] for i in range(mini_batches)])
         for i in range(mini_batches):
             rows = slice(i * per, (i + 1) * per)
             mask = padded.loss_mask[rows]
@@ -132,9 +133,8 @@ class Critic:
             }
             if self.replay is not None:
                 batch["routes"] = old["routes"][rows]
-            counts = {"num_tokens": global_count(mask.sum()), "num_seqs": global_count((mask.sum(-1) > 0).sum())}
 
-            def loss_fn(values, mb, counts=counts):
+            def loss_fn(values, mb, counts=all_counts[i]):
                 return value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"], clip, agg, **counts)
 
             m = train_minibatch(
