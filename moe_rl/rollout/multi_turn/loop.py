@@ -161,7 +161,7 @@ class AgentLoop:
                 prompts[t.prompt_index].answer,
                 t.prompt_index,
                 t.sample_index,
-                base * 1_000_003 + t.k,
+                (base + t.prompt_index) * n + t.sample_index,
                 self.cfg.max_turns,
                 self.tokenizer,
             )
@@ -173,7 +173,7 @@ class AgentLoop:
             if not live:
                 break
             budgets = [min(sampling.max_tokens, self.limit - len(t.tokens)) for t in live]
-            seeds = [None if sampling.seed is None else sampling.seed + turn * len(trajs) + t.k for t in live]
+            seeds = [None if sampling.seed is None else self._seed(sampling.seed, t, turn, n) for t in live]
             outs = e.generate_turn([t.tokens for t in live], sampling, budgets, seeds)
             self._record_turn(trajs, live, outs, turn)
             for t in live:
@@ -190,6 +190,13 @@ class AgentLoop:
         if failed and len(failed) == len(trajs):
             raise RuntimeError(f"every trajectory's environment failed this step; the first: {failed[0].env_error}")
         return self._batch(trajs, env_wall)
+
+    def _seed(self, base: int, t: Trajectory, turn: int, n: int) -> int:
+        """The sampling seed of trajectory `t`'s turn: prompt i of the batch has seed base + i, as in single-turn
+        rollouts (the engine source gives each data-parallel rank's prompts their own seeds), and each of its n
+        trajectories and turns one of its own. Independent of how many ranks' prompts this engine serves, so a
+        change of rollout.engines samples the same trajectories."""
+        return ((base + t.prompt_index) * n + t.sample_index) * self.cfg.max_turns + turn
 
     def _record_turn(self, trajs: list[Trajectory], live: list[Trajectory], outs: list, turn: int) -> None:
         """Append each live trajectory's sampled tokens, mu's log-probs and this turn's new route rows."""
