@@ -132,12 +132,11 @@ class WeightSync:
 
 def sync_metrics(stats: dict[str, float]) -> dict[str, float]:
     """The step's `weight_sync/*` metrics from a `WeightSync()` result (the same keys on every rank, so that they
-    reduce as maxima): bytes of HF tensors each engine received, the sync's wall seconds, their ratio in GB/s, and
-    the buckets they went in."""
+    reduce as maxima): bytes of HF tensors each engine received, the sync's wall seconds and the buckets they went
+    in. `weight_sync/gb_per_s` is formed from the reduced values (the slowest rank's seconds) by the trainer."""
     return {
         "weight_sync/bytes": float(stats["bytes"]),
         "weight_sync/seconds": stats["seconds"],
-        "weight_sync/gb_per_s": stats["bytes"] / stats["seconds"] / 1e9,
         "weight_sync/buckets": float(stats["buckets"]),
     }
 

@@ -48,6 +48,15 @@ TINY = {
 }
 
 
+TIMING = ("time/", "memory/", "perf/tokens_per_s", "weight_sync/seconds", "weight_sync/gb_per_s")
+"""The metrics of the machine, not of the run: wall-clock times, memory, throughput."""
+
+
+def untimed(metrics: dict) -> dict:
+    """A step's metrics without the machine's (TIMING), which differ between runs that train alike."""
+    return {k: v for k, v in metrics.items() if not k.startswith(TIMING)}
+
+
 def pytest_configure(config):
     for name, doc in {
         "distributed": "multi-process torchrun/gloo runs",

@@ -19,9 +19,10 @@ the job does not kill it first):
   engine's rendezvous, `vllm_dist_*` in the temp folder, which only a destructor that a killed process never
   runs would remove);
 - after a clean shutdown, if some file was still held by another process at that moment, it
-  looks once more when the owner has exited, or after `LINGER_S` if the owner lives on. (A
-  socket file was left once beside CI's other test lanes after the ranks' clean exit, with
-  engines forked from the ranks; which process held it then is not known.)
+  looks once more when the owner has exited, or after `LINGER_S` if the owner lives on; after the
+  owner died, it looks again every `POLL_S` until no such file is left or `LINGER_S` has passed.
+  (Socket files were left after a clean exit once, and after a second SIGTERM during a save once,
+  both under CI's load; which process held them then is not known.)
 
 Which case each part covers is listed in docs/operations/troubleshooting.md.
 """
@@ -287,6 +288,13 @@ def main() -> None:
                 time.sleep(POLL_S)
             removed += watch.remove_files()
     if owner_gone:
+        # Files another process still held at that pass (seen: two engine sockets after a second SIGTERM during a
+        # checkpoint save, with the ranks' other processes still exiting): looked at again until they are free or
+        # LINGER_S has passed; a file another run holds all that time stays.
+        deadline = time.monotonic() + LINGER_S
+        while candidate_files() - watch.before and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            removed += watch.remove_files()
         print(
             f"[moe-rl reaper] process {watch.owner.pid} ended without shutting its rollout engine down: killed "
             f"{len(killed)} process(es) {killed}, removed {len(removed)} leftover file(s)",

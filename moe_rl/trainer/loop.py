@@ -454,6 +454,8 @@ class Trainer:
         metrics |= val | balance | self._staleness(rollout)
         if "perf/tokens" in metrics:  # the update's real tokens over the data-parallel ranks
             metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/update"]
+        if "weight_sync/seconds" in metrics:  # each engine's bytes over the slowest rank's sync
+            metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / metrics["weight_sync/seconds"] / 1e9
         self.step_index += 1
         position = self.source.position  # not the prompts sampled ahead
         self.data_position = self.data.position if position is None else position

@@ -38,7 +38,6 @@ def test_one_step_off_policy_learns_with_staleness_at_most_one(tmp_path):
     stale = [h["staleness/max"] for h in history]
     assert all(h["staleness/mean"] <= h["staleness/max"] <= 1 for h in history), stale
     assert sum(s == 1 for s in stale) >= 15 and stale[0] == 0  # the first step samples with the weights it trains
-    assert all(h["staleness/dropped"] == 0 for h in history)
     # pi_theta has moved one optimizer step by the last mini-batch: its ratio to pi_prox is no longer 1
     moved = sum(abs(h["actor/last_minibatch_ppo_kl"]) > 10 * abs(h["actor/first_minibatch_ppo_kl"]) for h in history)
     assert moved >= 25, [(h["actor/first_minibatch_ppo_kl"], h["actor/last_minibatch_ppo_kl"]) for h in history]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ONE_ENGINE, REPO, run_job
+from tests.conftest import ONE_ENGINE, REPO, run_job, untimed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
@@ -133,11 +133,6 @@ def test_overrides_r2_ep2_tis(tmp_path):
     assert "step_000003 cannot be resumed" in out and "/optimizer/" in out and "is missing" in out, out[-3000:]
 
 
-def _comparable(metrics: dict) -> dict:
-    """Every metric but the machine's: phase times, memory, and throughput (tokens per second)."""
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "memory/")) and k != "perf/tokens_per_s"}
-
-
 def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, default_run):
     """SIGTERM to torchrun (Slurm preemption) during step 2: the trainer checkpoints at a step
     boundary and exits; `trainer.resume=auto` continues with the same metrics as a run that
@@ -181,8 +176,8 @@ def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, defa
     # every step, the ones before the signal too: those ran from the real command line, the reference and the
     # resumed steps from tests/warm_torchrun.py's forked launches, which must train the same
     for step in history:
-        expected = _comparable(reference[step["step"] - 1])
-        got = _comparable(step)
+        expected = untimed(reference[step["step"] - 1])
+        got = untimed(step)
         assert got.keys() == expected.keys()
         for k in expected:
             assert got[k] == pytest.approx(expected[k], rel=1e-6, abs=1e-9), (step["step"], k)
