@@ -12,19 +12,67 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from moe_rl.actor.model import Recompute
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.common.errors import ConfigError
+from moe_rl.data.prompts import Overlong
 from moe_rl.models.tiny import Arch
 from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
 from moe_rl.objectives.aggregation import AGG_MODES
 from moe_rl.objectives.corrections import IcePopConfig
+from moe_rl.objectives.kl import KLType
 from moe_rl.objectives.policy_loss import GSPOConfig
+from moe_rl.objectives.proximal import ProxLogp
+from moe_rl.rollout.buffer import Priority
 from moe_rl.rollout.engine import RolloutConfig, SamplingConfig
-from moe_rl.rollout.placement import PLACEMENTS
+
+
+class Dtype(StrEnum):
+    """The actor's parameter and compute dtype (model.dtype)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class RouterReplay(StrEnum):
+    """Routes the actor's passes replay (actor.router_replay)."""
+
+    r3 = "r3"  # the rollout engine's, in every pass
+    r2 = "r2"  # the ones the old-log-prob pass recorded, in the later passes
+    off = "off"  # none: the actor routes live
+
+
+class CriticReplay(StrEnum):
+    """Routes the critic's update replays (critic.router_replay)."""
+
+    r2 = "r2"  # the ones its values pass recorded
+    off = "off"
+
+
+class Task(StrEnum):
+    """Where the prompts come from (data.task)."""
+
+    toy = "toy"  # the built-in toy prompts
+    file = "file"  # data.path
+
+
+class Mode(StrEnum):
+    """What a run does (trainer.mode)."""
+
+    train = "train"
+    rollout_only = "rollout_only"  # sample and dump, no update
+    from_dump = "from_dump"  # train on an earlier run's dumps, no engine
+
+
+class WandbMode(StrEnum):
+    """logging.wandb.mode."""
+
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
 
 
 @dataclass
@@ -33,7 +81,7 @@ class ModelConfig:
     """HF model folder. Empty: build the tiny model below into the run directory."""
     tiny_arch: Arch = Arch.qwen3_moe
     """Architecture of the built-in tiny model (qwen3_moe | mixtral | olmoe | glm4_moe | deepseek_v3)."""
-    dtype: str = "float32"
+    dtype: Dtype = Dtype.float32
     """Actor dtype: float32 | bfloat16."""
     recompute: Recompute | None = None
     """Activation recompute: null | full | selective."""
@@ -62,7 +110,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     """Weight of the KL to the reference policy (a frozen copy of the initial weights in the actor's layout,
     built when > 0: one more copy of the parameters per rank, no gradients or optimizer state)."""
-    kl_type: str = "low_var_kl"
+    kl_type: KLType = KLType.low_var_kl
     """Per-token KL estimator: k1 (log pi - log ref) | k3 (Schulman's, >= 0) | low_var_kl (k3 clamped to
     [-10, 10], verl's default)."""
     kl_in_reward: bool = False
@@ -76,7 +124,7 @@ class AlgorithmConfig:
     """GAE's lambda: 1 = Monte Carlo returns minus the value baseline, 0 = one-step TD."""
     whiten_advantages: bool = True
     """Whiten GAE advantages over the global batch's response tokens (mean 0, variance 1; gae only)."""
-    prox_logp: str = "recompute"
+    prox_logp: ProxLogp = ProxLogp.recompute
     """The proximal policy pi_prox the loss clips against and the correction weighs mu with: recompute (the
     old-log-prob pass: the actor before the update, mu's routes replayed) | loglinear (A-3PO: interpolated
     from mu and pi_theta by policy versions, objectives/proximal.py; skips that pass; not with
@@ -85,7 +133,7 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig:
-    router_replay: str = "r3"
+    router_replay: RouterReplay = RouterReplay.r3
     """r3 (replay the rollout engine's routes) | r2 (replay the actor's own old-pass routes) | off."""
     lr: float = 3e-3
     """Adam learning rate (high for the tiny model; ~1e-6 for real models)."""
@@ -125,7 +173,7 @@ class ActorConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "toy"
+    task: Task = Task.toy
     """toy (built in, learnable by a tiny random model) | file."""
     path: str = ""
     """jsonl or parquet file, or the folder of an HF dataset saved with save_to_disk (task=file)."""
@@ -147,7 +195,7 @@ class DataConfig:
     """Reward plugin `module:function(responses, answers, response_ids) -> list[float]`."""
     prompts_per_step: int = 4
     """Prompts per step on each data-parallel rank (samples = prompts * rollout.n)."""
-    overlong_prompts: str = "error"
+    overlong_prompts: Overlong = Overlong.error
     """A prompt whose tokens + sampling.max_tokens exceed the engine's context: error (name its line)
     | drop (drop such rows at start and print how many)."""
 
@@ -163,7 +211,7 @@ class TrainerConfig:
     """Warn when |mean(log pi_theta - log pi_old)| on the first mini-batch exceeds this (a broken weight sync or
     replay: pi_old was computed from the same weights). Not checked with algorithm.prox_logp=loglinear, whose pi_prox
     is interpolated from mu, not recomputed."""
-    mode: str = "train"
+    mode: Mode = Mode.train
     """train | rollout_only (rollout + old log-probs + a dump each step, no update) | from_dump
     (train on the dumps in dump_dir, cycling through its steps; no engine)."""
     checkpoint_every: int = 10
@@ -234,7 +282,7 @@ class ValConfig:
 class WandbConfig:
     """Weights & Biases (wandb.init arguments)."""
 
-    mode: str = "offline"
+    mode: WandbMode = WandbMode.offline
     """online | offline (files under <run dir>/wandb, `wandb sync` later) | disabled."""
     project: str = "moe-rl"
     """wandb project the run is logged to."""
@@ -269,7 +317,7 @@ class BufferConfig:
     max_age: int = 4
     """Groups whose oldest sample is more than this many policy versions old are evicted. This bound, not
     trainer.max_staleness, limits how stale a replayed sample is (staleness/max reports it; nothing is dropped)."""
-    priority: str = "uniform"
+    priority: Priority = Priority.uniform
     """uniform | recency ((1 + age)^-alpha) | advantage (mean |A|^alpha + eps) | rarity (prompts rarely trained
     or with a pass rate far from 0.5) | mixed (the mean of those three distributions); rollout/buffer.py."""
     alpha: float = 1.0
@@ -296,7 +344,7 @@ class CriticConfig:
     """Adam learning rate of the critic (its own optimizer; clipping and weight decay as the actor's)."""
     value_clip: float | None = 0.5
     """Clip of the value loss around the values before the update (verl's cliprange_value); null = off."""
-    router_replay: str = "r2"
+    router_replay: CriticReplay = CriticReplay.r2
     """r2: the critic's update replays the routes of its own values pass (the values the clip compares are
     then one network's) | off: its router stays live."""
     mini_batches: int = 2
@@ -393,7 +441,6 @@ def _validate_true_on_policy(cfg: TrainConfig, bad) -> None:
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need no model, run before anything is built: one clear error naming the key."""
-    from moe_rl.data.prompts import OVERLONG_POLICIES
     from moe_rl.data.rewards import load_reward
     from moe_rl.objectives import ADVANTAGES
 
@@ -416,8 +463,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                 "gae gives every token its own advantage: it needs the token-level PPO loss "
                 "(algorithm/loss=ppo); GSPO's sequence ratio takes one per sequence",
             )
-        if c.router_replay not in ("r2", "off"):
-            bad("critic.router_replay", f"{c.router_replay!r}: choose r2 or off")
         if c.value_clip is not None and not c.value_clip > 0:
             bad("critic.value_clip", f"{c.value_clip}: must be > 0 (or null for no clipping)")
         for key in ("mini_batches", "epochs"):
@@ -437,19 +482,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("rollout.model", "is set from model.path by the trainer; set model.path instead")
     if cfg.rollout.seed is not None:
         bad("rollout.seed", "is set from trainer.seed by the trainer; set trainer.seed instead")
-    if cfg.rollout.cpu_start_method not in ("fork", "spawn"):
-        bad("rollout.cpu_start_method", f"{cfg.rollout.cpu_start_method!r}: choose fork or spawn")
-    if cfg.actor.router_replay not in ("r3", "r2", "off"):
-        bad("actor.router_replay", f"{cfg.actor.router_replay!r}: choose r3, r2 or off")
     if cfg.actor.router_replay == "r3" and cfg.rollout.capture == "none":
         bad("actor.router_replay", "r3 replays the rollout engine's routes, but rollout.capture=none")
-    if cfg.model.dtype not in ("float32", "bfloat16"):
-        bad("model.dtype", f"{cfg.model.dtype!r}: choose float32 or bfloat16")
-    if cfg.logging.wandb.mode not in ("online", "offline", "disabled"):
-        bad("logging.wandb.mode", f"{cfg.logging.wandb.mode!r}: choose online, offline or disabled")
     t = cfg.trainer
-    if t.mode not in ("train", "rollout_only", "from_dump"):
-        bad("trainer.mode", f"{t.mode!r}: choose train, rollout_only or from_dump")
     if t.mode == "from_dump" and not t.dump_dir:
         bad("trainer.dump_dir", "mode=from_dump needs the folder of an earlier run's dumps")
     if t.mode == "from_dump" and t.dump_every:
@@ -457,33 +492,23 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     for key in ("steps", "checkpoint_every", "checkpoint_keep", "dump_every"):
         if getattr(t, key) < 0:
             bad(f"trainer.{key}", "must be >= 0")
-    if cfg.data.task not in ("toy", "file"):
-        bad("data.task", f"{cfg.data.task!r}: choose toy or file")
     if cfg.data.task == "file" and not cfg.data.path:
         bad("data.path", "task=file needs a jsonl or parquet path")
     if cfg.data.task == "file" and not os.path.exists(cfg.data.path):
         bad("data.path", f"{cfg.data.path!r} does not exist")
     if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens < 1:
         bad("data.max_prompt_tokens", f"{cfg.data.max_prompt_tokens}: must be >= 1 (or null)")
-    if cfg.data.overlong_prompts not in OVERLONG_POLICIES:
-        bad("data.overlong_prompts", f"{cfg.data.overlong_prompts!r}: choose one of {OVERLONG_POLICIES}")
     try:
         load_reward(cfg.data.reward)
     except ValueError as e:
         bad("data.reward", str(e))
-    from moe_rl.objectives.kl import KL_KINDS
 
-    if alg.kl_type not in KL_KINDS:
-        bad("algorithm.kl_type", f"{alg.kl_type!r}: choose one of {KL_KINDS}")
     for key in ("kl_coef", "entropy_coef"):
         if not getattr(alg, key) >= 0:
             bad(f"algorithm.{key}", f"{getattr(alg, key)}: must be >= 0")
     if alg.kl_in_reward and not alg.kl_coef > 0:
         bad("algorithm.kl_in_reward", "needs algorithm.kl_coef > 0 (the weight of the KL in the reward)")
-    from moe_rl.objectives.proximal import PROX_LOGP
 
-    if alg.prox_logp not in PROX_LOGP:
-        bad("algorithm.prox_logp", f"{alg.prox_logp!r}: choose one of {', '.join(PROX_LOGP)}")
     if alg.prox_logp == "loglinear":
         needs = {
             "actor.router_replay=r2": cfg.actor.router_replay == "r2",  # replays that pass's own routes
@@ -572,8 +597,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"{r.engines} engines cannot serve {dp} data-parallel ranks (world {world_size} / tp*pp*cp) in equal "
             f"shares; choose a divisor of {dp}, or 0 for one engine per data-parallel rank",
         )
-    if r.placement not in PLACEMENTS:
-        bad("rollout.placement", f"{r.placement!r}: choose one of {', '.join(PLACEMENTS)}")
     if r.placement == "separate" and _has_cuda():
         bad("rollout.placement", "separate engines on devices of their own are not built yet on GPU; use colocated")
     if t.max_staleness not in (0, 1):
@@ -586,10 +609,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         bad("trainer.max_staleness", f"{t.max_staleness}: off-policy rollouts need trainer.mode=train, not {t.mode}")
     b = cfg.buffer
     if b.enable:
-        from moe_rl.rollout.buffer import PRIORITIES
-
-        if b.priority not in PRIORITIES:
-            bad("buffer.priority", f"{b.priority!r}: choose one of {', '.join(PRIORITIES)}")
         if b.capacity < cfg.data.prompts_per_step:
             bad(
                 "buffer.capacity",
@@ -617,10 +636,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                 f"actor.mini_batches={cfg.actor.mini_batches} (a short batch keeps whole groups per mini-batch)",
             )
     _validate_true_on_policy(cfg, bad)
-    from moe_rl.weight_sync import DEVICE_TRANSPORTS, TRANSPORTS
+    from moe_rl.weight_sync import DEVICE_TRANSPORTS
 
-    if r.weight_transport not in TRANSPORTS:
-        bad("rollout.weight_transport", f"{r.weight_transport!r}: choose one of {TRANSPORTS}")
     if r.weight_transport in DEVICE_TRANSPORTS and not _has_cuda():
         bad("rollout.weight_transport", f"{r.weight_transport} moves device memory: needs CUDA; use shm on CPU")
     elif r.weight_transport == "cuda_ipc" and r.tensor_parallel_size > 1:

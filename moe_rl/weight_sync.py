@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.common.distributed import all_gather_objects, buckets, tensor_nbytes
+from moe_rl.rollout.engine import WeightTransport
 from moe_rl.rollout.weight_receiver import bucket_tensors, map_shared
 
-TRANSPORTS = ("shm", "rpc", "cuda_ipc")
+TRANSPORTS = tuple(t.value for t in WeightTransport)
 DEVICE_TRANSPORTS = ("cuda_ipc",)  # the bucket buffer lives in device memory
 
 

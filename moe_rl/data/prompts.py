@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 
@@ -58,7 +59,15 @@ TOY_WORDS = [
     "learning",
 ]
 
-OVERLONG_POLICIES = ("error", "drop")
+
+class Overlong(StrEnum):
+    """What happens to a prompt over the token limit (data.overlong_prompts)."""
+
+    error = "error"
+    drop = "drop"
+
+
+OVERLONG_POLICIES = tuple(m.value for m in Overlong)
 
 
 class PromptSource:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -31,7 +32,18 @@ import torch
 from moe_rl.common.batch import PaddedBatch
 from moe_rl.rollout.source import Rollout
 
-PRIORITIES = ("uniform", "recency", "advantage", "rarity", "mixed")
+
+class Priority(StrEnum):
+    """How the replay buffer draws groups (buffer.priority)."""
+
+    uniform = "uniform"
+    recency = "recency"
+    advantage = "advantage"
+    rarity = "rarity"
+    mixed = "mixed"
+
+
+PRIORITIES = tuple(m.value for m in Priority)
 SAMPLE_KEYS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs", "routes")
 GROUP_KEYS = ("response_lengths", "policy_version", "rewards", "advantages", "truncated")
 

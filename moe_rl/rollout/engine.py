@@ -23,6 +23,7 @@ import torch
 
 from moe_rl.common.batch import RolloutBatch
 from moe_rl.rollout.multi_turn.config import MultiTurnConfig
+from moe_rl.rollout.placement import Placement
 from moe_rl.rollout.route_capture import HookRouteCapture, NativeRouteCapture, RouteCapture
 from moe_rl.routing.records import route_dtype, validate_routes
 
@@ -63,6 +64,21 @@ class Capture(StrEnum):
     none = "none"  # no routes (then actor.router_replay cannot be r3)
 
 
+class StartMethod(StrEnum):
+    """How a CPU engine's processes start (rollout.cpu_start_method)."""
+
+    fork = "fork"  # from the rank, which has imported torch and vLLM already
+    spawn = "spawn"  # a fresh interpreter, vLLM-CPU's own choice
+
+
+class WeightTransport(StrEnum):
+    """The last hop of a weight-sync bucket into the engine (rollout.weight_transport; moe_rl/weight_sync.py)."""
+
+    shm = "shm"  # a /dev/shm file the engine worker maps
+    rpc = "rpc"  # a safetensors blob through collective_rpc
+    cuda_ipc = "cuda_ipc"  # GPU: the bucket stays on the leader's device, mapped by CUDA IPC handle
+
+
 class LogprobsMode(StrEnum):
     """Which log-probs the engine returns (rollout.logprobs_mode, vLLM's logprobs_mode)."""
 
@@ -87,7 +103,7 @@ class RolloutConfig:
     """Tensor-parallel size of each engine: its workers are processes of their own (vLLM's mp executor),
     each holding a shard and a KV cache. With 1 on CPU the engine core
     process runs its one worker itself."""
-    placement: str = "colocated"
+    placement: Placement = Placement.colocated
     """colocated (the engine shares its rank's cores or device) | separate (CPU: the rank's cores split in
     halves, trainer threads pinned to one, the engine's to the other; rollout/placement.py). With
     trainer.max_staleness >= 1 separate lets generation and training run side by side."""
@@ -110,7 +126,7 @@ class RolloutConfig:
     the trainer's ranks for the cores: 0.05 keeps back-to-back decode steps fast and halved the default run's
     update time (docs/performance.md). With one worker, which the engine core runs itself, there is no such
     message queue and nothing spins."""
-    cpu_start_method: str = "fork"
+    cpu_start_method: StartMethod = StartMethod.fork
     """CPU: how an engine's processes start. fork: from the rank, which has already imported torch and vLLM (about
     10 s of CPU less per engine start, docs/performance.md); only from a process with one OpenMP thread (torchrun's
     OMP_NUM_THREADS=1), else the engine is spawned and a line says why | spawn: vLLM-CPU's own choice, a fresh
@@ -126,7 +142,7 @@ class RolloutConfig:
     """raw_logprobs (model distribution at temperature 1) | processed_logprobs (after temperature/top-p)."""
     weight_sync_bucket_mb: int = 64
     """Upper bound of one weight-sync bucket."""
-    weight_transport: str = "shm"
+    weight_transport: WeightTransport = WeightTransport.shm
     """Last hop of a weight-sync bucket into the engine: shm (a /dev/shm file the engine worker maps, the whole
     update one engine call whose buckets are announced on a socket; CPU, and on GPU through host memory) | rpc
     (a safetensors blob through collective_rpc) | cuda_ipc (GPU, colocated, tensor_parallel_size 1: the bucket
