@@ -98,7 +98,15 @@ def test_algorithm_presets_and_groups():
 def test_unknown_key_names_the_closest(override, suggestion):
     with pytest.raises(ConfigKeyError, match=f"did you mean {suggestion}\\?"):
         check_overrides([override])
-    check_overrides(["algorithm=ppo_tis", "algorithm/loss=ppo", "+extra=1", "hydra.run.dir=x", suggestion + "=1"])
+    check_overrides(
+        [
+            "algorithm=ppo_tis",
+            "algorithm/loss=ppo",
+            "+extra=1",
+            "hydra.run.dir=x",
+            suggestion + "=" + override.split("=")[1],
+        ]
+    )
 
 
 TYPOS = {  # a value outside a key's fixed set, and the valid ones the refusal lists
