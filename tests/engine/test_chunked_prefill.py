@@ -25,7 +25,9 @@ def test_chunked_prefill_samples_what_a_whole_prefill_samples(engines):
     chunked = engines("qwen3_moe", max_num_batched_tokens=CHUNKED).generate(prompts, sampling)
     assert sum(len(p) for p in prompts) * sampling.n <= WHOLE
     assert chunked.response_ids == whole.response_ids
-    assert all(len(r) == sampling.max_tokens for r in whole.response_ids)  # no early stop hides a difference
+    # most samples run their full length (a random model samples its end-of-text token now and then), so the
+    # comparison covers the decode steps after the chunked prefill, not only the first token
+    assert sum(len(r) for r in whole.response_ids) >= 0.75 * len(whole.response_ids) * sampling.max_tokens
     for i, (a, b) in enumerate(zip(chunked.rollout_logprobs, whole.rollout_logprobs, strict=True)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"sample {i}")
     # routes captured across a request's chunks are placed by position: the same rows (fp32; a near-tie may flip)
