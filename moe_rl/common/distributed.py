@@ -52,15 +52,10 @@ def loss_counts(masks: list[torch.Tensor]) -> list[dict[str, float]]:
 
 def global_mean(values: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
     """Each value (a mean over this rank's `weights[key]` tokens or sequences) as the mean over the
-    data-parallel ranks' tokens or sequences: one all-reduce."""
-    from megatron.core import parallel_state as ps  # the data-parallel group (megatron is the actor's, not a need here)
-
+    data-parallel ranks' tokens or sequences: one all-reduce of the weighted sums and the weights."""
     keys = list(values)
-    t = torch.tensor([[values[k] * weights[k] for k in keys], [weights[k] for k in keys]], dtype=torch.float64)
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return {k: float(n / d) if d > 0 else 0.0 for k, n, d in zip(keys, t[0].tolist(), t[1].tolist(), strict=True)}
+    sums = global_sums([values[k] * weights[k] for k in keys] + [weights[k] for k in keys])
+    return {k: n / d if d > 0 else 0.0 for k, n, d in zip(keys, sums[: len(keys)], sums[len(keys) :], strict=True)}
 
 
 def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:

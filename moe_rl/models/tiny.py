@@ -30,7 +30,7 @@ class Arch(StrEnum):
     deepseek_v3 = "deepseek_v3"
 
 
-ARCHS = tuple(Arch)
+ARCHS = tuple(m.value for m in Arch)
 # Families with sigmoid grouped routing, an expert bias, shared experts and leading dense layers.
 SIGMOID_ARCHS = ("glm4_moe", "deepseek_v3")
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

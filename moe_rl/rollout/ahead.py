@@ -91,7 +91,7 @@ class AheadSource:
             self.pending.future.exception()  # waits; an error is raised by next()
             self._idle["time/trainer_idle"] += time.perf_counter() - t0
 
-    def idle_times(self, rollout_s: float = 0.0, step_s: float = 0.0) -> dict[str, float]:
+    def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:
         """Seconds the trainer waited for samples and the engine had nothing to sample, since the last call (both
         measured here: sampling overlaps the step)."""
         out, self._idle = self._idle, {"time/trainer_idle": 0.0, "time/rollout_idle": 0.0}
