@@ -18,11 +18,14 @@ silently re-initialised optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
 import shutil
+import signal
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -196,24 +199,59 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
         dist.barrier()
     write_manifest(partial)  # after every rank's files, before `latest`
     if rank == 0:
-        if path.exists():
-            replaced = path.with_name(f".{path.name}.replaced")
-            if replaced.exists():  # left by a crash between the two renames below
-                shutil.rmtree(replaced)
-            path.rename(replaced)
-            partial.rename(path)
-            shutil.rmtree(replaced)
-        else:
-            partial.rename(path)
-        marker = Path(root) / "latest"
-        (Path(root) / "latest.tmp").write_text(path.name)
-        (Path(root) / "latest.tmp").replace(marker)  # atomic: `latest` is never half-written
+        with _signals_held():
+            _commit(root, path, partial)
         older = sorted(p for p in Path(root).glob("step_*") if p.is_dir() and p != path)
         for old in older[: max(0, len(older) - keep + 1)] if keep > 0 else []:
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()  # no rank returns before the checkpoint has its final name
     return path
+
+
+def _commit(root: str | Path, path: Path, partial: Path) -> None:
+    """Give the complete save its step_* name, then point `latest` at it."""
+    if path.exists():
+        replaced = path.with_name(f".{path.name}.replaced")
+        if replaced.exists():  # left by a crash between the two renames below
+            shutil.rmtree(replaced)
+        path.rename(replaced)
+        partial.rename(path)
+        shutil.rmtree(replaced)
+    else:
+        partial.rename(path)
+    (Path(root) / "latest.tmp").write_text(path.name)
+    (Path(root) / "latest.tmp").replace(Path(root) / "latest")  # atomic: `latest` is never half-written
+
+
+_HELD = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Stop signals that arrive inside the block are handled when it ends, as they would have been.
+
+    The commit (rename, then `latest`) takes milliseconds; a second SIGTERM exits a rank at once (StopFlag),
+    and one landing between the rename and `latest` left a complete checkpoint that `latest` did not name
+    (seen in CI). Only the main thread can swap handlers; elsewhere the block runs as it is."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    before = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in _HELD}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for signum in arrived:
+            handler = before[signal.Signals(signum)]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def load_model(path: str | Path, chunks, extra: dict | None = None) -> dict:

@@ -28,8 +28,10 @@ def test_chunked_prefill_samples_what_a_whole_prefill_samples(engines):
     # most samples run their full length (a random model samples its end-of-text token now and then), so the
     # comparison covers the decode steps after the chunked prefill, not only the first token
     assert sum(len(r) for r in whole.response_ids) >= 0.75 * len(whole.response_ids) * sampling.max_tokens
+    # chunks attend over the cached keys in another summation order: fp32 rounding, measured up to 1.5e-5 (CI,
+    # prompt seed 609289557), far below what another token in the context would change
     for i, (a, b) in enumerate(zip(chunked.rollout_logprobs, whole.rollout_logprobs, strict=True)):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"sample {i}")
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0, err_msg=f"sample {i}")
     # routes captured across a request's chunks are placed by position: the same rows (fp32; a near-tie may flip)
     pairs = zip(chunked.routes, whole.routes, strict=True)
     same = sum(int((np.sort(a, -1) == np.sort(b, -1)).all(-1).sum()) for a, b in pairs)

@@ -101,3 +101,31 @@ def test_run_then_exit_keeps_the_exit_code_output_atexit_and_threads(how, code):
     assert "buffered, never flushed by main" in proc.stdout, out
     assert ("a message" in proc.stderr) == (how == "message"), out
     assert ("ValueError: boom" in proc.stderr) == (how == "error"), out
+
+
+HELD = r"""
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from moe_rl.trainer.checkpoint import _signals_held
+from moe_rl.trainer.signals import StopFlag
+
+flag = StopFlag()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(StopFlag.REPEAT_S + 0.1)
+try:
+    with _signals_held():
+        os.kill(os.getpid(), signal.SIGTERM)  # the second request, inside a checkpoint's commit
+        time.sleep(0.2)
+        print("commit finished", flush=True)
+    print("not stopped", flush=True)
+except SystemExit as e:
+    print(f"exit {e.code} after the commit", flush=True)
+"""
+
+
+def test_a_second_signal_during_a_checkpoint_commit_exits_after_it():
+    """A second SIGTERM between a save's rename and its `latest` once left a complete checkpoint `latest` did not
+    name: inside the commit it waits, then exits as it would have."""
+    proc = subprocess.run([sys.executable, "-c", HELD, str(REPO)], capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["commit finished", "exit 143 after the commit"], out
