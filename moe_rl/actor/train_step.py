@@ -23,6 +23,7 @@ from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
 from moe_rl.actor.optimizer import is_expert
 from moe_rl.actor.packing import PackPlan
 from moe_rl.common.distributed import buckets, global_mean
+from moe_rl.objectives.policy_loss import PackedRows
 
 
 def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
@@ -166,6 +167,9 @@ def train_minibatch(
         }
         if ent is not None:
             extra_t["entropy"] = mb.aligned(ent, t)
+        if mb.pack is not None:  # a loss over sequences runs over the packed row itself
+            p = mb.pack
+            extra_t["packed"] = PackedRows(p.gather, p.valid, p.cu_seqlens, p.sample.shape[0])
         loss, metrics = loss_fn(logp, extra_t)
         losses.append(loss.detach())
         mask = extra_t.get("loss_mask", torch.ones(len(mb.index), 1, device=logp.device))

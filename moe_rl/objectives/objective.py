@@ -82,7 +82,8 @@ class Objective:
 
         pi_prox is `mb["old_logprobs"]` with the correction's `weights` and mask already applied, or, when
         `mb` carries `prox_alpha` (algorithm.prox_logp=loglinear), interpolated here from mu and pi_theta
-        and corrected here; the correction's metrics then come back with the loss's."""
+        and corrected here; the correction's metrics then come back with the loss's. `mb["packed"]` (PackedRows):
+        the packed row the forward ran as, for a loss over sequences."""
         old, mask, weights, extra = mb.get("old_logprobs"), mb["loss_mask"], mb.get("weights"), {}
         if "prox_alpha" in mb:
             old = loglinear_prox_logp(mb["rollout_logprobs"], logp, mb["prox_alpha"])
@@ -98,6 +99,7 @@ class Objective:
             weights=weights,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
+            packed=mb.get("packed"),
         )
         loss, metrics = self._loss(x, self.loss_cfg)
         metrics |= extra

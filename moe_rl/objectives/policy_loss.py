@@ -128,6 +128,28 @@ def ppo_loss(
 
 
 @dataclass
+class PackedRows:
+    """Where a micro-batch's sample tokens sit in the packed row its forward ran as (actor.packing): a loss over
+    sequences runs over those packed tokens with the row's own `cu_seqlens` instead of the padded rows."""
+
+    gather: torch.Tensor  # [n, T] packed position of each sample token (0 where not `valid`)
+    valid: torch.Tensor  # [n, T] bool: the sample has a token there
+    cu_seqlens: torch.Tensor  # [segments + 1] int32: each sample with tokens, then the row's tail padding
+    length: int  # the packed row's length
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, T] per sample token -> [length] in packed order (0 on the padding); differentiable."""
+        valid = self.valid[:, : x.shape[1]].to(x.device)
+        where = self.gather[:, : x.shape[1]].to(x.device)[valid]
+        return x.new_zeros(self.length).index_put((where,), x[valid])
+
+    def per_segment(self, x: torch.Tensor) -> torch.Tensor:
+        """[n] per sample -> [segments]: the samples with tokens, in order, then 0 for the tail padding."""
+        kept = x[self.valid.any(-1).to(x.device)]
+        return torch.cat([kept, x.new_zeros(self.cu_seqlens.numel() - 1 - kept.shape[0])])
+
+
+@dataclass
 class LossInputs:
     """What a policy loss sees of one micro-batch ([b, T] tensors aligned to token positions).
 
@@ -142,6 +164,7 @@ class LossInputs:
     weights: torch.Tensor | None  # the correction's per-token weights (constants)
     num_tokens: float
     num_seqs: float
+    packed: PackedRows | None = None  # the packed row the forward ran as (actor.packing), else None
 
 
 @dataclass
@@ -173,7 +196,8 @@ class PPOConfig:
 
 def gspo_fused(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`gspo` through the fused kernel (moe_rl.kernels.gspo_loss; Triton on CUDA, its packed torch
-    form on CPU): each padded row is one packed sequence, the correction's weights ride along."""
+    form on CPU), the correction's weights riding along: over the packed row's tokens and `cu_seqlens` when the
+    forward ran packed (`x.packed`), else each padded row is one sequence."""
     from moe_rl.kernels.gspo_loss import fused_gspo_loss
 
     b, t = x.logp.shape
@@ -181,13 +205,16 @@ def gspo_fused(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, 
         raise ValueError(
             f"the fused GSPO loss takes one advantage per sequence ([{b}]), got {tuple(x.advantages.shape)}"
         )
-    flat = {"token_weights": None if x.weights is None else x.weights.reshape(-1)}
+    if x.packed is None:
+        flat, cu_seqlens, advantages = (lambda v: v.reshape(-1)), torch.arange(0, (b + 1) * t, t), x.advantages
+    else:
+        flat, cu_seqlens, advantages = x.packed.pack, x.packed.cu_seqlens, x.packed.per_segment(x.advantages)
     loss, m = fused_gspo_loss(
-        x.logp.reshape(-1),
-        x.old_logp.reshape(-1),
-        x.advantages,
-        x.mask.reshape(-1),
-        torch.arange(0, (b + 1) * t, t, device=x.logp.device),
+        flat(x.logp),
+        flat(x.old_logp),
+        advantages,
+        flat(x.mask),
+        cu_seqlens.to(x.logp.device),
         correction="none" if x.weights is None else "weights",
         clip_low=cfg.clip_low,
         clip_high=cfg.clip_high,
@@ -196,7 +223,7 @@ def gspo_fused(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, 
         num_tokens=x.num_tokens,
         num_seqs=x.num_seqs,
         use_triton=x.logp.is_cuda,
-        **flat,
+        token_weights=None if x.weights is None else flat(x.weights),
     )
     return loss, {k: m[k] for k in ("clipfrac", "ppo_kl", "seq_ratio_mean")}
 

@@ -290,6 +290,33 @@ def test_objective_uses_the_fused_gspo_loss_with_global_counts(agg):
         assert torch.allclose(m1[k], m2[k], rtol=1e-6, atol=1e-8), k
 
 
+def test_the_fused_gspo_loss_over_a_packed_row_equals_it_over_padded_rows():
+    """`mb["packed"]` (the row a packed forward ran as): the fused loss runs over the packed tokens with the row's
+    cu_seqlens (a sample without response tokens, a tail of padding) and gives the padded rows' loss, gradient and
+    metrics."""
+    from moe_rl.actor.packing import pack_bin
+    from moe_rl.config import AlgorithmConfig
+    from moe_rl.objectives.policy_loss import PackedRows
+
+    logp, old, roll, mask, adv = _rand_batch(5, 9)
+    lengths = (mask.sum(-1) + 1).long()  # each sample's tokens: its prompt token, then its response
+    _, pack, _ = pack_bin(torch.zeros(5, 9, dtype=torch.long), lengths, list(range(5)), int(lengths.sum()) + 3, {})
+    assert pack.cu_seqlens.numel() == 5 + 2  # five samples, then the padding
+    mb = {"old_logprobs": old, "rollout_logprobs": roll, "advantages": adv, "loss_mask": mask}
+    mb["weights"] = O.icepop_weights(old, roll, mask)
+    counts = {"num_tokens": float(mask.sum()) * 2, "num_seqs": 9.0}
+    obj = O.Objective(AlgorithmConfig(), group_size=5)
+    out = []
+    for packed in (PackedRows(pack.gather, pack.valid, pack.cu_seqlens, pack.sample.shape[0]), None):
+        x = logp.clone().requires_grad_(True)
+        loss, metrics = obj.loss(x, mb | {"packed": packed}, **counts)
+        loss.backward()
+        out.append((loss, x.grad, metrics))
+    (l1, g1, m1), (l2, g2, m2) = out
+    assert torch.allclose(l1, l2, rtol=1e-12, atol=0) and torch.allclose(g1, g2, rtol=1e-12, atol=0)
+    assert m1.keys() == m2.keys() and all(torch.allclose(m1[k], m2[k], rtol=1e-12, atol=0) for k in m1)
+
+
 def test_a_loss_without_fused_kernel_says_so_once():
     from moe_rl.config import AlgorithmConfig
 

@@ -221,3 +221,42 @@ def test_a_steps_passes_share_one_packing_plan(tiny_models, world1, monkeypatch,
         diagnostics.routing_views(padded, old)
         actor.train(padded, old, torch.randn(8), objective, lambda skipped, i: skipped)
         assert len(plans) == step + 1
+
+
+def test_the_fused_gspo_loss_runs_over_the_packed_rows(tiny_models, world1, monkeypatch):
+    """With actor.packing the fused GSPO kernel gets each forward's packed row and its `cu_seqlens` (the samples
+    back to back, then the row's tail padding), not the padded rows re-flattened."""
+    from moe_rl.kernels import gspo_loss
+
+    from moe_rl.actor.actor import Actor
+    from moe_rl.common.batch import PaddedBatch
+    from moe_rl.config import TrainConfig
+    from moe_rl.objectives import Objective
+    from tests.reference import random_batch
+
+    calls = []
+    kernel = gspo_loss.fused_gspo_loss
+    monkeypatch.setattr(gspo_loss, "fused_gspo_loss", lambda *a, **k: calls.append(a) or kernel(*a, **k))
+    cfg = TrainConfig()
+    cfg.actor.mini_batches, cfg.actor.max_tokens_per_micro_batch = 2, 40
+    actor = Actor(cfg.actor, cfg.model, cfg.parallel, tiny_models["qwen3_moe"], record_routes=False)
+    objective = Objective(cfg.algorithm, group_size=4)
+    assert objective.fused
+    ids, attn = random_batch(actor.hf_config.vocab_size, batch=8, length=23, seed=0, min_len=6)
+    padded = PaddedBatch(ids, attn, attn.float(), torch.zeros(ids.shape), None)
+    old = actor.old_logprobs(padded)
+    padded.rollout_logprobs = old["logprobs"].clone()
+    actor.train(padded, old, torch.randn(8), objective, lambda skipped, i: skipped)
+
+    plan = actor.pack_plan(padded)
+    packs = [
+        mb.pack
+        for i in range(2)
+        for mb in split_microbatches(ids[i * 4 : i * 4 + 4], attn[i * 4 : i * 4 + 4], 1, pack=plan.group(i, i * 4))
+    ]
+    assert len(calls) == len(packs) == len(plan.bins) > 2
+    for (logp, _, advantages, mask, cu_seqlens), pack in zip(calls, packs, strict=True):
+        assert cu_seqlens.tolist() == pack.cu_seqlens.tolist()
+        assert logp.shape == mask.shape == pack.sample.shape  # the packed row, not [n * T]
+        assert advantages.shape == (len(cu_seqlens) - 1,)
+        assert (mask[pack.sample < 0] == 0).all()  # nothing trains on the row's padding
