@@ -1,12 +1,14 @@
 """Time the two fused kernels in kernels/ against their unfused torch references. Prints one JSON line.
 
-Imports only the kernels from this source tree (no moe_rl, megatron or vLLM), so it runs on a
-bare GPU machine with torch + Triton. On CUDA: compiled kernels, CUDA-event timing (warm-up, then
+Imports the kernels and moe_rl.objectives.corrections (torch only; no megatron or vLLM) from this
+source tree, so it runs on a bare GPU machine with torch + Triton (moe_rl.kernels: installed, or the
+moe_rl/kernels link bench/gpu_check.sh makes). On CUDA: compiled kernels, CUDA-event timing (warm-up, then
 the median of --reps), bytes/s and FLOP/s against the H100 roofline (3 TB/s HBM, 990 TFLOP/s
 bf16 dense). On CPU: the torch backends at small sizes, wall-clock timing, roofline fields null.
 
-  gspo_loss       fused_gspo_loss (IcePop, fp32, packed) vs gspo_loss_reference (autograd);
-                  bytes model 28 B/token forward, 44 B/token forward + backward.
+  gspo_loss       fused_gspo_loss (IcePop weights as token weights, as the product passes them; fp32,
+                  packed) vs gspo_loss_reference (autograd); bytes model 28 B/token forward,
+                  40 B/token forward + backward.
   linear_logprob  fused_linear_logprob (its default, token-chunked torch backend; on CUDA also its
                   Triton kernel, "triton") vs linear_logprob_reference (full [N, V] logits);
                   FLOPs 2NVD forward, 8NVD forward + backward (the backward recomputes the logits),
@@ -37,15 +39,17 @@ import torch
 # The kernels are imported by main(), not here: run from bench/, this file is itself the module
 # `kernels` to any `import kernels` (transformers probes for the Hugging Face package of that name),
 # and must then import nothing that fails.
-fused_gspo_loss = gspo_loss_reference = fused_linear_logprob = linear_logprob_reference = None
+fused_gspo_loss = gspo_loss_reference = fused_linear_logprob = linear_logprob_reference = icepop_weights = None
 
 
 def _import_kernels() -> None:
-    """The kernels from this source tree (the repo root goes first on sys.path: bench/ is sys.path[0])."""
-    global fused_gspo_loss, gspo_loss_reference, fused_linear_logprob, linear_logprob_reference
+    """The kernels from this source tree (the repo root goes first on sys.path: bench/ is sys.path[0]), and the
+    IcePop weights the product passes to the GSPO kernel."""
+    global fused_gspo_loss, gspo_loss_reference, fused_linear_logprob, linear_logprob_reference, icepop_weights
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kernels.gspo_loss import fused_gspo_loss, gspo_loss_reference
     from kernels.linear_logprob import fused_linear_logprob, linear_logprob_reference
+    from moe_rl.objectives.corrections import icepop_weights
 
 
 try:
@@ -57,7 +61,7 @@ except ImportError:  # the CPU path does not need it
 
 HBM_BYTES_PER_S = 3e12  # H100 HBM3, rounded down
 BF16_DENSE_FLOPS = 990e12  # H100 SXM bf16 dense tensor core
-GSPO_BYTES_FWD, GSPO_BYTES_FWD_BWD = 28, 44  # per token, fp32 (see docs/performance.md)
+GSPO_BYTES_FWD, GSPO_BYTES_FWD_BWD = 28, 40  # per token, fp32 (see docs/performance.md)
 TRUTH_TOKENS = 1024  # tokens checked against an fp64 log-softmax
 
 
@@ -122,7 +126,8 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def gspo_inputs(seqs: int, length: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Packed batch that runs every branch: every other sequence gets a log-ratio offset of
     1e-3 * sign(A) (outside the 3e-4 / 4e-4 clip range, so it clips), the rest stay inside it,
-    and rollout noise makes IcePop zero about 1% of tokens."""
+    and rollout noise makes IcePop zero about 1% of tokens. The IcePop weights are computed here,
+    once, outside the timed calls (as the product computes them before the loss)."""
     g = torch.Generator().manual_seed(0)
     n = seqs * length
     adv = torch.randn(seqs, generator=g)
@@ -133,7 +138,8 @@ def gspo_inputs(seqs: int, length: int, device: torch.device) -> dict[str, torch
     roll = old + 0.3 * torch.randn(n, generator=g)
     mask = (torch.rand(n, generator=g) > 0.2).float()  # fp32 so the kernel wrapper does not cast
     cu = torch.arange(0, n + 1, length, dtype=torch.int64)
-    t = dict(logp=logp, old_logp=old, rollout_logp=roll, loss_mask=mask, advantages=adv, cu_seqlens=cu)
+    weights = icepop_weights(old, roll, mask)
+    t = dict(logp=logp, old_logp=old, token_weights=weights, loss_mask=mask, advantages=adv, cu_seqlens=cu)
     t = {k: v.to(device) for k, v in t.items()}
     t["logp"].requires_grad_(True)
     return t
@@ -147,10 +153,10 @@ def bench_gspo(seqs: int, length: int, reps: int, warmup: int, budget_s: float, 
     out: dict = {"tokens": n, "seqs": seqs, "len": length, "correction": "icepop", "dtype": "float32"}
 
     def fused():
-        return fused_gspo_loss(**x, correction="icepop", use_triton=cuda)
+        return fused_gspo_loss(**x, use_triton=cuda)
 
     def reference():
-        return gspo_loss_reference(**x, correction="icepop")
+        return gspo_loss_reference(**x)
 
     def run(fn: Callable, name: str) -> dict:
         try:

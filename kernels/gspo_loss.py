@@ -1,14 +1,14 @@
-"""Fused GSPO loss with IcePop / TIS token weights over packed sequences (cu_seqlens).
+"""Fused GSPO loss with given token weights over packed sequences (cu_seqlens).
 
 Inputs are 1-D over the N packed tokens; sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1].
 One Triton program per sequence: the forward reads each token twice (sequence ratio, then
 loss and metrics) and writes only per-sequence partials; the backward reads each token once
 and writes its gradient. The `[N]` per-token loss is never stored.
 
-Math (same as `moe_rl.objectives.gspo_loss` + `icepop_weights` / `tis_weights`):
+Math (same as `moe_rl.objectives.gspo_loss` with `weights`):
   log s_i = sum_t m (logp - old) / sum_t m,  s_i = exp(min(log s_i, 10))
-  w_t     = icepop: k_t if low <= k_t <= high else 0 | tis: min(k_t, cap) | none: 1,  k_t = exp(old - rollout)
-            | weights: given per token (any correction computed beforehand, e.g. sequence-level TIS)
+  w_t     = token_weights[t], computed beforehand by the correction (`moe_rl.objectives.corrections`:
+            IcePop, TIS, sequence-level TIS, ...); 1 when token_weights is None
   pg_t    = max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)) * w_t * m_t
   loss    = sum_i c_i sum_t pg_t   with c_i from the aggregation mode (`aggregation.sequence_coefficients`,
             shared with moe_rl.objectives; global `num_tokens` / `num_seqs` make it a drop-in under DP)
@@ -16,8 +16,6 @@ Math (same as `moe_rl.objectives.gspo_loss` + `icepop_weights` / `tis_weights`):
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -31,7 +29,6 @@ try:
 except ImportError:  # pragma: no cover - triton is a CPU/GPU extra
     HAVE_TRITON = False
 
-CORRECTION_IDS = {"none": 0, "icepop": 1, "tis": 2, "weights": 3}
 METRIC_NAMES = ("clipfrac", "ppo_kl", "correction_zeroed_fraction", "weight_mean", "seq_ratio_mean")
 MAX_LOG_RATIO = 10.0
 
@@ -44,39 +41,20 @@ def _segments(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=n)
 
 
-def _token_weights(old, roll, correction: str, low: float, high: float, cap: float) -> torch.Tensor:
-    """Per-token weights; under correction="weights" `roll` holds them."""
-    if correction == "none":
-        return torch.ones_like(old)
-    if correction == "weights":
-        return roll.detach()
-    log_k = (old - roll).detach()
-    if correction == "icepop":
-        keep = (log_k >= math.log(low)) & (log_k <= math.log(high))
-        return torch.where(keep, log_k.clamp(max=math.log(high)).exp(), torch.zeros_like(log_k))
-    if correction == "tis":
-        return log_k.clamp(max=math.log(cap)).exp()
-    raise ValueError(f"unknown correction {correction!r}; fused kernel supports {sorted(CORRECTION_IDS)}")
-
-
 def gspo_loss_reference(
     logp,
     old_logp,
     advantages,
     loss_mask,
     cu_seqlens,
-    rollout_logp=None,
-    correction="icepop",
+    *,
+    token_weights=None,
     clip_low=3e-4,
     clip_high=4e-4,
-    low=0.5,
-    high=5.0,
-    cap=2.0,
     agg="seq-mean-token-mean",
     horizon=None,
     num_tokens=None,
     num_seqs=None,
-    token_weights=None,
 ):
     """Packed-sequence GSPO in plain torch (autograd). Returns (loss, metrics)."""
     n, s = logp.shape[0], cu_seqlens.numel() - 1
@@ -89,7 +67,7 @@ def gspo_loss_reference(
     adv = advantages.to(logp.dtype)[seg]
     pg1 = -adv * sv
     pg2 = -adv * sv.clamp(1 - clip_low, 1 + clip_high)
-    w = _token_weights(old_logp, _correction_input(correction, rollout_logp, token_weights), correction, low, high, cap)
+    w = torch.ones_like(old_logp) if token_weights is None else token_weights.detach()
     pg = torch.maximum(pg1, pg2) * w * m
     seq_sum = torch.zeros_like(ntok).index_add(0, seg, pg)
     coef = sequence_coefficients(ntok.detach(), agg, num_tokens, num_seqs, horizon)
@@ -107,46 +85,24 @@ def gspo_loss_reference(
     return loss, metrics
 
 
-def _correction_input(correction: str, rollout_logp, token_weights):
-    """The per-token tensor the correction reads: log mu (icepop, tis) or the weights themselves."""
-    if correction == "weights":
-        if token_weights is None:
-            raise ValueError('correction="weights" needs token_weights')
-        return token_weights
-    if correction != "none" and rollout_logp is None:
-        raise ValueError(f"correction={correction!r} needs rollout_logp")
-    return rollout_logp
-
-
 # ---- Triton ------------------------------------------------------------------------------
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _token_weight(od, ROLL, offs, inb, log_low, log_high, log_cap, CORRECTION: tl.constexpr, BLOCK: tl.constexpr):
-        """IcePop (1) / TIS (2) / none (0) weight of each token in the block, from log k = old - rollout,
-        or the given weight (3, `ROLL` holds the weights).
-
-        `od` holds the block's old log-probs, already loaded by the caller."""
-        if CORRECTION == 0:
-            w = tl.full([BLOCK], 1.0, tl.float32)
-        elif CORRECTION == 3:
-            w = tl.load(ROLL + offs, mask=inb, other=0.0).to(tl.float32)
+    def _token_weight(W, offs, inb, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+        """The given weight of each token in the block, or 1 without weights (`W` then is any pointer, unread)."""
+        if HAS_WEIGHTS:
+            w = tl.load(W + offs, mask=inb, other=0.0).to(tl.float32)
         else:
-            rl = tl.load(ROLL + offs, mask=inb, other=0.0).to(tl.float32)
-            log_k = od - rl
-            if CORRECTION == 1:
-                keep = (log_k >= log_low) & (log_k <= log_high)
-                w = tl.where(keep, tl.exp(tl.minimum(log_k, log_high)), 0.0)
-            else:
-                w = tl.exp(tl.minimum(log_k, log_cap))
+            w = tl.full([BLOCK], 1.0, tl.float32)
         return w
 
     @triton.jit
     def _gspo_fwd_kernel(
         LOGP,
         OLD,
-        ROLL,
+        W,
         MASK,
         ADV,
         CU,
@@ -154,10 +110,7 @@ if HAVE_TRITON:
         SEQ_OUT,
         clip_low,
         clip_high,
-        log_low,
-        log_high,
-        log_cap,
-        CORRECTION: tl.constexpr,
+        HAS_WEIGHTS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         i = tl.program_id(0)
@@ -194,7 +147,7 @@ if HAVE_TRITON:
             m = tl.load(MASK + offs, mask=inb, other=0).to(tl.float32)
             lp = tl.load(LOGP + offs, mask=inb, other=0.0).to(tl.float32)
             od = tl.load(OLD + offs, mask=inb, other=0.0).to(tl.float32)
-            w = _token_weight(od, ROLL, offs, inb, log_low, log_high, log_cap, CORRECTION, BLOCK)
+            w = _token_weight(W, offs, inb, HAS_WEIGHTS, BLOCK)
             acc_pg += pg * w * m
             acc_kl += (od - lp) * m
             acc_zero += (w == 0.0).to(tl.float32) * m
@@ -210,8 +163,7 @@ if HAVE_TRITON:
     @triton.jit
     def _gspo_bwd_kernel(
         GRAD,
-        OLD,
-        ROLL,
+        W,
         MASK,
         ADV,
         CU,
@@ -219,10 +171,7 @@ if HAVE_TRITON:
         COEF,
         clip_low,
         clip_high,
-        log_low,
-        log_high,
-        log_cap,
-        CORRECTION: tl.constexpr,
+        HAS_WEIGHTS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         i = tl.program_id(0)
@@ -240,23 +189,22 @@ if HAVE_TRITON:
             offs = b + offs0
             inb = offs < end
             m = tl.load(MASK + offs, mask=inb, other=0).to(tl.float32)
-            od = tl.load(OLD + offs, mask=inb, other=0.0).to(tl.float32)
-            w = _token_weight(od, ROLL, offs, inb, log_low, log_high, log_cap, CORRECTION, BLOCK)
+            w = _token_weight(W, offs, inb, HAS_WEIGHTS, BLOCK)
             tl.store(GRAD + offs, g_seq * w * m, mask=inb)
 
     class _FusedGSPO(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, logp, old, roll, mask, adv, cu, params, correction, agg, horizon, counts, block):
+        def forward(ctx, logp, old, weights, mask, adv, cu, params, agg, horizon, counts, block):
             s = cu.numel() - 1
             seq_lr = torch.empty(s, dtype=torch.float32, device=logp.device)
             out = torch.empty(s, 6, dtype=torch.float32, device=logp.device)
-            cid = CORRECTION_IDS[correction]
-            roll_ = roll if roll is not None else old
-            _gspo_fwd_kernel[(s,)](logp, old, roll_, mask, adv, cu, seq_lr, out, *params, CORRECTION=cid, BLOCK=block)
+            has_w = weights is not None
+            w = weights if has_w else mask  # without weights the kernels read no W; any pointer will do
+            _gspo_fwd_kernel[(s,)](logp, old, w, mask, adv, cu, seq_lr, out, *params, HAS_WEIGHTS=has_w, BLOCK=block)
             coef = sequence_coefficients(out[:, 1], agg, *counts, horizon)
             loss = (coef * out[:, 0]).sum()
-            ctx.save_for_backward(old, roll_, mask, adv, cu, seq_lr, coef)
-            ctx.params, ctx.cid, ctx.block, ctx.logp_dtype = params, cid, block, logp.dtype
+            ctx.save_for_backward(w, mask, adv, cu, seq_lr, coef)
+            ctx.params, ctx.has_w, ctx.block, ctx.logp_dtype = params, has_w, block, logp.dtype
             tot = out[:, 1].sum().clamp(min=1)
             has = (out[:, 1] > 0).to(torch.float32)
             metrics = torch.stack(
@@ -273,22 +221,21 @@ if HAVE_TRITON:
 
         @staticmethod
         def backward(ctx, grad_loss, _grad_metrics):
-            old, roll, mask, adv, cu, seq_lr, coef = ctx.saved_tensors
-            grad = torch.empty(old.shape[0], dtype=torch.float32, device=old.device)
+            w, mask, adv, cu, seq_lr, coef = ctx.saved_tensors
+            grad = torch.empty(mask.shape[0], dtype=torch.float32, device=mask.device)
             _gspo_bwd_kernel[(cu.numel() - 1,)](
                 grad,
-                old,
-                roll,
+                w,
                 mask,
                 adv,
                 cu,
                 seq_lr,
                 coef * grad_loss.float(),
                 *ctx.params,
-                CORRECTION=ctx.cid,
+                HAS_WEIGHTS=ctx.has_w,
                 BLOCK=ctx.block,
             )
-            return grad.to(ctx.logp_dtype), *([None] * 11)
+            return grad.to(ctx.logp_dtype), *([None] * 10)
 
 
 def _use_triton(t: torch.Tensor, force: bool | None) -> bool:
@@ -307,25 +254,22 @@ def fused_gspo_loss(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    rollout_logp: torch.Tensor | None = None,
-    correction: str = "icepop",
+    *,
+    token_weights: torch.Tensor | None = None,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
-    low: float = 0.5,
-    high: float = 5.0,
-    cap: float = 2.0,
     agg: str = "seq-mean-token-mean",
     horizon: int | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
-    token_weights: torch.Tensor | None = None,
     use_triton: bool | None = None,
     block: int = 256,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO loss (+ IcePop/TIS or given token weights) and its metrics over packed sequences.
+    """GSPO loss (with the given token weights, none: 1) and its metrics over packed sequences.
 
-    logp, old_logp, rollout_logp, token_weights, loss_mask: [N]; advantages: [S];
-    cu_seqlens: [S + 1] int. `num_tokens` / `num_seqs`: the global counts the aggregation divides
+    logp, old_logp, token_weights, loss_mask: [N]; advantages: [S]; cu_seqlens: [S + 1] int.
+    `token_weights`: the correction's weights, computed beforehand (`moe_rl.objectives.corrections`);
+    None: no reweighting. `num_tokens` / `num_seqs`: the global counts the aggregation divides
     by (default: this call's). Triton on CUDA (or under TRITON_INTERPRET=1); the torch
     reference otherwise. Gradient flows to `logp` only; metrics are means over this call's tokens.
     """
@@ -335,18 +279,14 @@ def fused_gspo_loss(
             f"packed inputs must be 1-D of one length: logp {tuple(logp.shape)}, "
             f"old_logp {tuple(old_logp.shape)}, loss_mask {tuple(loss_mask.shape)}"
         )
-    for name, x in (("rollout_logp", rollout_logp), ("token_weights", token_weights)):
-        if x is not None and x.shape != logp.shape:
-            raise ValueError(f"{name} {tuple(x.shape)} != logp {tuple(logp.shape)}")
+    if token_weights is not None and token_weights.shape != logp.shape:
+        raise ValueError(f"token_weights {tuple(token_weights.shape)} != logp {tuple(logp.shape)}")
     if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n:
         raise ValueError(f"cu_seqlens must start at 0 and end at N={n}; got {cu_seqlens.tolist()[:8]}...")
     if advantages.shape != (cu_seqlens.numel() - 1,):
         raise ValueError(
             f"advantages {tuple(advantages.shape)} must have one entry per sequence ({cu_seqlens.numel() - 1})"
         )
-    if correction not in CORRECTION_IDS:
-        raise ValueError(f"unknown correction {correction!r}; fused kernel supports {sorted(CORRECTION_IDS)}")
-    source = _correction_input(correction, rollout_logp, token_weights)
     if not _use_triton(logp, use_triton):
         return gspo_loss_reference(
             logp,
@@ -354,31 +294,24 @@ def fused_gspo_loss(
             advantages,
             loss_mask,
             cu_seqlens,
-            rollout_logp,
-            correction,
-            clip_low,
-            clip_high,
-            low,
-            high,
-            cap,
-            agg,
-            horizon,
-            num_tokens,
-            num_seqs,
-            token_weights,
+            token_weights=token_weights,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            agg=agg,
+            horizon=horizon,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
         )
     sequence_coefficients(torch.ones(1), agg, num_tokens, num_seqs, horizon)  # validate agg before launching
-    params = (clip_low, clip_high, math.log(low), math.log(high), math.log(cap))
-    roll = None if source is None else source.detach().to(torch.float32).contiguous()
+    weights = None if token_weights is None else token_weights.detach().to(torch.float32).contiguous()
     loss, m = _FusedGSPO.apply(
         logp.contiguous(),
         old_logp.detach().contiguous(),
-        roll,
+        weights,
         loss_mask.to(logp.dtype).contiguous(),
         advantages.detach().to(torch.float32).contiguous(),
         cu_seqlens.to(torch.int64).contiguous(),
-        params,
-        correction,
+        (clip_low, clip_high),
         agg,
         horizon,
         (num_tokens, num_seqs),

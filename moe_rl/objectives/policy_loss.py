@@ -215,7 +215,7 @@ def gspo_fused(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, 
         advantages,
         flat(x.mask),
         cu_seqlens.to(x.logp.device),
-        correction="none" if x.weights is None else "weights",
+        token_weights=None if x.weights is None else flat(x.weights),
         clip_low=cfg.clip_low,
         clip_high=cfg.clip_high,
         agg=cfg.agg,
@@ -223,7 +223,6 @@ def gspo_fused(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, 
         num_tokens=x.num_tokens,
         num_seqs=x.num_seqs,
         use_triton=x.logp.is_cuda,
-        token_weights=None if x.weights is None else flat(x.weights),
     )
     return loss, {k: m[k] for k in ("clipfrac", "ppo_kl", "seq_ratio_mean")}
 

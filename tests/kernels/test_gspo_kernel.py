@@ -1,7 +1,8 @@
 """Fused GSPO kernel (Triton interpreter, or CUDA) vs its torch reference vs moe_rl.objectives (padded).
 
 Imports the kernels from the source tree (`kernels.*`): the file runs where only torch and
-Triton are installed; the cross-check with moe_rl.objectives is skipped there."""
+Triton are installed; the cases whose token weights come from moe_rl.objectives (IcePop, TIS) and
+the cross-check with moe_rl.objectives are skipped there."""
 
 from __future__ import annotations
 
@@ -49,21 +50,30 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
 
 
+def _weights(correction, old, roll, mask):
+    """The token weights the product passes (moe_rl.objectives.corrections, on the packed tokens), or None."""
+    if correction == "none":
+        return None
+    corrections = pytest.importorskip("moe_rl.objectives.corrections")
+    return {"icepop": corrections.icepop_weights, "tis": corrections.tis_weights}[correction](old, roll, mask)
+
+
 @pytest.mark.parametrize("lens", [[5, 1, 300, 0, 9], [1], [77, 3, 129]])
 @pytest.mark.parametrize("correction", ["none", "icepop", "tis"])
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
 def test_triton_equals_reference_values_grads_metrics(lens, correction, agg, device):
+    """Without weights, and with IcePop weights (zeros outside the band) and TIS weights (capped) as token weights."""
     seed = int(torch.randint(0, 2**31, ()).item())
     for scale in (1e-4, 0.05):  # mostly unclipped / mostly clipped
         logp, old, roll, mask, adv, cu = _packed(lens, scale, seed, device)
         a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
-        kw = dict(correction=correction, agg=agg, horizon=max(lens))
-        l1, m1 = fused_gspo_loss(a, old, adv, mask, cu, roll, use_triton=True, block=64, **kw)
-        l2, m2 = gspo_loss_reference(b, old, adv, mask, cu, roll, **kw)
+        kw = dict(token_weights=_weights(correction, old, roll, mask), agg=agg, horizon=max(lens))
+        l1, m1 = fused_gspo_loss(a, old, adv, mask, cu, use_triton=True, block=64, **kw)
+        l2, m2 = gspo_loss_reference(b, old, adv, mask, cu, **kw)
         l1.backward()
         l2.backward()
         # relative to the loss scale (same loss with A = -|A|, all terms >= 0): the signed sum can cancel
-        scale_ = gspo_loss_reference(logp, old, -adv.abs(), mask, cu, roll, **kw)[0].item()
+        scale_ = gspo_loss_reference(logp, old, -adv.abs(), mask, cu, **kw)[0].item()
         assert abs(l1.item() - l2.item()) <= 1e-5 * max(scale_, 1e-6), (seed, scale)
         if b.grad.abs().max() > 0:
             assert _rel(a.grad, b.grad) <= 1e-5, (seed, scale)
@@ -75,11 +85,11 @@ def test_triton_equals_reference_values_grads_metrics(lens, correction, agg, dev
 
 @pytest.mark.parametrize("counts", ["local", "global"])
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
-@pytest.mark.parametrize("correction", ["none", "icepop", "tis", "weights"])
+@pytest.mark.parametrize("correction", ["none", "icepop", "tis", "seq-tis"])
 def test_kernel_equals_padded_objectives(correction, agg, counts, device):
     """The packed kernel is a drop-in for moe_rl.objectives.gspo_loss on padded rows: same loss,
-    gradient and metrics, with in-kernel IcePop/TIS or given token weights (sequence-level TIS
-    here), and with the global token/sequence counts a DP/micro-batch split passes."""
+    gradient and metrics, with the correction's token weights (IcePop, TIS, sequence-level TIS) or none,
+    and with the global token/sequence counts a DP/micro-batch split passes."""
     objectives = pytest.importorskip("moe_rl.objectives")
     lens = [6, 0, 13, 2]
     logp, old, roll, mask, adv, cu = _packed(lens, 1e-3, int(torch.randint(0, 2**31, ()).item()), device)
@@ -95,16 +105,14 @@ def test_kernel_equals_padded_objectives(correction, agg, counts, device):
         "none": None,
         "icepop": objectives.icepop_weights(pad(old), pad(roll), pad(mask)),
         "tis": objectives.tis_weights(pad(old), pad(roll), pad(mask)),
-        "weights": objectives.seq_tis_weights(pad(old), pad(roll), pad(mask), cap=1.5),
+        "seq-tis": objectives.seq_tis_weights(pad(old), pad(roll), pad(mask), cap=1.5),
     }[correction]
     kw = {"num_tokens": float(mask.sum()) * 2.5, "num_seqs": 7.0} if counts == "global" else {}
     x = pad(logp).clone().requires_grad_(True)
     ref, ref_m = objectives.gspo_loss(x, pad(old), adv, pad(mask), weights=w, agg=agg, **kw)
     y = logp.clone().requires_grad_(True)
-    tw = unpad(w) if correction == "weights" else None
-    got, got_m = fused_gspo_loss(
-        y, old, adv, mask, cu, roll, correction=correction, agg=agg, token_weights=tw, use_triton=True, block=4, **kw
-    )
+    tw = None if w is None else unpad(w)
+    got, got_m = fused_gspo_loss(y, old, adv, mask, cu, token_weights=tw, agg=agg, use_triton=True, block=4, **kw)
     ref.backward()
     got.backward()
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-7)
@@ -116,14 +124,13 @@ def test_kernel_equals_padded_objectives(correction, agg, counts, device):
 def test_bad_inputs_are_refused(device):
     logp, old, roll, mask, adv, cu = _packed([3, 4], 1e-3, 0, device)
     with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at N=7"):
-        fused_gspo_loss(logp, old, adv, mask, torch.tensor([0, 3, 6], device=device), roll)
+        fused_gspo_loss(logp, old, adv, mask, torch.tensor([0, 3, 6], device=device))
     with pytest.raises(ValueError, match="one entry per sequence"):
-        fused_gspo_loss(logp, old, adv[:1], mask, cu, roll)
-    with pytest.raises(ValueError, match="needs rollout_logp"):
-        fused_gspo_loss(logp, old, adv, mask, cu, None, correction="icepop")
-    with pytest.raises(ValueError, match='correction="weights" needs token_weights'):
-        fused_gspo_loss(logp, old, adv, mask, cu, roll, correction="weights")
+        fused_gspo_loss(logp, old, adv[:1], mask, cu)
     with pytest.raises(ValueError, match=r"token_weights \(3,\) != logp \(7,\)"):
-        fused_gspo_loss(logp, old, adv, mask, cu, roll, correction="weights", token_weights=mask[:3])
-    with pytest.raises(ValueError, match="unknown correction 'seq-tis'"):
-        fused_gspo_loss(logp, old, adv, mask, cu, roll, correction="seq-tis")
+        fused_gspo_loss(logp, old, adv, mask, cu, token_weights=mask[:3])
+    # no in-kernel corrections: rollout log-probs are no argument, a positional sixth one is not taken for weights
+    with pytest.raises(TypeError, match="positional"):
+        fused_gspo_loss(logp, old, adv, mask, cu, roll)
+    with pytest.raises(TypeError, match="correction"):
+        fused_gspo_loss(logp, old, adv, mask, cu, token_weights=roll, correction="icepop")
