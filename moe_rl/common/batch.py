@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -45,35 +46,36 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def select(self, rows: Sequence[int]) -> RolloutBatch:
+        """The samples `rows`, in that order (prompt indices as they are)."""
+
+        def pick(values):
+            return None if values is None else [values[i] for i in rows]
+
+        idx = np.asarray(rows, dtype=np.int64)
+        return replace(
+            self,
+            prompt_ids=pick(self.prompt_ids),
+            response_ids=pick(self.response_ids),
+            rollout_logprobs=pick(self.rollout_logprobs),
+            finish_reasons=pick(self.finish_reasons),
+            prompt_index=self.prompt_index[idx],
+            sample_index=self.sample_index[idx],
+            routes=pick(self.routes),
+            response_masks=pick(self.response_masks),
+            turn_index=pick(self.turn_index),
+            rewards=None if self.rewards is None else self.rewards[idx],
+            info={k: v[idx] for k, v in self.info.items()},
+        )
+
     def split_by_prompt(self, prompts_per_part: int) -> list[RolloutBatch]:
         """Consecutive parts of `prompts_per_part` prompts each (prompt indices re-based to each part):
         one engine's batch back to the data-parallel ranks whose prompts it sampled."""
         parts = int(self.prompt_index.max()) // prompts_per_part + 1 if len(self) else 0
         out = []
         for p in range(parts):
-            rows = np.nonzero(self.prompt_index // prompts_per_part == p)[0]
-
-            def pick(values, rows=rows):
-                return None if values is None else [values[i] for i in rows]
-
-            out.append(
-                RolloutBatch(
-                    pick(self.prompt_ids),
-                    pick(self.response_ids),
-                    pick(self.rollout_logprobs),
-                    pick(self.finish_reasons),
-                    self.prompt_index[rows] - p * prompts_per_part,
-                    self.sample_index[rows],
-                    pick(self.routes),
-                    self.moe_layers,
-                    self.num_experts,
-                    self.topk,
-                    pick(self.response_masks),
-                    pick(self.turn_index),
-                    None if self.rewards is None else self.rewards[rows],
-                    {k: v[rows] for k, v in self.info.items()},
-                )
-            )
+            part = self.select(np.nonzero(self.prompt_index // prompts_per_part == p)[0].tolist())
+            out.append(replace(part, prompt_index=part.prompt_index - p * prompts_per_part))
         return out
 
     def only_layers(self, layers: list[int]) -> RolloutBatch:
@@ -130,3 +132,49 @@ class PaddedBatch:
     loss_mask: torch.Tensor  # 1 on response tokens
     rollout_logprobs: torch.Tensor
     routes: torch.Tensor | None  # [B, T, L_moe, K] uint8 / int16; [B, 0, L_moe, K] where another rank holds them
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> PaddedBatch:
+        """The samples `rows`, in that order."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return PaddedBatch(**{k: None if v is None else v[idx] for k, v in self._fields().items()})
+
+    @staticmethod
+    def cat(parts: Sequence[PaddedBatch]) -> PaddedBatch:
+        """The parts' samples back to back (padded to one length)."""
+        lengths = {p.input_ids.shape[1] for p in parts}
+        if len(lengths) > 1:
+            raise ValueError(f"batches padded to different lengths {sorted(lengths)} do not concatenate")
+        return PaddedBatch(**{k: cat_or_none([p._fields()[k] for p in parts]) for k in parts[0]._fields()})
+
+    def trimmed(self, length: int) -> PaddedBatch:
+        """The first `length` positions (routes held by another rank stay zero-width)."""
+        return PaddedBatch(**{k: None if v is None else v[:, :length] for k, v in self._fields().items()})
+
+    def padded_to(self, length: int, pad_id: int, filler: torch.Tensor | None) -> PaddedBatch:
+        """Right-padded to `length` positions: `pad_id` tokens, zero masks and log-probs, routes with `filler`
+        ([layers, K], the contract's distinct valid ids; zero-width routes stay zero-width)."""
+        extra = length - self.input_ids.shape[1]
+        routes = self.routes
+        if routes is not None and routes.shape[1] > 0:
+            routes = torch.cat([routes, filler.to(routes.dtype).expand(routes.shape[0], extra, *filler.shape)], 1)
+        return PaddedBatch(
+            pad_right(self.input_ids, length, pad_id),
+            pad_right(self.attention_mask, length, 0),
+            pad_right(self.loss_mask, length, 0),
+            pad_right(self.rollout_logprobs, length, 0),
+            routes,
+        )
+
+    def _fields(self) -> dict[str, torch.Tensor | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def cat_or_none(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """torch.cat of per-part tensors of one field, None where the parts have none."""
+    return None if values[0] is None else torch.cat(list(values))
+
+
+def pad_right(t: torch.Tensor, length: int, value) -> torch.Tensor:
+    """[B, T, ...] -> [B, length, ...], the new positions set to `value`."""
+    tail = torch.full((t.shape[0], length - t.shape[1], *t.shape[2:]), value, dtype=t.dtype)
+    return torch.cat([t, tail], dim=1)

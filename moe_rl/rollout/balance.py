@@ -11,12 +11,10 @@ step sees the same samples. The step's results change only by floating-point sum
 from __future__ import annotations
 
 import io
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from moe_rl.common.batch import PaddedBatch
 from moe_rl.common.distributed import all_gather_objects
 from moe_rl.rollout.source import Rollout
 
@@ -77,72 +75,12 @@ def balance_rollout(
     for s, part in enumerate(_all_to_all(sends, group)):
         for j, g in enumerate(g for src, g in plan[me] if src == s):
             pieces[(s, g)] = _take(part, [j], group_size)
-    return _concat([pieces[p] for p in plan[me]]), metrics
+    return Rollout.cat([pieces[p] for p in plan[me]]), metrics
 
 
 def _take(r: Rollout, groups: list[int], group_size: int) -> Rollout:
     """The rollout restricted to `groups` (in that order); prompts re-indexed from 0."""
-    rows = [g * group_size + j for g in groups for j in range(group_size)]
-    idx = torch.as_tensor(rows, dtype=torch.long)
-    p = r.padded
-    padded = PaddedBatch(
-        p.input_ids[idx],
-        p.attention_mask[idx],
-        p.loss_mask[idx],
-        p.rollout_logprobs[idx],
-        None if p.routes is None else p.routes[idx],
-    )
-    prompts, prompt_index = r.prompts, r.prompt_index
-    if r.prompt_index is not None:
-        order = list(dict.fromkeys(r.prompt_index[i] for i in rows))
-        prompts = None if r.prompts is None else [r.prompts[i] for i in order]
-        prompt_index = [order.index(r.prompt_index[i]) for i in rows]
-    return replace(
-        r,
-        padded=padded,
-        policy_version=r.policy_version[idx],
-        response_lengths=r.response_lengths[idx],
-        prompts=prompts,
-        prompt_index=prompt_index,
-        response_ids=None if r.response_ids is None else [r.response_ids[i] for i in rows],
-        rewards=None if r.rewards is None else r.rewards[idx],
-        truncated=None if r.truncated is None else r.truncated[idx],
-        turn_index=None if r.turn_index is None else r.turn_index[idx],
-    )
-
-
-def _concat(parts: list[Rollout]) -> Rollout:
-    lengths = {p.padded.input_ids.shape[1] for p in parts}
-    if len(lengths) > 1:
-        raise ValueError(f"balance: ranks padded their samples to different lengths {sorted(lengths)}")
-
-    def cat(get):
-        values = [get(p) for p in parts]
-        return None if values[0] is None else torch.cat(values)
-
-    def join(get):
-        values = [get(p) for p in parts]
-        return None if values[0] is None else [x for v in values for x in v]
-
-    padded = PaddedBatch(*(cat(lambda p, k=k: getattr(p.padded, k)) for k in PaddedBatch.__dataclass_fields__))
-    prompt_index = None
-    if parts[0].prompt_index is not None:
-        offsets = [0]
-        for p in parts:
-            offsets.append(offsets[-1] + len(set(p.prompt_index)))
-        prompt_index = [i + off for p, off in zip(parts, offsets, strict=False) for i in p.prompt_index]
-    return Rollout(
-        padded,
-        policy_version=cat(lambda p: p.policy_version),
-        response_lengths=cat(lambda p: p.response_lengths),
-        prompts=join(lambda p: p.prompts),
-        prompt_index=prompt_index,
-        response_ids=join(lambda p: p.response_ids),
-        rewards=cat(lambda p: p.rewards),
-        truncated=cat(lambda p: p.truncated),
-        turn_index=cat(lambda p: p.turn_index),
-        metrics=parts[0].metrics,  # computed over every rank before balancing
-    )
+    return r.select([g * group_size + j for g in groups for j in range(group_size)])
 
 
 def _all_to_all(objs: list, group) -> list:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.common.batch import PaddedBatch
+from moe_rl.common.batch import PaddedBatch, pad_right
 from moe_rl.rollout.source import Rollout
 
 
@@ -45,7 +45,6 @@ class Priority(StrEnum):
 
 PRIORITIES = tuple(m.value for m in Priority)
 SAMPLE_KEYS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs", "routes")
-GROUP_KEYS = ("response_lengths", "policy_version", "rewards", "advantages", "truncated")
 
 
 def fresh_count(fraction: float, k: int) -> int:
@@ -57,7 +56,8 @@ def fresh_count(fraction: float, k: int) -> int:
 class Group:
     """One prompt's samples, trimmed to the group's longest sample."""
 
-    tensors: dict[str, torch.Tensor]  # SAMPLE_KEYS: [n, L(, layers, K)]; GROUP_KEYS: [n]
+    # SAMPLE_KEYS (and turn_index under multi-turn): [n, L(, layers, K)]; Rollout.SAMPLE_TENSORS and advantages: [n]
+    tensors: dict[str, torch.Tensor]
     prompt: str  # the prompt's id (Prompt.source)
     inserted: int  # the step it entered the buffer
     trained: int = 0  # how many batches have trained it
@@ -226,19 +226,16 @@ class ReplayBuffer:
 
 
 def _take(rollout: Rollout, rows: slice, advantages: torch.Tensor, step: int) -> Group:
-    p = rollout.padded
-    length = int(p.attention_mask[rows].sum(-1).max())
-    tensors = {k: getattr(p, k)[rows, :length].clone() for k in SAMPLE_KEYS if getattr(p, k) is not None}
-    tensors |= {
-        "response_lengths": rollout.response_lengths[rows].clone(),
-        "policy_version": rollout.policy_version[rows].clone(),
-        "rewards": rollout.rewards[rows].clone().float(),
-        "advantages": advantages.detach().clone().float(),
-    }
-    if rollout.truncated is not None:
-        tensors["truncated"] = rollout.truncated[rows].clone()
-    index = rollout.prompt_index[rows.start] if rollout.prompt_index is not None else None
-    prompt = rollout.prompts[index].source if index is not None and rollout.prompts else f"step{step}:{rows.start}"
+    group = rollout.select(range(rows.start, rows.stop))
+    length = int(group.padded.attention_mask.sum(-1).max())
+    p = group.padded.trimmed(length)
+    tensors = {k: getattr(p, k).clone() for k in SAMPLE_KEYS if getattr(p, k) is not None}
+    tensors |= {k: getattr(group, k).clone() for k in Rollout.SAMPLE_TENSORS if getattr(group, k) is not None}
+    if group.turn_index is not None:
+        tensors["turn_index"] = group.turn_index[:, :length].clone()
+    tensors |= {"rewards": tensors["rewards"].float(), "advantages": advantages.detach().clone().float()}
+    known = group.prompt_index is not None and group.prompts
+    prompt = group.prompts[0].source if known else f"step{step}:{rows.start}"
     return Group(tensors, prompt, step)
 
 
@@ -246,40 +243,16 @@ def assemble(groups: list[Group], pad_id: int, length: int, filler: torch.Tensor
     """The Rollout of `groups` in order (each group's samples consecutive), right-padded to `length`
     tokens; routes padded with `filler` ([layers, K], the contract's distinct valid ids)."""
 
-    def pad(key: str, value) -> torch.Tensor:
-        parts = []
-        for g in groups:
-            t = g.tensors[key]
-            extra = length - t.shape[1]
-            if key == "routes" and t.shape[1] == 0:  # held by another rank (actor/replay.py): stays zero-width
-                parts.append(t)
-                continue
-            if key == "routes":
-                tail = filler.to(t.dtype).expand(t.shape[0], extra, *filler.shape)
-            else:
-                tail = torch.full((t.shape[0], extra, *t.shape[2:]), value, dtype=t.dtype)
-            parts.append(torch.cat([t, tail], dim=1))
-        return torch.cat(parts)
+    def rollout(t: dict[str, torch.Tensor]) -> Rollout:
+        padded = PaddedBatch(**{k: t.get(k) for k in SAMPLE_KEYS}).padded_to(length, pad_id, filler)
+        turns = t.get("turn_index")
+        return Rollout(
+            padded,
+            turn_index=None if turns is None else pad_right(turns, length, -1),
+            **{k: t.get(k) for k in Rollout.SAMPLE_TENSORS},
+        )
 
-    has_routes = "routes" in groups[0].tensors
-    padded = PaddedBatch(
-        pad("input_ids", pad_id),
-        pad("attention_mask", 0),
-        pad("loss_mask", 0),
-        pad("rollout_logprobs", 0),
-        pad("routes", None) if has_routes else None,
-    )
-
-    def cat(key):
-        return torch.cat([g.tensors[key] for g in groups]) if key in groups[0].tensors else None
-
-    return Rollout(
-        padded,
-        policy_version=cat("policy_version"),
-        response_lengths=cat("response_lengths"),
-        rewards=cat("rewards"),
-        truncated=cat("truncated"),
-    )
+    return Rollout.cat([rollout(g.tensors) for g in groups])
 
 
 class BufferSource:

@@ -5,14 +5,15 @@ when the trainer is built."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from moe_rl.common.batch import PaddedBatch
+from moe_rl.common.batch import PaddedBatch, cat_or_none
 from moe_rl.common.distributed import world_max
 from moe_rl.routing.layout import layer_columns
 
@@ -36,6 +37,53 @@ class Rollout:
     truncated: torch.Tensor | None = None  # [B] bool: stopped by sampling.max_tokens (engine source)
     turn_index: torch.Tensor | None = None  # [B, T] multi-turn: the turn that sampled each token, -1 elsewhere
     metrics: dict[str, float] = field(default_factory=dict)  # the source's own (multi_turn/*, routes/*)
+
+    SAMPLE_TENSORS = ("policy_version", "response_lengths", "rewards", "truncated")  # [B]
+
+    def __len__(self) -> int:
+        return self.padded.input_ids.shape[0]
+
+    def select(self, rows: Sequence[int]) -> Rollout:
+        """The samples `rows`, in that order; their prompts re-indexed from 0 in order of first appearance."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        prompts, prompt_index = self.prompts, self.prompt_index
+        if prompt_index is not None:
+            order = list(dict.fromkeys(prompt_index[i] for i in rows))
+            prompts = None if prompts is None else [prompts[i] for i in order]
+            prompt_index = [order.index(prompt_index[i]) for i in rows]
+        return replace(
+            self,
+            padded=self.padded.select(idx),
+            prompts=prompts,
+            prompt_index=prompt_index,
+            response_ids=None if self.response_ids is None else [self.response_ids[i] for i in rows],
+            turn_index=None if self.turn_index is None else self.turn_index[idx],
+            **{k: None if getattr(self, k) is None else getattr(self, k)[idx] for k in self.SAMPLE_TENSORS},
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[Rollout]) -> Rollout:
+        """The parts' samples back to back (padded to one length), each part's prompts after the previous part's;
+        the first part's metrics (a source's metrics cover the whole step)."""
+
+        def join(values):
+            return None if values[0] is None else [x for v in values for x in v]
+
+        prompt_index = None
+        if parts[0].prompt_index is not None:
+            offsets = [0]
+            for p in parts:
+                offsets.append(offsets[-1] + len(set(p.prompt_index)))
+            prompt_index = [i + off for p, off in zip(parts, offsets, strict=False) for i in p.prompt_index]
+        return Rollout(
+            PaddedBatch.cat([p.padded for p in parts]),
+            prompts=join([p.prompts for p in parts]),
+            prompt_index=prompt_index,
+            response_ids=join([p.response_ids for p in parts]),
+            turn_index=cat_or_none([p.turn_index for p in parts]),
+            metrics=parts[0].metrics,
+            **{k: cat_or_none([getattr(p, k) for p in parts]) for k in Rollout.SAMPLE_TENSORS},
+        )
 
 
 class RolloutSource(Protocol):

@@ -315,6 +315,26 @@ def test_assembled_groups_carry_the_sampled_tokens_mu_and_routes():
     assert peer_out.routes.shape == (3 * n, 0, layers, topk) and torch.equal(peer_out.input_ids, out.input_ids)
 
 
+def test_assembled_multi_turn_groups_keep_the_turn_of_each_token():
+    """A multi-turn rollout's turn_index (the turn that sampled each token, -1 on observations and padding) stays
+    with its samples through the buffer, as the tokens and mu do (the buffer once dropped it)."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    n = 3
+    rollout = _rollout(4, n, gen)
+    real = rollout.padded.loss_mask.bool()
+    rollout.turn_index = torch.where(real, torch.randint(0, 3, real.shape, generator=gen), -1)
+    buffer = ReplayBuffer(16, 100, seed=seed)
+    buffer.add(rollout, grpo_advantages(rollout.rewards, n), n, step=1)
+    chosen = buffer.sample(4, 2)
+    t = rollout.padded.input_ids.shape[1]
+    out = assemble(chosen, PAD, t + 2, _filler(2, 2))
+    assert out.turn_index.shape == (4 * n, t + 2) and (out.turn_index[:, t:] == -1).all()
+    for block, group in enumerate(chosen):
+        rows, here = _rows(group, n), slice(block * n, (block + 1) * n)
+        assert torch.equal(out.turn_index[here, :t], rollout.turn_index[rows]), seed
+
+
 def test_replayed_groups_give_the_actor_the_original_logprobs(tiny_models, world1):
     """The actor's log-probs with the stored routes replayed are the original batch's on every response token
     (the groups come back in another order, padded longer) and every token went to the replayed experts.
