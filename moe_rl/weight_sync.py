@@ -82,16 +82,12 @@ class WeightSync:
                     failed = e
 
         engine_call(self.engine and self.engine.wake_up, "weights")  # rollout.sleep_while_training (GPU)
-        stream = None  # shm: the whole update is one engine call, the buckets follow over a socket
-        if self.transport != "shm":
-            engine_call(self.engine and self.engine.rpc, "moe_rl_begin_weight_update")
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
         device = _buffer_device(self.transport)
         with _BucketBuffer(size if lead else 0, device) as buf, contextlib.ExitStack() as streaming:
             paths = dict(enumerate(all_gather_objects(buf.path if lead else None)))
             peers = {r: map_shared(paths[r], size) for r in self.leaders if r != me and self._same_host(r, me)}
-            if self.transport == "shm":
-                stream = engine_call(lambda: streaming.enter_context(_ShmStream(self.engine)))
+            update = engine_call(lambda: streaming.enter_context(_EngineUpdate(self.engine, self.transport)))
             for bucket in self._plan:
                 made: dict[str, torch.Tensor] = {}
                 for entry in bucket:
@@ -113,18 +109,12 @@ class WeightSync:
                         offset += n
                 del made
                 _barrier()  # every write of this bucket has landed
-                if stream is not None:  # returns once the workers copied it out; they load it while the next is written
-                    engine_call(stream.send, buf, manifest)
-                else:
-                    engine_call(_load_bucket, self.engine, self.transport, buf, manifest)
+                engine_call(lambda: update.load(buf, manifest))  # noqa: B023 (called here, at once)
                 _barrier()  # the engines hold this bucket: its buffers may be overwritten
                 stats["bytes"] += offset
                 stats["tensors"] += len(manifest)
                 stats["buckets"] += 1
-            if stream is not None:
-                stats |= engine_call(stream.finish, stats["tensors"]) or {}
-        if self.transport != "shm":
-            engine_call(self.engine and self.engine.rpc, "moe_rl_finish_weight_update")
+            stats |= engine_call(lambda: update.finish(stats["tensors"])) or {}
         engine_call(self.engine and self.engine.reset_prefix_cache)  # (multi-turn) no KV of the old weights
         if failed is not None:
             raise failed
@@ -235,6 +225,39 @@ class _ShmStream:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class _EngineUpdate:
+    """One engine's side of a weight update over its transport: shm streams every bucket through one engine call
+    (`_ShmStream`); rpc and cuda_ipc begin, load each bucket with a call of its own, and finish."""
+
+    def __init__(self, engine, transport: str):
+        self.engine, self.transport, self.stream = engine, transport, None
+
+    def __enter__(self) -> _EngineUpdate:
+        if self.transport == "shm":
+            self.stream = _ShmStream(self.engine)
+        else:
+            self.engine.rpc("moe_rl_begin_weight_update")
+        return self
+
+    def load(self, buf: _BucketBuffer, manifest: list) -> None:
+        """The engine takes one bucket; returns when the buffer may be overwritten."""
+        if self.stream is not None:
+            self.stream.send(buf, manifest)
+        else:
+            _load_bucket(self.engine, self.transport, buf, manifest)
+
+    def finish(self, tensors: int) -> dict[str, float]:
+        """End the update (the workers loaded `tensors`); shm: the engine's load and repack seconds."""
+        if self.stream is not None:
+            return self.stream.finish(tensors)
+        self.engine.rpc("moe_rl_finish_weight_update")
+        return {}
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is not None:
+            self.stream.__exit__(*exc)
+
+
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
@@ -331,15 +354,13 @@ class _BucketBuffer:
 
 def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
     """Load whole HF-named tensors (a checkpoint's, one rank's export) into one RolloutEngine in buckets of
-    <= rollout.weight_sync_bucket_mb over rollout.weight_transport; returns bytes, tensors, buckets, seconds."""
+    <= rollout.weight_sync_bucket_mb over rollout.weight_transport, as WeightSync's leaders do; returns bytes,
+    tensors, buckets, seconds."""
     transport = _check_transport(engine.cfg.weight_transport)
     device = _buffer_device(transport)
     t0 = time.perf_counter()
     stats = {"bytes": 0, "tensors": 0, "buckets": 0}
-    if transport != "shm":
-        engine.rpc("moe_rl_begin_weight_update")
-    with contextlib.ExitStack() as streaming:
-        stream = streaming.enter_context(_ShmStream(engine)) if transport == "shm" else None
+    with _EngineUpdate(engine, transport) as update:
         for bucket in buckets(named_tensors, engine.cfg.weight_sync_bucket_mb * 2**20, lambda kv: _tensor_bytes(kv[1])):
             manifest, offset = [], 0
             for name, t in bucket:
@@ -348,15 +369,9 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> d
             with _BucketBuffer(offset, device) as buf:
                 for (_, t), (_, _, _, off) in zip(bucket, manifest, strict=True):
                     buf.view(off, _tensor_bytes(t)).copy_(_raw(t, device))
-                if stream is not None:
-                    stream.send(buf, manifest)
-                else:
-                    _load_bucket(engine, transport, buf, manifest)
+                update.load(buf, manifest)
             stats["bytes"] += offset
             stats["tensors"] += len(bucket)
             stats["buckets"] += 1
-        if stream is not None:
-            stream.finish(stats["tensors"])
-    if transport != "shm":
-        engine.rpc("moe_rl_finish_weight_update")
+        stats |= update.finish(stats["tensors"])
     return {**stats, "seconds": time.perf_counter() - t0}

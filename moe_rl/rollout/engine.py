@@ -277,7 +277,16 @@ def _sampled_logprobs(completion, where: str) -> np.ndarray:
 class RolloutEngine:
     """One vLLM engine with route capture. Use as a context manager (or call `shutdown`)."""
 
-    def __init__(self, cfg: RolloutConfig, moe_layers: list[int], num_experts: int, topk: int):
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        moe_layers: list[int],
+        num_experts: int,
+        topk: int,
+        worker_extension: str = "moe_rl.rollout.worker_ext.MoeRLWorkerExtension",
+    ):
+        """`worker_extension`: the class vLLM mixes into the engine's workers, moe-rl's or a subclass of it (the
+        tests add probes of the worker process's state that way)."""
         if not os.path.isfile(os.path.join(cfg.model, "config.json")):
             raise FileNotFoundError(f"rollout.model={cfg.model!r}: config.json not found")
         self.cfg = cfg
@@ -293,7 +302,7 @@ class RolloutEngine:
             dtype=cfg.dtype,
             seed=cfg.seed or 0,
             max_model_len=cfg.max_model_len,
-            worker_extension_cls="moe_rl.rollout.worker_ext.MoeRLWorkerExtension",
+            worker_extension_cls=worker_extension,
             logprobs_mode=str(cfg.logprobs_mode),
             enforce_eager=not torch.cuda.is_available(),
             gpu_memory_utilization=cfg.gpu_memory_utilization,

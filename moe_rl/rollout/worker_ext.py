@@ -28,36 +28,6 @@ class MoeRLWorkerExtension(WeightReceiver):
     def moe_rl_ping(self) -> int:
         return os.getpid()
 
-    def moe_rl_busy_loop_s(self) -> list[float]:
-        """The spin time of this worker's shared-memory message-queue readers (rollout.cpu_busy_loop_s)."""
-        import gc
-
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-        # type(), not isinstance(): the heap holds weak proxies, and isinstance() on a dead one raises ReferenceError
-        return [o.busy_loop_s for o in gc.get_objects() if type(o) is SpinCondition and o.is_reader]
-
-    def moe_rl_sampler_compiled(self) -> bool:
-        """Whether this worker compiles its sampler's rank count with torch.compile (moe-rl's plugin: not on CPU). A
-        forked engine inherits the function as its rank wrapped it; dynamo's disable flag then runs it eagerly."""
-        import torch._dynamo
-        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
-
-        return hasattr(batched_count_greater_than, "_torchdynamo_orig_callable") and not torch._dynamo.config.disable
-
-    def moe_rl_forked_from_trainer(self) -> bool:
-        """Whether this process was forked from a trainer rank (rollout.cpu_start_method=fork), which set the rank's
-        torch.distributed world aside as it started (compat.vllm.engine_core_by_fork)."""
-        from moe_rl.compat import vllm as compat_vllm
-
-        return bool(compat_vllm._INHERITED_WORLDS)
-
-    def moe_rl_signal_handler(self, name: str) -> str:
-        """This process's handler of signal `name` (e.g. "SIGUSR1"): a forked engine does not keep the trainer's."""
-        import signal
-
-        return str(signal.getsignal(getattr(signal, name)))
-
     def moe_rl_init_worker(self) -> bool:
         """Per-process CPU setup (runs in each worker process, hence a method here)."""
         from moe_rl.compat.vllm import flatten_cpu_rope_heads, keep_seeded_samples_across_chunks, request_amx_permission

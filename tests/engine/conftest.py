@@ -7,6 +7,7 @@ import pytest
 from moe_rl.rollout.engine import RolloutConfig, RolloutEngine
 
 MAX_LIVE_ENGINES = 2
+PROBES = "tests.engine.probes.ProbeExtension"  # moe-rl's worker extension and the tests' probes of the worker
 
 
 def start_engine(path, dtype="float32", **kw) -> RolloutEngine:
@@ -15,7 +16,8 @@ def start_engine(path, dtype="float32", **kw) -> RolloutEngine:
     from moe_rl.routing.model_layout import moe_layout
 
     lay = moe_layout(AutoConfig.from_pretrained(path))
-    return RolloutEngine(RolloutConfig(model=str(path), dtype=dtype, **kw), lay.moe_layers, lay.num_experts, lay.topk)
+    cfg = RolloutConfig(model=str(path), dtype=dtype, **kw)
+    return RolloutEngine(cfg, lay.moe_layers, lay.num_experts, lay.topk, worker_extension=PROBES)
 
 
 @pytest.fixture(scope="module")
