@@ -123,8 +123,8 @@ class Actor:
         """log pi_old and entropy per token (and, under R2, the routes this pass took)."""
         if self.exact is not None:
             return self._engine_op_logprobs(padded)
-        routing = {"r3": {"routes": padded.routes}, "r2": {"record": True}}.get(self.cfg.router_replay, {})
-        return self._logprobs(self.chunks, self.replay, padded, with_entropy=True, **routing)
+        routes, record = self.replayed_routes(padded), self.records_routes
+        return self._logprobs(self.chunks, self.replay, padded, with_entropy=True, routes=routes, record=record)
 
     def _engine_op_logprobs(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
         """trainer.true_on_policy: log pi_old and entropy through the engine's ops on the current weights (the
@@ -134,10 +134,9 @@ class Actor:
 
         if self.exact.version != self.version:
             self.exact.load(full_hf_state_dict(self.chunks, self.conv), self.version)
-        replay = self.cfg.router_replay == "r3" and padded.routes is not None
-        out = self.exact.logprobs(padded.input_ids, padded.attention_mask, padded.routes if replay else None)
+        out = self.exact.logprobs(padded.input_ids, padded.attention_mask, self.replayed_routes(padded))
         routes = out.pop("routes")
-        if self.cfg.router_replay == "r2":  # in the route record's dtype, as a recording pass returns them
+        if self.records_routes:  # in the route record's dtype, as a recording pass returns them
             from moe_rl.routing.records import route_dtype
 
             out["routes"] = torch.from_numpy(routes.numpy().astype(route_dtype(self.layout.num_experts)))
@@ -150,10 +149,18 @@ class Actor:
         routes = self.replayed_routes(padded, old)
         return self._logprobs(chunks, replay, padded, with_entropy=False, routes=routes)["logprobs"]
 
-    def replayed_routes(self, padded: PaddedBatch, old: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The routes the passes after the old-log-prob pass replay (actor.router_replay): the engine's (r3), the
-        ones that pass recorded (r2), or none (off)."""
-        return {"r3": padded.routes, "r2": old.get("routes"), "off": None}[self.cfg.router_replay]
+    def replayed_routes(self, padded: PaddedBatch, old: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The routes a pass replays (actor.router_replay), the one place that says so: the engine's (r3); under r2
+        the ones the old-log-prob pass recorded (`old`; that pass itself replays none and records them,
+        `records_routes`); none (off)."""
+        if self.cfg.router_replay == "r3":
+            return padded.routes
+        return old.get("routes") if self.records_routes and old is not None else None
+
+    @property
+    def records_routes(self) -> bool:
+        """Whether the old-log-prob pass records the routes the later passes replay (r2)."""
+        return self.cfg.router_replay == "r2"
 
     def _logprobs(self, chunks, replay, padded: PaddedBatch, **kw) -> dict[str, torch.Tensor]:
         from moe_rl.actor.forward import compute_logprobs

@@ -46,7 +46,6 @@ class StepDiagnostics:
         from moe_rl.actor.forward import routing_views
 
         a = self.actor
-        mode = a.cfg.router_replay
         return routing_views(
             a.chunks,
             padded.input_ids,
@@ -54,8 +53,10 @@ class StepDiagnostics:
             a.cfg.micro_batch_size,
             a.replay,
             padded.routes,
-            replayed=old.get("logprobs") if mode == "r3" else None,  # none under prox_logp=loglinear
-            live=old if mode == "r2" else None,
+            # the old-log-prob pass is one of the two views: it replayed the engine's routes (r3; no such pass
+            # under prox_logp=loglinear), or it ran on the actor's own routing and recorded them (r2)
+            replayed=old.get("logprobs") if a.replayed_routes(padded) is not None else None,
+            live=old if a.records_routes else None,
             fused=a.fused_logprob,
             pack=a.pack_plan(padded),
         )
