@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.actor.forward import broadcast_from_last_stage
-from moe_rl.common.batch import PaddedBatch
+from moe_rl.common.batch import PaddedBatch, ProxPolicy
 from moe_rl.common.distributed import global_mean, global_sums, loss_counts
 
 
@@ -87,7 +87,7 @@ class Actor:
         self.thd = opts.use_te  # packed rows as THD sequences through Transformer Engine (GPU)
         self._plan: tuple[torch.Tensor, object] | None = None  # (the attention mask it was made for, the plan)
         # algorithm.prox_logp=loglinear: {"logprobs", "entropy"} [B, T] of the last update's own forward (train)
-        self.update_policy: dict[str, torch.Tensor] | None = None
+        self.update_policy: ProxPolicy | None = None
         if a.packing:
             check_packing_supported(self.chunks[0].config)
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
@@ -119,12 +119,14 @@ class Actor:
                 c.config.variable_seq_lengths = True
 
     # ---- passes ----------------------------------------------------------------------------
-    def old_logprobs(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
+    def old_logprobs(self, padded: PaddedBatch) -> ProxPolicy:
         """log pi_old and entropy per token (and, under R2, the routes this pass took)."""
         if self.exact is not None:
-            return self._engine_op_logprobs(padded)
+            return ProxPolicy(**self._engine_op_logprobs(padded))
         routes, record = self.replayed_routes(padded), self.records_routes
-        return self._logprobs(self.chunks, self.replay, padded, with_entropy=True, routes=routes, record=record)
+        return ProxPolicy(
+            **self._logprobs(self.chunks, self.replay, padded, with_entropy=True, routes=routes, record=record)
+        )
 
     def _engine_op_logprobs(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
         """trainer.true_on_policy: log pi_old and entropy through the engine's ops on the current weights (the
@@ -142,20 +144,20 @@ class Actor:
             out["routes"] = torch.from_numpy(routes.numpy().astype(route_dtype(self.layout.num_experts)))
         return out
 
-    def ref_logprobs(self, padded: PaddedBatch, old: dict[str, torch.Tensor]) -> torch.Tensor:
+    def ref_logprobs(self, padded: PaddedBatch, old: ProxPolicy) -> torch.Tensor:
         """log pi_ref per token, routed like pi_old and pi_theta: the engine's routes (R3) or the old pass's
         (R2) replayed, so the KL measures how the weights moved on the same expert paths, not routing noise."""
         chunks, replay = self.reference
         routes = self.replayed_routes(padded, old)
         return self._logprobs(chunks, replay, padded, with_entropy=False, routes=routes)["logprobs"]
 
-    def replayed_routes(self, padded: PaddedBatch, old: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+    def replayed_routes(self, padded: PaddedBatch, old: ProxPolicy | None = None) -> torch.Tensor | None:
         """The routes a pass replays (actor.router_replay), the one place that says so: the engine's (r3); under r2
         the ones the old-log-prob pass recorded (`old`; that pass itself replays none and records them,
         `records_routes`); none (off)."""
         if self.cfg.router_replay == "r3":
             return padded.routes
-        return old.get("routes") if self.records_routes and old is not None else None
+        return old.routes if self.records_routes and old is not None else None
 
     @property
     def records_routes(self) -> bool:
@@ -204,7 +206,7 @@ class Actor:
     def train(
         self,
         padded: PaddedBatch,
-        old: dict[str, torch.Tensor],
+        old: ProxPolicy,
         advantages: torch.Tensor,
         objective,
         on_skip: Callable[[bool, int], bool],
@@ -215,7 +217,7 @@ class Actor:
         the mini-batch counts as skipped (it may raise to stop the run). `ref_logprobs`: log pi_ref
         for the objective's KL (metric actor/kl_ref).
 
-        `old`: the old-log-prob pass (pi_prox), or under algorithm.prox_logp=loglinear just {"alpha": [B]}
+        `old`: pi_prox, the old-log-prob pass's, or under algorithm.prox_logp=loglinear only its `alpha`
         (objectives/proximal.py): pi_prox and the correction are then formed inside the loss, and the update's
         own forward's log-probs and entropy (pi_theta as each sample's mini-batch met it: pi_prox exactly for the
         first) are kept in `self.update_policy` for the step's mismatch and entropy metrics. Nothing the caller
@@ -223,7 +225,7 @@ class Actor:
         from moe_rl.actor.train_step import train_minibatch
 
         a = self.cfg
-        loglinear = "logprobs" not in old
+        loglinear = old.interpolated
         routes = self.replayed_routes(padded, old)
         b = padded.input_ids.shape[0]
         if b % a.mini_batches:
@@ -234,7 +236,7 @@ class Actor:
             out, mask_all, weights = {}, padded.loss_mask, None
             seen = {"logprobs": torch.zeros(padded.loss_mask.shape), "entropy": torch.zeros(padded.loss_mask.shape)}
         else:
-            corr = objective.correct(old["logprobs"], padded.rollout_logprobs, padded.loss_mask)
+            corr = objective.correct(old.logprobs, padded.rollout_logprobs, padded.loss_mask)
             # correction metrics: token means, or sequence shares (`*_seq_*`), over the data-parallel ranks
             tokens, seqs = float(padded.loss_mask.sum()), float((padded.loss_mask.sum(-1) > 0).sum())
             name = objective.correction_name
@@ -259,9 +261,9 @@ class Actor:
                 "advantages": advantages[rows],
             }
             if loglinear:
-                batch |= {"prox_alpha": old["alpha"][rows], "sample": torch.arange(b)[rows]}
+                batch |= {"prox_alpha": old.alpha[rows], "sample": torch.arange(b)[rows]}
             else:
-                batch |= {"old_logprobs": old["logprobs"][rows], "weights": weights[rows]}
+                batch |= {"old_logprobs": old.logprobs[rows], "weights": weights[rows]}
             if routes is not None:
                 batch["routes"] = routes[rows]
             if ref_logprobs is not None:
@@ -270,7 +272,7 @@ class Actor:
             if loglinear:
                 loss = functools.partial(_recording, loss, seen)
             if self.exact is not None and i == 0:  # pi_theta == pi_old here: the engine-op values, bit for bit
-                batch["exact_logprobs"] = old["logprobs"][rows]
+                batch["exact_logprobs"] = old.logprobs[rows]
                 loss = functools.partial(_exact_first_values, loss)
             replay = self.replay if routes is not None else None
             m = train_minibatch(
@@ -300,7 +302,11 @@ class Actor:
         self.version += 1
         applied = [x for x in norms if math.isfinite(x)]
         out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
-        self.update_policy = {k: broadcast_from_last_stage(t) for k, t in seen.items()} if loglinear else None
+        self.update_policy = (
+            ProxPolicy(alpha=old.alpha, **{k: broadcast_from_last_stage(t) for k, t in seen.items()})
+            if loglinear
+            else None
+        )
         return out | self._pass_shape(padded, plan)
 
     def _pass_shape(self, padded: PaddedBatch, plan) -> dict[str, float]:

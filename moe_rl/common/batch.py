@@ -124,6 +124,25 @@ class RolloutBatch:
 
 
 @dataclass
+class ProxPolicy:
+    """pi_prox of a step per token, the policy the update's ratio and the mismatch correction are taken against:
+    the old-log-prob pass's pi_old (`logprobs`, `entropy`; under R2 the `routes` it recorded), or under
+    algorithm.prox_logp=loglinear only each sample's interpolation weight `alpha` (objectives/proximal.py), the
+    update forming pi_prox itself; after that update its own pi_theta fills `logprobs` and `entropy` for the
+    step's metrics (`Actor.update_policy`)."""
+
+    logprobs: torch.Tensor | None = None  # [B, T]
+    entropy: torch.Tensor | None = None  # [B, T]
+    routes: torch.Tensor | None = None  # [B, T, L_moe, K] the routes the old pass recorded (R2)
+    alpha: torch.Tensor | None = None  # [B] loglinear: no old pass
+
+    @property
+    def interpolated(self) -> bool:
+        """algorithm.prox_logp=loglinear: pi_prox is formed inside the update."""
+        return self.alpha is not None
+
+
+@dataclass
 class PaddedBatch:
     """[B, T] tensors; entry t of a log-prob tensor scores token t given tokens < t."""
 

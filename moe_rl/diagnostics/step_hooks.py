@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from moe_rl.common.batch import ProxPolicy
+
 
 class StepDiagnostics:
     def __init__(self, actor, dump_dir: Path, dump_every: int, agreement_every: int, dump_meta: dict):
@@ -27,7 +29,7 @@ class StepDiagnostics:
         if self.actor.replay is not None:
             self.actor.replay.dispatch_check(reset=True)
 
-    def __call__(self, step: int, rollout, old: dict[str, torch.Tensor], rewards: torch.Tensor) -> dict[str, float]:
+    def __call__(self, step: int, rollout, old: ProxPolicy, rewards: torch.Tensor) -> dict[str, float]:
         """Dump and/or measure this step (0-based index) when due; returns the metrics taken."""
         padded = rollout.padded
         dump_now = self.dumping and step % self.dump_every == 0
@@ -42,7 +44,7 @@ class StepDiagnostics:
             self.write_dump(step, padded, rewards, views, rollout.policy_version, rollout.turn_index)
         return metrics
 
-    def routing_views(self, padded, old) -> dict[str, torch.Tensor | None]:
+    def routing_views(self, padded, old: ProxPolicy) -> dict[str, torch.Tensor | None]:
         from moe_rl.actor.forward import routing_views
 
         a = self.actor
@@ -55,8 +57,8 @@ class StepDiagnostics:
             padded.routes,
             # the old-log-prob pass is one of the two views: it replayed the engine's routes (r3; no such pass
             # under prox_logp=loglinear), or it ran on the actor's own routing and recorded them (r2)
-            replayed=old.get("logprobs") if a.replayed_routes(padded) is not None else None,
-            live=old if a.records_routes else None,
+            replayed=old.logprobs if a.replayed_routes(padded) is not None else None,
+            live={"logprobs": old.logprobs, "routes": old.routes} if a.records_routes else None,
             fused=a.fused_logprob,
             pack=a.pack_plan(padded),
         )

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.common.batch import ProxPolicy
 from moe_rl.config import TrainConfig, validate
 from moe_rl.critic.critic import Critic, gae_targets
 from moe_rl.objectives.proximal import loglinear_alpha
@@ -402,7 +403,7 @@ class Trainer:
         with timer("reward"):
             rewards = self.reward(rollout)
         if self.objective.prox_logp == "loglinear":  # no pi_prox pass: the update interpolates it
-            old = {"alpha": loglinear_alpha(rollout.policy_version, self.step_index)}
+            old = ProxPolicy(alpha=loglinear_alpha(rollout.policy_version, self.step_index))
         else:
             with timer("old_logprobs"):
                 old = self.actor.old_logprobs(rollout.padded)
@@ -411,7 +412,7 @@ class Trainer:
             with timer("ref_logprobs"):
                 ref = self.actor.ref_logprobs(rollout.padded, old)
         if self.objective.kl_in_reward:
-            penalty = self.objective.reward_kl(old["logprobs"], ref, rollout.padded.loss_mask)
+            penalty = self.objective.reward_kl(old.logprobs, ref, rollout.padded.loss_mask)
         if self.critic is not None:  # PPO with a critic: token-level GAE on the values before the update
             with timer("values"):
                 values = self.critic.values(rollout.padded)
@@ -432,7 +433,7 @@ class Trainer:
             with timer("update"):
                 metrics |= self.actor.train(rollout.padded, old, advantages, self.objective, self._on_skip, ref)
             if self.actor.update_policy is not None:  # loglinear: no pi_old pass; the update's pi_theta stands in
-                old = old | self.actor.update_policy
+                old = self.actor.update_policy
         if self.updates and self.critic is not None:
             with timer("critic_update"):
                 metrics |= self.critic.update(rollout.padded, values, returns)
@@ -466,16 +467,16 @@ class Trainer:
             self._not_exact(rollout.padded, old, metrics["mismatch/exact_fraction"])
         return metrics
 
-    def _not_exact(self, padded, old: dict[str, torch.Tensor], fraction: float) -> None:
+    def _not_exact(self, padded, old: ProxPolicy, fraction: float) -> None:
         """trainer.true_on_policy and some response token's pi_old != mu: warn (or stop, under
         true_on_policy_strict) naming the first such token over the ranks. Collective."""
         from moe_rl.common.distributed import all_gather_objects
 
-        differ = (old["logprobs"].float() != padded.rollout_logprobs.float()) & (padded.loss_mask > 0)
+        differ = (old.logprobs.float() != padded.rollout_logprobs.float()) & (padded.loss_mask > 0)
         first = None
         if differ.any():
             i, j = map(int, differ.nonzero()[0])
-            first = (i, j, float(old["logprobs"][i, j]), float(padded.rollout_logprobs[i, j]))
+            first = (i, j, float(old.logprobs[i, j]), float(padded.rollout_logprobs[i, j]))
         found = [(r, f) for r, f in enumerate(all_gather_objects(first)) if f is not None]
         if not found:  # the metric's comparison and this one are the same; nothing to name
             return

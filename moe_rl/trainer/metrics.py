@@ -86,14 +86,14 @@ def global_metrics(
 
     mask = rollout.padded.loss_mask
     band = (icepop_band.low, icepop_band.high)
-    sums, maxima = mismatch_sums(old["logprobs"], rollout.padded.rollout_logprobs, mask, *band)
+    sums, maxima = mismatch_sums(old.logprobs, rollout.padded.rollout_logprobs, mask, *band)
     sums = {f"mismatch/{k}": float(v) for k, v in sums.items()}
     maxima = {f"mismatch/{k}": float(v) for k, v in maxima.items()}
     sums |= {
         "samples": len(rewards),
         "reward/sum": float(rewards.sum()),
         "response/length_sum": float(rollout.response_lengths.sum()),
-        "entropy/sum": float((old["entropy"] * mask).sum()),
+        "entropy/sum": float((old.entropy * mask).sum()),
     }
     rank_means = rank_means | {"reward/zero_variance_groups": zero_variance_fraction(rewards, group_size)}
     sums |= {f"rank_sum/{k}": v for k, v in rank_means.items()}

@@ -188,7 +188,7 @@ def run_variant(
         replay=actor.replay,
         pack=actor.pack_plan(padded),
     )
-    padded.rollout_logprobs = (old["logprobs"] + batch["noise"][rows]) * padded.loss_mask
+    padded.rollout_logprobs = (old.logprobs + batch["noise"][rows]) * padded.loss_mask
 
     # The synced gradient of each mini-batch, taken just before its optimizer step (which clips in place).
     grads: list[dict[str, torch.Tensor]] = []
@@ -206,7 +206,7 @@ def run_variant(
     name = f"w{world}_{layout}_mbs{mbs}_{loss}" + ("" if fused else "_unfused") + ("_packed" if packing else "")
     name += "_distopt" if distributed_optimizer else ""
     if dist.get_rank() == 0:
-        olds = {"logprobs": old["logprobs"], "entropy": old["entropy"], "logprobs_t0.7": hot["logprobs"]}
+        olds = {"logprobs": old.logprobs, "entropy": old.entropy, "logprobs_t0.7": hot["logprobs"]}
         olds["entropy_t0.7"] = hot["entropy"]
         saved = {"grads": grads, "params": params, "grad_norm": metrics["actor/grad_norm"], "metrics": metrics}
         torch.save({**saved, "old": olds}, out / f"{name}.pt")

@@ -121,12 +121,17 @@ def test_loglinear_objective_equals_the_a3po_formula(loss, fused):
     assert not torch.allclose(got.double(), other, rtol=1e-6, atol=1e-9), (float(got), float(other))
 
 
+def _tensors(obj, clone: bool = False) -> dict[str, torch.Tensor]:
+    """A dataclass's tensor fields (copies if `clone`)."""
+    return {k: v.clone() if clone else v for k, v in vars(obj).items() if isinstance(v, torch.Tensor)}
+
+
 def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, world1):
     """On-policy samples (alpha = 0): the loglinear update is the recompute update with mu in pi_prox's place,
     on a real Megatron actor (same weights after two mini-batches); the update reports its own forward's
     log-probs, which for the first mini-batch are the actor's before the update."""
     from moe_rl.actor.actor import Actor
-    from moe_rl.common.batch import PaddedBatch
+    from moe_rl.common.batch import PaddedBatch, ProxPolicy
     from moe_rl.config import TrainConfig
     from tests.reference import random_batch
 
@@ -149,18 +154,17 @@ def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, wor
         padded = PaddedBatch(ids, attn, loss_mask, torch.zeros(ids.shape), None)
         initial = [p.detach().clone() for c in actor.chunks for p in c.parameters()]
         before = actor.old_logprobs(padded)
-        padded.rollout_logprobs = (before["logprobs"] + noise) * loss_mask  # mu != pi_old
+        padded.rollout_logprobs = (before.logprobs + noise) * loss_mask  # mu != pi_old
         objective = Objective(cfg.algorithm, group_size=4)
         if prox_logp == "recompute":
-            old = {"logprobs": padded.rollout_logprobs, "entropy": before["entropy"]}
+            old = ProxPolicy(logprobs=padded.rollout_logprobs, entropy=before.entropy)
         else:
-            old = {"alpha": torch.zeros(8)}
-        given = {k: v.clone() for k, v in old.items()}, [t.clone() for t in vars(padded).values() if t is not None]
+            old = ProxPolicy(alpha=torch.zeros(8))
+        given = _tensors(old, clone=True), _tensors(padded, clone=True)
         m = actor.train(padded, old, adv, objective, lambda skipped, i: skipped)
-        # Actor.train changes nothing it was given: the old-policy dict (same keys, same values) and the batch
-        assert old.keys() == given[0].keys() and all(torch.equal(old[k], given[0][k]) for k in old)
-        now = [t for t in vars(padded).values() if t is not None]
-        assert all(torch.equal(a, b) for a, b in zip(given[1], now, strict=True))
+        # Actor.train changes nothing it was given: pi_prox (the same fields, the same values) and the batch
+        for was, now in zip(given, (_tensors(old), _tensors(padded)), strict=True):
+            assert was.keys() == now.keys() and all(torch.equal(was[k], now[k]) for k in was)
         # pi_prox = mu: every token's IcePop ratio is 1
         assert m["actor/skipped_steps"] == 0 and m["icepop/weight_mean"] == pytest.approx(1.0), m
         weights.append([p.detach().clone() for c in actor.chunks for p in c.parameters()])
@@ -170,8 +174,8 @@ def test_loglinear_update_on_a_fresh_batch_equals_mu_as_pi_prox(tiny_models, wor
     before, old, m = seen["loglinear"]
     assert m["actor/ppo_kl"] == pytest.approx(seen["recompute"][2]["actor/ppo_kl"], rel=1e-5)
     first, real = slice(0, 4), loss_mask.bool()
-    assert torch.allclose(old["logprobs"][first][real[first]], before["logprobs"][first][real[first]], atol=1e-5)
-    assert torch.allclose(old["entropy"][first][real[first]], before["entropy"][first][real[first]], atol=1e-5)
+    assert torch.allclose(old.logprobs[first][real[first]], before.logprobs[first][real[first]], atol=1e-5)
+    assert torch.allclose(old.entropy[first][real[first]], before.entropy[first][real[first]], atol=1e-5)
     # the second mini-batch ran after an optimizer step: pi_theta there is no longer the actor before the update
-    moved = (old["logprobs"][4:][real[4:]] - before["logprobs"][4:][real[4:]]).abs().max()
+    moved = (old.logprobs[4:][real[4:]] - before.logprobs[4:][real[4:]]).abs().max()
     assert moved > 1e-5, f"seed {seed}: the second mini-batch's log-probs moved only {moved:.2e}"

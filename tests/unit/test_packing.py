@@ -217,7 +217,7 @@ def test_a_steps_passes_share_one_packing_plan(tiny_models, world1, monkeypatch,
         ids, attn = random_batch(actor.hf_config.vocab_size, batch=8, length=12, seed=step, min_len=6)
         padded = PaddedBatch(ids, attn, attn.float(), torch.zeros(ids.shape), None)
         old = actor.old_logprobs(padded)
-        padded.rollout_logprobs = old["logprobs"].clone()
+        padded.rollout_logprobs = old.logprobs.clone()
         diagnostics.routing_views(padded, old)
         actor.train(padded, old, torch.randn(8), objective, lambda skipped, i: skipped)
         assert len(plans) == step + 1
@@ -245,7 +245,7 @@ def test_the_fused_gspo_loss_runs_over_the_packed_rows(tiny_models, world1, monk
     ids, attn = random_batch(actor.hf_config.vocab_size, batch=8, length=23, seed=0, min_len=6)
     padded = PaddedBatch(ids, attn, attn.float(), torch.zeros(ids.shape), None)
     old = actor.old_logprobs(padded)
-    padded.rollout_logprobs = old["logprobs"].clone()
+    padded.rollout_logprobs = old.logprobs.clone()
     actor.train(padded, old, torch.randn(8), objective, lambda skipped, i: skipped)
 
     plan = actor.pack_plan(padded)

@@ -32,21 +32,21 @@ def test_kl_ref_is_zero_on_the_first_minibatch_then_grows(replay, tiny_models, w
     frozen = [p.detach().clone() for c in ref_chunks for p in c.parameters()]
     objective = Objective(cfg.algorithm, group_size=4)
     padded = _batch(actor.hf_config.vocab_size)
-    padded.rollout_logprobs = actor.old_logprobs(padded)["logprobs"]  # mu = pi_old: no correction at play
+    padded.rollout_logprobs = actor.old_logprobs(padded).logprobs  # mu = pi_old: no correction at play
     kls = []
     for step in range(3):
         old = actor.old_logprobs(padded)
         ref = actor.ref_logprobs(padded, old)
         if step == 0:  # same weights and routes: the old log-probs (bitwise where both passes route live;
             # under R2 the old pass records and the reference replays, fp32 rounding of the padding's experts)
-            assert torch.allclose(ref, old["logprobs"], rtol=0, atol=0 if replay == "off" else 1e-5)
+            assert torch.allclose(ref, old.logprobs, rtol=0, atol=0 if replay == "off" else 1e-5)
         adv = torch.randn(8)
         m = actor.train(padded, old, adv, objective, lambda skipped, i: skipped, ref)
         kls.append((m["actor/first_minibatch_kl_ref"], m["actor/kl_ref"]))
     assert kls[0][0] == 0.0 and kls[0][1] > 0.0  # the second mini-batch follows an update
     assert kls[2][0] > kls[0][1] > 0.0, kls  # the actor moves away from the reference
     assert all(torch.equal(a, p) for a, p in zip(frozen, (p for c in ref_chunks for p in c.parameters()), strict=True))
-    assert not torch.equal(actor.old_logprobs(padded)["logprobs"], ref)
+    assert not torch.equal(actor.old_logprobs(padded).logprobs, ref)
 
 
 def test_no_reference_without_kl(tiny_models, world1):
