@@ -9,18 +9,25 @@ closest valid key) and cross-field consistency (`validate`). `conf/` only picks 
 
 from __future__ import annotations
 
+import ast
 import difflib
+import inspect
 import os
+import textwrap
+import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum, StrEnum
 from typing import Any
+
+import torch
 
 from moe_rl.actor.model import Recompute
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.common.errors import ConfigError
 from moe_rl.data.prompts import Overlong
+from moe_rl.data.rewards import load_reward
 from moe_rl.models.tiny import Arch
-from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
+from moe_rl.objectives import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 from moe_rl.objectives.aggregation import AGG_MODES
 from moe_rl.objectives.corrections import IcePopConfig
 from moe_rl.objectives.kl import KLType
@@ -28,6 +35,8 @@ from moe_rl.objectives.policy_loss import GSPOConfig
 from moe_rl.objectives.proximal import ProxLogp
 from moe_rl.rollout.buffer import Priority
 from moe_rl.rollout.engine import RolloutConfig, SamplingConfig
+from moe_rl.rollout.multi_turn.builtin_envs import env_class
+from moe_rl.weight_sync import DEVICE_TRANSPORTS
 
 
 class Dtype(StrEnum):
@@ -377,8 +386,6 @@ def _validate_multi_turn(cfg: TrainConfig, bad) -> None:
     mt = cfg.rollout.multi_turn
     if mt.env == "none":
         return
-    from moe_rl.rollout.multi_turn.builtin_envs import env_class
-
     try:
         env_class(mt.env)
     except ValueError as e:
@@ -441,8 +448,6 @@ def _validate_true_on_policy(cfg: TrainConfig, bad) -> None:
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need no model, run before anything is built: one clear error naming the key."""
-    from moe_rl.data.rewards import load_reward
-    from moe_rl.objectives import ADVANTAGES
 
     def bad(key: str, msg: str):
         raise ConfigError(f"config {key}: {msg}")
@@ -636,8 +641,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                 f"actor.mini_batches={cfg.actor.mini_batches} (a short batch keeps whole groups per mini-batch)",
             )
     _validate_true_on_policy(cfg, bad)
-    from moe_rl.weight_sync import DEVICE_TRANSPORTS
-
     if r.weight_transport in DEVICE_TRANSPORTS and not _has_cuda():
         bad("rollout.weight_transport", f"{r.weight_transport} moves device memory: needs CUDA; use shm on CPU")
     elif r.weight_transport == "cuda_ipc" and r.tensor_parallel_size > 1:
@@ -668,8 +671,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
 
 def _has_cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -679,6 +680,7 @@ GROUPS = {"algorithm/loss": POLICY_LOSSES, "algorithm/correction": CORRECTIONS}
 
 def register_configs() -> None:
     """The schema (`train_moe_schema`) and one group option per registered loss and correction."""
+    # heavy: hydra and omegaconf, imported on first use
     from hydra.core.config_store import ConfigStore
     from omegaconf import MISSING, OmegaConf
 
@@ -700,8 +702,6 @@ class ConfigKeyError(ConfigError):
 
 def _choices(node: Any, prefix: str = "") -> dict[str, tuple[type[Enum], bool]]:
     """{dotted key: (its Enum type, whether null is allowed)} of every key of a fixed set of values."""
-    import typing
-
     out = {}
     hints = typing.get_type_hints(type(node))
     for f in fields(node):
@@ -730,10 +730,6 @@ def _schema_keys(node: Any, prefix: str = "") -> list[str]:
 
 def field_comments(cls: type) -> dict[str, str]:
     """{field: the docstring under it} of a config dataclass (its comment: the one place a key is documented)."""
-    import ast
-    import inspect
-    import textwrap
-
     out = {}
     for klass in reversed(cls.__mro__[:-1]):  # a subclass's comment wins
         try:

@@ -30,13 +30,17 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Client
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
+from moe_rl.actor.weights import ExportProducer, export_plan
 from moe_rl.common.distributed import all_gather_objects, buckets, tensor_nbytes
-from moe_rl.rollout.engine import WeightTransport
+from moe_rl.rollout.engine import RolloutEngineError, WeightTransport
 from moe_rl.rollout.weight_receiver import bucket_tensors, map_shared
 
 TRANSPORTS = tuple(t.value for t in WeightTransport)
@@ -57,8 +61,6 @@ class WeightSync:
         self._plan = None
 
     def __call__(self) -> dict[str, float]:
-        from moe_rl.actor.weights import ExportProducer, export_plan
-
         t0 = time.perf_counter()
         me = dist.get_rank() if dist.is_initialized() else 0
         if self._plan is None:  # shapes never change: planned once (two small all_gather_objects)
@@ -142,8 +144,6 @@ class _ShmStream:
     that dies closes its socket: the leader's wait ends with the engine call's error."""
 
     def __init__(self, engine):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.dir = tempfile.mkdtemp(prefix="moe-rl-sync-")  # 0700: only this user reaches the sockets
         address, key = os.path.join(self.dir, "worker"), os.urandom(32)
         self.pool = ThreadPoolExecutor(max_workers=1)
@@ -157,8 +157,6 @@ class _ShmStream:
             raise
 
     def _connect(self, address: str, key: bytes):
-        from multiprocessing.connection import Client
-
         while True:  # the worker's listener appears once the engine call reached it
             try:
                 return Client(address, family="AF_UNIX", authkey=key)
@@ -180,14 +178,10 @@ class _ShmStream:
             except EOFError:
                 self._engine_failed()
             if taken != len(manifest):
-                from moe_rl.rollout.engine import RolloutEngineError
-
                 raise RolloutEngineError(f"weight sync: an engine worker took {taken} of {len(manifest)} tensors")
 
     def _engine_failed(self) -> NoReturn:
         """Raise the engine call's error (it ended, or a worker hung up), with what was going on."""
-        from moe_rl.rollout.engine import RolloutEngineError
-
         try:
             self.call.result()
         except RolloutEngineError:
@@ -199,8 +193,6 @@ class _ShmStream:
     def finish(self, tensors: int) -> dict[str, float]:
         """End the stream, after checking the workers loaded `tensors`; the seconds they spent in vLLM's load
         (`engine_load_seconds`, repack included) and in the CPU experts' repack alone (max over workers)."""
-        from moe_rl.rollout.engine import RolloutEngineError
-
         for conn in self.conns:
             conn.send(None)
         if self.call.exception() is not None:
@@ -277,11 +269,7 @@ def _buffer_device(transport: str) -> str:
 
 def _load_bucket(engine, transport: str, buf: _BucketBuffer, manifest: list) -> None:
     """The engine loads one packed bucket (the last hop)."""
-    from moe_rl.rollout.engine import RolloutEngineError
-
     if transport == "cuda_ipc":
-        from torch.multiprocessing.reductions import reduce_tensor
-
         torch.cuda.current_stream(buf.data.device).synchronize()  # the bucket's writes have landed
         _, args = reduce_tensor(buf.data)
         uuid = str(torch.cuda.get_device_properties(buf.data.device).uuid)
@@ -289,6 +277,7 @@ def _load_bucket(engine, transport: str, buf: _BucketBuffer, manifest: list) -> 
         # IPCWeightTransferEngine (weight_transfer/ipc_engine.py)
         loaded = engine.rpc("moe_rl_load_cuda_ipc", pickle.dumps({uuid: args}), manifest)
     else:
+        # heavy: safetensors, imported on first use
         from safetensors.torch import save
 
         loaded = engine.rpc("moe_rl_load_weights", save(dict(buf.tensors(manifest))))

@@ -11,9 +11,20 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.forward import broadcast_from_last_stage
+from moe_rl.actor import batch_invariant as bik
+from moe_rl.actor import packing
+from moe_rl.actor.context_parallel import cp_size, seq_multiple
+from moe_rl.actor.engine_ops import EngineOpForward, check_machine, exact_values
+from moe_rl.actor.forward import broadcast_from_last_stage, compute_logprobs
+from moe_rl.actor.model import ModelOptions, load_model
+from moe_rl.actor.optimizer import build_distributed_optimizer, build_optimizer
+from moe_rl.actor.packing import check_packing_supported
+from moe_rl.actor.replay import RouteReplay, rank_moe_layers
+from moe_rl.actor.train_step import all_finite, train_minibatch
+from moe_rl.actor.weights import full_hf_state_dict
 from moe_rl.common.batch import PaddedBatch, ProxPolicy
 from moe_rl.common.distributed import global_mean, global_sums, loss_counts
+from moe_rl.routing.records import route_dtype
 
 
 def _recording(loss_fn, seen: dict[str, torch.Tensor], logp: torch.Tensor, mb: dict):
@@ -29,8 +40,6 @@ def _exact_first_values(loss_fn, logp: torch.Tensor, mb: dict):
     """`loss_fn` on log pi_theta whose response-token values are the engine-op pass's (trainer.true_on_policy:
     the first mini-batch meets the weights that pass ran with, so these are its values bit for bit) and whose
     gradients are megatron's."""
-    from moe_rl.actor.engine_ops import exact_values
-
     exact = mb.pop("exact_logprobs")
     return loss_fn(exact_values(logp, exact, mb["loss_mask"] > 0), mb)
 
@@ -52,11 +61,6 @@ class Actor:
         actor.router_replay=off (the dumps' live routes need them); `reference`: keep the initial weights frozen
         as the reference policy (algorithm.kl_coef > 0); `true_on_policy`: trainer.true_on_policy. Call after
         `init_distributed`."""
-        from moe_rl.actor.model import ModelOptions, load_model
-        from moe_rl.actor.optimizer import build_optimizer
-        from moe_rl.actor.packing import check_packing_supported
-        from moe_rl.actor.replay import RouteReplay, rank_moe_layers
-
         a = actor
         self.cfg, self.model_path = a, model_path
         self.version = 0  # optimizer updates so far (the engine-op pass reloads its weights when this moves)
@@ -78,8 +82,6 @@ class Actor:
         self.replay = RouteReplay(self.chunks, self.route_layers, verify="count") if wants_replay else None
         self.ddp = None  # GPU, actor.distributed_optimizer: megatron's DDP wrappers of the chunks
         if a.distributed_optimizer:
-            from moe_rl.actor.optimizer import build_distributed_optimizer
-
             self.ddp, self.optimizer = build_distributed_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
         else:
             self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
@@ -101,12 +103,8 @@ class Actor:
             self.reference = (ref, replay)
         self.exact = None  # trainer.true_on_policy on CPU: the forward through the engine's own ops
         if batch_invariant:
-            from moe_rl.actor import batch_invariant as bik
-
             bik.enable()
         elif true_on_policy:
-            from moe_rl.actor.engine_ops import EngineOpForward, check_machine
-
             check_machine()
             self.exact = EngineOpForward(self.hf_config, getattr(torch, model.dtype))
         if a.packing and parallel.pp > 1 and not (parallel.vpp or 1) > 1:
@@ -132,15 +130,11 @@ class Actor:
         """trainer.true_on_policy: log pi_old and entropy through the engine's ops on the current weights (the
         engine's routes replayed under R3; under R2 and off the engine's own routing, which these ops reproduce,
         recorded for R2's update). Collective when the weights changed (they are gathered)."""
-        from moe_rl.actor.weights import full_hf_state_dict
-
         if self.exact.version != self.version:
             self.exact.load(full_hf_state_dict(self.chunks, self.conv), self.version)
         out = self.exact.logprobs(padded.input_ids, padded.attention_mask, self.replayed_routes(padded))
         routes = out.pop("routes")
         if self.records_routes:  # in the route record's dtype, as a recording pass returns them
-            from moe_rl.routing.records import route_dtype
-
             out["routes"] = torch.from_numpy(routes.numpy().astype(route_dtype(self.layout.num_experts)))
         return out
 
@@ -165,8 +159,6 @@ class Actor:
         return self.cfg.router_replay == "r2"
 
     def _logprobs(self, chunks, replay, padded: PaddedBatch, **kw) -> dict[str, torch.Tensor]:
-        from moe_rl.actor.forward import compute_logprobs
-
         args = (padded.input_ids, padded.attention_mask, self.cfg.micro_batch_size)
         kw |= {"fused": self.fused_logprob, "replay": replay, "pack": self.pack_plan(padded)}
         return compute_logprobs(chunks, *args, **kw)
@@ -176,10 +168,8 @@ class Actor:
         pass of the step (old, reference, diagnostics, update) runs each sample in the same bin at the
         same row length. Planned once per batch (its attention mask, which every pass of a step shares, is the
         key; every rank passes the same batches in the same order): planning is collective (two all-reduces)."""
+        # heavy: megatron-core, imported on first use
         from megatron.core import parallel_state as ps
-
-        from moe_rl.actor import packing
-        from moe_rl.actor.context_parallel import seq_multiple
 
         if self.max_tokens is None:
             return None
@@ -222,8 +212,6 @@ class Actor:
         own forward's log-probs and entropy (pi_theta as each sample's mini-batch met it: pi_prox exactly for the
         first) are kept in `self.update_policy` for the step's mismatch and entropy metrics. Nothing the caller
         passed is changed."""
-        from moe_rl.actor.train_step import train_minibatch
-
         a = self.cfg
         loglinear = old.interpolated
         routes = self.replayed_routes(padded, old)
@@ -313,8 +301,6 @@ class Actor:
         """What the update computed: perf/micro_batches (forwards on a rank), perf/padding_fraction
         (share of computed positions that are padding, over every data-parallel rank) and perf/tokens
         (real tokens over the data-parallel ranks; the trainer turns it into perf/tokens_per_s)."""
-        from moe_rl.actor.context_parallel import cp_size, seq_multiple
-
         b, t = padded.input_ids.shape
         if plan is None:
             per = b // self.cfg.mini_batches
@@ -331,6 +317,4 @@ class Actor:
 
     # ---- state -----------------------------------------------------------------------------
     def weights_finite(self) -> bool:
-        from moe_rl.actor.train_step import all_finite
-
         return all_finite([p for c in self.chunks for p in c.parameters()])

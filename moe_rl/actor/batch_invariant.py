@@ -21,6 +21,7 @@ def engine_environment() -> dict[str, str]:
 def transformer_config_kwargs() -> dict:
     """megatron-core TransformerConfig settings of the mode (its post-init refuses the flag with any
     attention backend but flash)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core.transformer.enums import AttnBackend
 
     return {"batch_invariant_mode": True, "attention_backend": AttnBackend.flash}
@@ -30,8 +31,10 @@ def enable() -> None:
     """Route aten and TE kernels through megatron's batch-invariant ones, process-wide: every actor pass
     (old log-probs, the update, the reference) then reduces in one order whatever its batch."""
     try:
+        # heavy: megatron-core, imported on first use
         from megatron.core.transformer.custom_layers.batch_invariant_kernels import enable_batch_invariant_mode
     except ImportError as e:
+        # heavy: megatron-core, imported on first use
         import megatron.core
 
         raise RuntimeError(

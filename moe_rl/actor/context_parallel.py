@@ -23,10 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.routing.layout import zigzag_indices
 
 
 def cp_size() -> int:
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     return ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
@@ -34,9 +36,8 @@ def cp_size() -> int:
 
 def seq_multiple() -> int:
     """`ParallelConfig.seq_multiple` of the initialised layout (TP x 2*CP)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
-
-    from moe_rl.actor.parallel import ParallelConfig
 
     return ParallelConfig(tp=ps.get_tensor_model_parallel_world_size(), cp=cp_size()).seq_multiple
 
@@ -51,6 +52,7 @@ def _indices(length: int, cp: int, cp_rank: int) -> tuple[torch.Tensor, torch.Te
 
 def local_positions(length: int) -> torch.Tensor:
     """Positions of a length-`length` sequence that this CP rank holds."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     return _indices(length, cp_size(), ps.get_context_parallel_rank())[0]
@@ -68,6 +70,7 @@ class _GatherScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        # heavy: megatron-core, imported on first use
         from megatron.core import parallel_state as ps
 
         group = ps.get_context_parallel_group()
@@ -93,6 +96,7 @@ def gather_sequence(x: torch.Tensor | None, dim: int = 1) -> torch.Tensor | None
 def _gather_keys(x: torch.Tensor) -> torch.Tensor:
     """[s/CP, b, g, h] keys or values of this rank -> [s, b, g, h] in sequence order. Backward: each
     rank's queries attended to every rank's keys, so the gradients are summed back to the owner."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -105,6 +109,7 @@ def _gather_keys(x: torch.Tensor) -> torch.Tensor:
 def attention_class():
     """megatron's local DotProductAttention, made context-parallel (built on first use: megatron is
     imported lazily)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class ContextParallelAttention(DotProductAttention):

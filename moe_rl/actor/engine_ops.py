@@ -39,12 +39,14 @@ class EngineOpsError(ValueError):
 
 
 def _ops():
+    # heavy: vLLM, imported on first use
     import vllm._custom_ops as ops  # loads torch.ops._C
 
     return ops
 
 
 def _norms():
+    # heavy: vLLM, imported on first use
     import vllm.ir.ops  # noqa: F401  registers the IR ops
     from vllm import ir
 
@@ -296,6 +298,7 @@ def engine_environment() -> dict[str, str]:
 
 
 def vllm_version_warning() -> str | None:
+    # heavy: vLLM, imported on first use
     import vllm
 
     if vllm.__version__ != VERIFIED_VLLM:

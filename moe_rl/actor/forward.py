@@ -10,6 +10,7 @@ The pipeline schedule comes from megatron-core, so the same code runs at PP = 1 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,7 @@ def run_schedule(
     forward_only: bool,
 ) -> list[dict[str, torch.Tensor]]:
     """Run megatron-core's forward(-backward) schedule; returns step_fn outputs on the last stage."""
+    # heavy: megatron-core, imported on first use
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = next(chunks[0].parameters()).device
@@ -150,6 +152,7 @@ def vocab_parallel_logprobs(
     Cross-rank sums are all-reduced forward / identity backward (the loss is replicated on
     every TP rank, as in megatron's vocab_parallel_cross_entropy). Differentiable.
     """
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
@@ -206,6 +209,7 @@ class LogprobHead:
         self._weight: torch.Tensor | None = None
 
     def __enter__(self) -> LogprobHead:
+        # heavy: megatron-core, imported on first use
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
         def hidden_out(layer):
@@ -243,6 +247,7 @@ class LogprobHead:
         """output: [b, s, V/TP | H] at the positions that score `targets` [b, s]."""
         if not self.fused:
             return vocab_parallel_logprobs(output, targets, with_entropy, temperature)
+        # heavy: megatron-core, imported on first use; optional: Triton (moe_rl.kernels)
         from megatron.core import parallel_state as ps
 
         from moe_rl.kernels.linear_logprob import fused_linear_logprob
@@ -262,6 +267,7 @@ class LogprobHead:
 def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
     """`t` as the last pipeline stage (the only one that computes log-probs) holds it, on every stage of its
     pipeline (in place; collective over the pipeline group when there is more than one stage)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -299,8 +305,7 @@ def compute_logprobs(
       record=True             -> record this pass's routes, returned as out["routes"] (R2).
     `head`: scores other than log-probs from the model output, under the same key (the critic's values).
     """
-    from contextlib import nullcontext
-
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     if (routes is not None or record) and replay is None:

@@ -16,8 +16,15 @@ from typing import Any
 
 import torch
 
+from moe_rl.actor.batch_invariant import transformer_config_kwargs
+from moe_rl.actor.context_parallel import attention_class
 from moe_rl.actor.converters import Converter, get_converter
+from moe_rl.actor.norms import FullWidthKNorm, FullWidthQNorm, RMSNorm
+from moe_rl.actor.packed_attention import packed_row_attention
 from moe_rl.actor.parallel import ParallelConfig
+from moe_rl.actor.weights import load_hf_weights
+from moe_rl.common.errors import ConfigError
+from moe_rl.routing.model_layout import moe_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -51,6 +58,7 @@ class ModelOptions:
 
 def load_hf_config(hf_dir: str | Path) -> Any:
     """The transformers config of an HF folder, with clear errors for missing files."""
+    # heavy: transformers, imported on first use
     from transformers import AutoConfig
 
     hf_dir = Path(hf_dir)
@@ -84,8 +92,6 @@ def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
     stages = parallel.pp * (parallel.vpp or 1)
     need(conv.num_layers % stages == 0, f"parallel.pp*vpp={stages} does not divide num_hidden_layers={conv.num_layers}")
     if problems:
-        from moe_rl.common.errors import ConfigError
-
         raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
 
 
@@ -96,6 +102,7 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
 
 
 def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOptions):
+    # heavy: megatron-core, imported on first use
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     dtype = DTYPES[opts.dtype]
@@ -115,8 +122,6 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
             "has no expert bias (e_score_correction_bias)"
         )
     if opts.batch_invariant:
-        from moe_rl.actor.batch_invariant import transformer_config_kwargs
-
         arch |= transformer_config_kwargs()
     config_class = MLATransformerConfig if arch.get("multi_latent_attention") else TransformerConfig
     return config_class(
@@ -158,11 +163,9 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
 
 def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = None):
     """Decoder block spec; on the local path the norms are swapped for SP-capable ones."""
+    # heavy: megatron-core, imported on first use
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.identity_op import IdentityOp
-
-    from moe_rl.actor.norms import FullWidthKNorm, FullWidthQNorm, RMSNorm
-    from moe_rl.actor.packed_attention import packed_row_attention
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
     if use_te and conv.qk_norm != "full_width":
@@ -171,10 +174,9 @@ def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = Non
     mla = conv.multi_latent_attention
     cp_attention = None
     if config.context_parallel_size > 1 and not use_te:  # megatron's own is Transformer Engine's
-        from moe_rl.actor.context_parallel import attention_class
-
         cp_attention = attention_class()
     if mla:
+        # heavy: megatron-core (LocalMLACoreAttention subclasses its attention), imported on first use
         from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 
         from moe_rl.compat.megatron_cpu import LocalMLACoreAttention
@@ -216,6 +218,7 @@ def build_model(hf_config: Any, parallel: ParallelConfig, opts: ModelOptions | N
 
     Returns (chunks, converter). Call after `init_distributed(parallel)`.
     """
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -262,9 +265,6 @@ class LoadedModel:
 def load_model(hf_dir: str | Path, parallel: ParallelConfig, opts: ModelOptions | None = None) -> LoadedModel:
     """The one model-building sequence (config -> megatron chunks -> HF weights) used by the
     trainer, the tools, the diagnostics and the benchmarks. Call after `init_distributed`."""
-    from moe_rl.actor.weights import load_hf_weights
-    from moe_rl.routing.model_layout import moe_layout
-
     hf_config = load_hf_config(hf_dir)
     layout = moe_layout(hf_config)
     chunks, conv = build_model(hf_config, parallel, opts)

@@ -51,6 +51,7 @@ class _FullWidthNorm(torch.nn.Module):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__()
+        # heavy: megatron-core, imported on first use
         from megatron.core import parallel_state as ps
 
         self.eps = eps
@@ -63,6 +64,7 @@ class _FullWidthNorm(torch.nn.Module):
         self.weight.partition_stride = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # heavy: megatron-core, imported on first use
         from megatron.core import parallel_state as ps
 
         shape = x.shape

@@ -36,6 +36,7 @@ def init_adam_state(optimizer: torch.optim.Optimizer, config=None) -> None:
 def build_optimizer(chunks: list[torch.nn.Module], lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0):
     """megatron ChainedOptimizer over [dense, expert] FP32Optimizers. `step()` returns
     (success, grad norm before clipping, None); grad_clip=0 disables clipping."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
@@ -78,6 +79,7 @@ def build_distributed_optimizer(chunks: list[torch.nn.Module], lr: float, weight
 
     Losses here are already divided by the global token/sequence counts, so gradients are summed over
     data-parallel ranks (`calculate_per_token_loss`: megatron then scales by 1, not 1/DP)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

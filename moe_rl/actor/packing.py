@@ -228,6 +228,7 @@ def sample_positions(model: torch.nn.Module, position: torch.Tensor) -> Iterator
     """RoPE at each sample's own positions inside a pack (what THD does with cu_seqlens): attention
     only depends on distances, but fp32 angles at pack offsets of thousands lose ~1e-4 rad, so the
     rotary table is gathered at `position` ([S]: 0.. per sample) instead of the row index."""
+    # heavy: megatron-core, imported on first use
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     # The model's table, or each MLA layer's own (YarnRotaryEmbedding, a subclass, returns (table, mscale)).
@@ -256,6 +257,7 @@ def thd_params(pack: Pack, device: torch.device | str = "cpu"):
     """megatron's PackedSeqParams for one packed row in THD format (Transformer Engine attention): each
     sample a sequence of its own, causal within; the row's tail padding one more sequence. No per-sample
     padding (context parallel, which would need it, is refused with packing)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core.packed_seq_params import PackedSeqParams
 
     longest = int((pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).max())

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from moe_rl.compat.megatron_cpu import apply_cpu_shims, cpu_model_parallel_seed
 
 
 @dataclass
@@ -78,9 +81,8 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int 
 
     Works under `torchrun` (reads RANK/WORLD_SIZE/MASTER_ADDR) and standalone (world of 1).
     """
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
-
-    from moe_rl.compat.megatron_cpu import apply_cpu_shims, cpu_model_parallel_seed
 
     on_cpu = apply_cpu_shims()
     if not dist.is_initialized():
@@ -114,12 +116,14 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int 
     if on_cpu:
         cpu_model_parallel_seed(seed)
     else:
+        # heavy: megatron-core, imported on first use
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_distributed() -> None:
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
@@ -130,8 +134,6 @@ def destroy_distributed() -> None:
 
 def free_port() -> int:
     """A TCP port free on localhost now (a rendezvous for a process group of our own)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

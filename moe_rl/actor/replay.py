@@ -37,8 +37,10 @@ import torch.distributed as dist
 
 from moe_rl.actor.forward import MicroBatch
 from moe_rl.actor.routers import model_routers
+from moe_rl.common.distributed import all_gather_objects
+from moe_rl.routing.compare import route_sets_differ, routed_positions
 from moe_rl.routing.layout import rank_positions, slice_sequence, to_router_order
-from moe_rl.routing.records import RouteError, filler_row, missing_rows
+from moe_rl.routing.records import RouteError, filler_row, missing_rows, route_dtype
 
 REPLAY_MODES = ("r3", "r2", "off")
 
@@ -83,6 +85,7 @@ class RouterHook:
         router.register_forward_hook(self._verify_hook)
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        # heavy: megatron-core, imported on first use
         from megatron.core.tensor_parallel.random import is_checkpointing
 
         if self.mode == "record":
@@ -176,6 +179,7 @@ def _holds(layout: dict) -> bool:
 
 def _rank_layout() -> dict:
     """This rank's place in the positions of a micro-batch (routing.layout.rank_positions' arguments)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -228,9 +232,8 @@ class RouteShare:
 
 def route_share() -> RouteShare:
     """This rank's RouteShare. Collective over its tensor x context-parallel group (when that has several)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
-
-    from moe_rl.common.distributed import all_gather_objects
 
     layout = _rank_layout()
     group = ps.get_tensor_and_context_parallel_group()
@@ -353,8 +356,6 @@ class RouteReplay:
 
     def _assemble(self, microbatches: list[MicroBatch], num_samples: int, length: int) -> np.ndarray:
         """On the route holder, every rank's recorded positions; elsewhere zero-width (see the module doc)."""
-        from moe_rl.routing.records import route_dtype
-
         dtype, share = route_dtype(self.num_experts), self.share
         mine = []  # (micro-batch number, layer col, [rows, s_local, K])
         for h in self.hooks:
@@ -395,8 +396,6 @@ def router_agreement(replay, padded, routes: torch.Tensor) -> float:
     """Fraction of (token, MoE layer) pairs where `routes` (recorded by `replay`, a RouteReplay: the layers
     of this rank) pick the same expert set as the rollout engine's `padded.routes` (real tokens but the last).
     Computed by the route holder of the tensor/context-parallel group, which has both (collective over it)."""
-    from moe_rl.routing.compare import route_sets_differ, routed_positions
-    from moe_rl.routing.records import missing_rows
 
     def agreement() -> float:
         cols = sorted({replay.col[h.layer] for h in replay.hooks})

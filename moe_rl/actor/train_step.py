@@ -14,9 +14,11 @@ gradient on any rank makes every rank skip the optimizer step (megatron's found_
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moe_rl.actor.context_parallel import seq_multiple
 from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
@@ -43,6 +45,7 @@ def sync_gradients(chunks: list[torch.nn.Module]) -> None:
     TP reductions first, then data-parallel, each as one all-reduce per group and dtype over flat buckets of at
     most SYNC_BUCKET_BYTES (DDP's buckets). One gloo all-reduce per tensor cost 4-8x as much on the tiny
     models (latency, not bytes: docs/performance.md); elementwise, the sums are the same."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -71,8 +74,6 @@ SYNC_BUCKET_BYTES = 64 * 2**20
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group, divide: int = 1) -> None:
     """Sum `tensors` in place over `group` (then divide by `divide`), one all-reduce per bucket of one dtype."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -133,8 +134,6 @@ def train_minibatch(
     and megatron's finalize_model_grads reduces them instead of sync_gradients (the expert bias still moves only
     after a step that was taken: a skipped step leaves it as it was).
     """
-    from contextlib import nullcontext
-
     for c in chunks:
         c.train()
         c.zero_grad(set_to_none=True)
@@ -184,6 +183,7 @@ def train_minibatch(
         sync_gradients(chunks)
         grads = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
     else:
+        # heavy: megatron-core, imported on first use
         from megatron.core.distributed import finalize_model_grads
 
         config = chunks[0].config  # the one megatron reads through the DDP wrapper
@@ -217,6 +217,7 @@ def update_expert_bias(chunks: list[torch.nn.Module], apply: bool = True) -> Non
     if not config.moe_router_enable_expert_bias:
         return
     if apply and config.moe_router_bias_update_rate > 0:
+        # heavy: megatron-core, imported on first use
         from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
 
         _update_router_expert_bias(chunks, config)
@@ -244,6 +245,7 @@ def _weighted_means(results: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
     """The loss metrics, which only the last pipeline stage computes, on every stage (the step's
     metric reductions need the same keys on every rank)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:

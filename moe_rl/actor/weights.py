@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.actor.converters import Converter
-from moe_rl.common.distributed import tensor_nbytes
+from moe_rl.common.distributed import all_gather_objects, tensor_nbytes
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
@@ -33,6 +33,7 @@ class HFCheckpoint:
     """Lazy reader of an HF safetensors checkpoint (single file or sharded with an index)."""
 
     def __init__(self, hf_dir: str | Path):
+        # heavy: safetensors, imported on first use
         from safetensors import safe_open
 
         self.dir = Path(hf_dir)
@@ -90,6 +91,7 @@ def _shard_rule(name: str, conv: Converter) -> tuple[str, int | None, bool]:
 
 
 def _group(kind: str):
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     if kind == "tp":
@@ -107,6 +109,7 @@ def _group(kind: str):
 
 def global_name(local_name: str, chunk: torch.nn.Module) -> str:
     """Map a chunk-local parameter name to its global megatron name (global layer and expert)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     m = _LOCAL_LAYER.match(local_name)
@@ -187,6 +190,7 @@ def _gather_full(p: torch.Tensor, local: str, conv: Converter) -> torch.Tensor:
 
 def _owns_unique_copy(local: str) -> bool:
     """One rank per distinct tensor contributes it to an export (no duplicates across DP/TP)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     if ".mlp.experts." in local:
@@ -227,6 +231,7 @@ def export_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict
 def full_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict[str, torch.Tensor]:
     """The full HF state dict on every rank: converted locally when no parameter is sharded (pure data
     parallelism), else gathered (export_hf_state_dict). Collective."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     sharded = (
@@ -280,8 +285,6 @@ def export_plan(chunks: list[torch.nn.Module], conv: Converter) -> list[ExportEn
         hf = conv.to_hf(gname, torch.empty(shape, dtype=p.dtype, device="meta"))
         specs = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in hf.items()]
         mine.append(ExportEntry(me, i, kind, specs))
-    from moe_rl.common.distributed import all_gather_objects
-
     return [e for part in all_gather_objects(mine) for e in part]
 
 

@@ -4,6 +4,8 @@ its write results without a Manager process."""
 
 from __future__ import annotations
 
+import queue
+
 
 def results_in_this_process() -> None:
     """megatron's torch_dist writer reports its write results through one process-global queue
@@ -14,8 +16,7 @@ def results_in_this_process() -> None:
     (`dist_checkpointing.save` without async_sharded_save): the results are put and taken in this
     process, so a plain in-process queue carries them. A new one per save: nothing a failed save
     left behind can be read by the next."""
-    import queue
-
+    # heavy: megatron-core, imported on first use
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._results_queue = queue.Queue()

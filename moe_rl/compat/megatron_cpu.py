@@ -8,6 +8,7 @@ that needs it; delete a shim when upstream stops needing it (re-run tests/distri
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import types
 
 import torch
@@ -62,6 +63,7 @@ class CPURNGStatesTracker:
 
 def cpu_model_parallel_seed(seed: int) -> None:
     """CPU version of `tensor_parallel.model_parallel_cuda_manual_seed` (same seed offsets)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -83,6 +85,7 @@ def _cpu_device() -> torch.device:
 def _te_general_gemm_without_te() -> None:
     """moe_utils.router_gating_linear references `te_general_gemm`, which 0.16.x only defines when Transformer
     Engine imports (NameError otherwise): on CPU, and on a GPU without TE (seen on an H200, 2026-11-27)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -107,6 +110,7 @@ def apply_cpu_shims() -> bool:
     torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
 
     # tensor_parallel.random: the CUDA RNG tracker cannot add or fork states without CUDA.
+    # heavy: megatron-core, imported on first use
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
@@ -122,6 +126,7 @@ def apply_cpu_shims() -> bool:
     # dist_checkpointing's torch_dist save path does the same: torch.cuda.synchronize() before
     # writing (filesystem_async, async_utils) and device="cuda" flags for its consistency
     # all-reduces (state_dict_saver).
+    # heavy: megatron-core, imported on first use
     from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async, state_dict_saver
 
     # megatron.core.optimizer: FP32Optimizer allocates its loss scale with device="cuda" and
@@ -139,6 +144,7 @@ def apply_cpu_shims() -> bool:
 
     # rope_utils.get_pos_emb_on_this_cp_rank (context parallel: this rank's zig-zag rows of the RoPE table)
     # builds its index with pin_memory=True(...).cuda(); the two modules that imported it get a CPU copy.
+    # heavy: megatron-core, imported on first use
     from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
 
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
@@ -147,8 +153,7 @@ def apply_cpu_shims() -> bool:
     # multi_latent_attention imports TELinear & co. from megatron.core.extensions.transformer_engine, which
     # without Transformer Engine defines them as MagicMock placeholders: the import succeeds, HAVE_TE is
     # True, and MLASelfAttention's `isinstance(self.linear_proj, TELinear)` raises TypeError.
-    import importlib.util
-
+    # heavy: megatron-core, imported on first use
     from megatron.core.transformer import multi_latent_attention
 
     if importlib.util.find_spec("transformer_engine") is None:
@@ -204,6 +209,7 @@ def _torch_cuda_as_cpu() -> types.ModuleType:
 
 
 def _local_mla_core_attention():
+    # heavy: megatron-core, imported on first use
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class LocalMLACoreAttention(DotProductAttention):

@@ -5,7 +5,10 @@ function says what it needs and when to delete it."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import signal
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -46,6 +49,7 @@ def keep_seeded_samples_across_chunks(runner) -> bool:
     then puts those states back (the CPU sampler drew one seed from each) and runs with the rewound generators out
     of its sight. Same samples as an unchunked prefill. CPU only (a CUDA generator keeps vLLM's rewind); False if
     the runner lacks what this was written for. Delete when vLLM rewinds CPU generators by state."""
+    # torch: not loaded by importing this module
     import torch
 
     if runner.device.type != "cpu":
@@ -91,6 +95,7 @@ def request_amx_permission() -> bool:
     `torch.cpu._init_amx()` makes that request for the calling process, so call it in each
     engine worker process before its first forward. False if the request failed. Delete when
     vLLM's CPU worker makes the request itself."""
+    # torch: not loaded by importing this module
     import torch
 
     if not torch.cuda.is_available() and torch.cpu._is_amx_tile_supported():
@@ -126,6 +131,7 @@ def shorten_busy_loop(seconds: float) -> bool:
     of every update (docs/performance.md). Sets the default for the queues this process creates; False
     (nothing changed) if the signature is not the one this was written for. Delete when vLLM makes the
     spin configurable."""
+    # heavy: vLLM, imported on first use
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     init = SpinCondition.__init__
@@ -187,8 +193,6 @@ def quiet_cache_only_reload_warning(model) -> None:
     """Install `_CacheOnlyReloadFilter` for `model`'s cache-only layers on vLLM's layerwise-reload
     logger, in the calling (engine worker) process. A logger's filter sees only records created on
     that logger, hence this exact logger, not "vllm". Idempotent."""
-    import logging
-
     log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if not any(isinstance(f, _CacheOnlyReloadFilter) for f in log.filters):
         log.addFilter(_CacheOnlyReloadFilter(cache_only_layers(model)))
@@ -222,8 +226,7 @@ def flatten_cpu_rope_heads(model) -> int:
     returned tensors (the native forward is not in place either). Call in each engine worker
     process after the model is built (vLLM binds `_forward_method` at construction). Returns the
     number of layers wrapped. Delete when the CPU op handles 3-D inputs."""
-    import functools
-
+    # heavy: vLLM, imported on first use
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     wrapped = 0
@@ -258,6 +261,7 @@ def engine_core_by_fork():
     signal handlers are reset to a fresh interpreter's. CPU only: with CUDA initialized vLLM spawns regardless.
     Delete when vLLM-CPU leaves the start method to the caller."""
     global _FORKING_ENGINE
+    # heavy: vLLM, imported on first use
     from vllm.platforms.cpu import CpuPlatform
 
     before = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
@@ -285,8 +289,7 @@ def _forget_the_trainer() -> None:
     if not _FORKING_ENGINE:  # another fork of this process (a checkpoint writer, a worker of the engine's own)
         return
     _FORKING_ENGINE = False
-    import signal
-
+    # in the forked engine core; heavy: vLLM; torch: not loaded by importing this module
     import torch.distributed.distributed_c10d as c10d
     import vllm.plugins
 

@@ -26,6 +26,7 @@ def register() -> None:
     value = os.environ.get(BUSY_LOOP_ENV)
     if not value:
         return
+    # vLLM loads this plugin in each of its processes: compat.vllm (an at-fork hook) only where asked
     from moe_rl.compat.vllm import shorten_busy_loop
 
     if not shorten_busy_loop(float(value)):

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from moe_rl.actor.context_parallel import gather_sequence
+from moe_rl.actor.forward import compute_logprobs
+from moe_rl.actor.model import ModelOptions, load_model
+from moe_rl.actor.optimizer import build_optimizer
+from moe_rl.actor.replay import RouteReplay, rank_moe_layers, router_agreement
+from moe_rl.actor.train_step import train_minibatch
 from moe_rl.common.batch import PaddedBatch
+from moe_rl.common.distributed import global_mean, loss_counts
+from moe_rl.objectives.aggregation import masked_mean
+from moe_rl.objectives.value import masked_whiten, value_loss, value_stats
 
 
 class ValueOutput(torch.nn.Module):
@@ -25,6 +34,7 @@ class ValueOutput(torch.nn.Module):
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
 
     def forward(self, input_, weight=None, runtime_gather_output=None):  # GPTModel's output-layer call
+        # heavy: megatron-core, imported on first use
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
         if self.sequence_parallel:  # every TP rank computes the full values; the backward only splits
@@ -43,8 +53,6 @@ class ValueHead:
         pass
 
     def __call__(self, output: torch.Tensor, ids: torch.Tensor, with_entropy: bool = False, temperature: float = 1.0):
-        from moe_rl.actor.context_parallel import gather_sequence
-
         return gather_sequence(output[..., 0])[:, :-1], None  # context parallel: this rank's positions, gathered
 
 
@@ -55,11 +63,8 @@ class Critic:
         (ParallelConfig) and `actor` (ActorConfig: weight decay, gradient clip, micro-batch size, as the
         actor's); `model_path`: an HF folder of the actor's architecture (its LM head is dropped). Call after
         `init_distributed`."""
+        # heavy: megatron-core, imported on first use
         from megatron.core import parallel_state as ps
-
-        from moe_rl.actor.model import ModelOptions, load_model
-        from moe_rl.actor.optimizer import build_optimizer
-        from moe_rl.actor.replay import RouteReplay, rank_moe_layers
 
         router_replay = critic.router_replay
         if router_replay not in ("r2", "off"):
@@ -86,8 +91,6 @@ class Critic:
     def values(self, padded: PaddedBatch) -> dict[str, torch.Tensor]:
         """{"values": [B, T] V before token t (0 at column 0 and padding)} and, under R2, the "routes" this
         pass took (the update replays them). Available on every pipeline stage."""
-        from moe_rl.actor.forward import compute_logprobs
-
         out = compute_logprobs(
             self.chunks,
             padded.input_ids,
@@ -112,10 +115,6 @@ class Critic:
         """`mini_batches` optimizer steps of the clipped value loss against `returns` ([B, T], 0 off the
         response), starting from the values pass `old` (its routes replayed under R2). Returns critic/*
         metrics (means over the mini-batches)."""
-        from moe_rl.actor.train_step import train_minibatch
-        from moe_rl.common.distributed import loss_counts
-        from moe_rl.objectives.value import value_loss
-
         b = padded.input_ids.shape[0]
         if b % mini_batches:
             raise ValueError(f"critic mini_batches={mini_batches} does not divide this rank's {b} samples")
@@ -159,10 +158,6 @@ class Critic:
         returns_mean; over the global batch), the update's loss, clip fraction and gradient norm (means over the
         epochs), and its routing (the replay check against its own values pass, and agreement with the engine's
         routes)."""
-        from moe_rl.actor.replay import router_agreement
-        from moe_rl.common.distributed import global_mean
-        from moe_rl.objectives.value import value_stats
-
         c = self.critic_cfg
         stats = value_stats(values["values"], returns, padded.loss_mask, reduce=global_mean)
         out = {f"critic/{k}": v for k, v in stats.items()}
@@ -187,10 +182,6 @@ def gae_targets(
     """(advantages, returns), [B, T], of the objective's value-based estimator (algorithm.advantage=gae: GAE over
     each response with algorithm.gamma and lam), the advantages whitened over the global batch when `whiten`
     (algorithm.whiten_advantages). Collective when whitening."""
-    from moe_rl.common.distributed import global_mean
-    from moe_rl.objectives.aggregation import masked_mean
-    from moe_rl.objectives.value import masked_whiten
-
     advantages, returns = objective.token_advantages(rewards, mask, values)
     if whiten:
         n = {"x": float(mask.sum())}

@@ -160,6 +160,7 @@ class PromptSource:
 
 def render_chat(items: list[Prompt], tokenizer) -> None:
     """Set each prompt's text to its chat-template rendering, ending with the assistant's turn."""
+    # heavy: jinja2, imported on first use
     from jinja2 import TemplateError
 
     if getattr(tokenizer, "chat_template", None) is None:
@@ -266,6 +267,7 @@ def _jsonl_rows(path: Path):
 
 
 def _parquet_rows(path: Path):
+    # heavy: pyarrow, imported on first use
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -279,6 +281,7 @@ def _parquet_rows(path: Path):
 
 def _dataset_folder_rows(path: Path):
     """Rows of a folder written by `datasets.Dataset.save_to_disk`."""
+    # heavy: datasets, imported on first use
     import datasets
 
     try:

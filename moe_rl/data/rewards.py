@@ -67,6 +67,7 @@ def per_sample(fn: Callable) -> Callable:
 def __getattr__(name: str):
     # `math_answer_reward` is imported on first use: math-verify (sympy, antlr) takes ~1 s to import.
     if name == "math_answer_reward":
+        # heavy: math-verify, imported on first use
         from moe_rl.data.math_reward import math_answer_reward
 
         return math_answer_reward

@@ -24,8 +24,12 @@ import argparse
 import json
 from pathlib import Path
 
+from moe_rl.actor.model import load_hf_config
+from moe_rl.diagnostics.live import live
 from moe_rl.diagnostics.output import fmt, write_report
-from moe_rl.rollout.dump import DumpError
+from moe_rl.diagnostics.report import load_dumps
+from moe_rl.rollout.dump import DumpError, model_fingerprint
+from moe_rl.routing.model_layout import moe_layout
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,8 +99,6 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "offline":
             offline(args)
         else:
-            from moe_rl.diagnostics.live import live
-
             live(args)
     except (DumpError, FileNotFoundError, ValueError) as e:
         raise SystemExit(f"moe-rl-diagnose {args.command}: error: {e}") from None
@@ -105,20 +107,15 @@ def main(argv: list[str] | None = None) -> None:
 def _tokenizer(path: str | None):
     if not path or not Path(path, "tokenizer_config.json").is_file():
         return None
+    # heavy: transformers, imported on first use
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
 
 
 def offline(args) -> dict:
-    from moe_rl.diagnostics.report import load_dumps
-
     fingerprint = None
     if args.model:
-        from moe_rl.actor.model import load_hf_config
-        from moe_rl.rollout.dump import model_fingerprint
-        from moe_rl.routing.model_layout import moe_layout
-
         cfg = load_hf_config(args.model)
         fingerprint = model_fingerprint(cfg, moe_layout(cfg))
     data, metas, files = load_dumps(args.dump, args.step, fingerprint)
@@ -136,6 +133,7 @@ def _scalars(tree, prefix="") -> dict[str, float]:
 
 
 def compare(a: str, b: str, out: str | None = None) -> dict:
+    # heavy: rich, imported on first use
     from rich.console import Console
     from rich.table import Table
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moe_rl.diagnostics.output import write_report
+from moe_rl.routing.model_layout import moe_layout
+
 
 def read_prompts(path: str, limit: int) -> list[str]:
     """jsonl with a `prompt` field, or plain text with one prompt a line."""
@@ -35,6 +38,7 @@ def read_prompts(path: str, limit: int) -> list[str]:
 
 
 def live(args) -> dict | None:
+    # torch, transformers, megatron-core and vLLM (the actor, the engine): when `live` runs, not on import
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -43,11 +47,9 @@ def live(args) -> dict | None:
     from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
     from moe_rl.actor.replay import RouteReplay
     from moe_rl.common.distributed import world_max
-    from moe_rl.diagnostics.output import write_report
     from moe_rl.diagnostics.report import load_dumps
     from moe_rl.rollout import dump
     from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
-    from moe_rl.routing.model_layout import moe_layout
 
     if not Path(args.model, "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: no config.json there")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 
 def write_report(args, data, metas, files, tokenizer=None) -> dict:
+    # torch and matplotlib (report, plots): not loaded by importing this module
     from moe_rl.diagnostics.plots import write_plots
     from moe_rl.diagnostics.report import build_report
 
@@ -31,6 +32,7 @@ def fmt(v) -> str:
 
 
 def print_report(report: dict) -> None:
+    # heavy: rich, imported on first use
     from rich.console import Console
     from rich.table import Table
 

@@ -9,9 +9,11 @@ import torch
 
 
 def _pyplot():
+    # heavy: matplotlib, imported on first use
     import matplotlib
 
     matplotlib.use("Agg")
+    # after use("Agg"): the backend is chosen before pyplot loads
     import matplotlib.pyplot as plt
 
     return plt

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import torch
 
+from moe_rl.actor.forward import routing_views
+from moe_rl.actor.replay import router_agreement
 from moe_rl.common.batch import ProxPolicy
+from moe_rl.common.distributed import all_gather_objects
+from moe_rl.rollout import dump
+from moe_rl.routing.layout import layer_columns
 
 
 class StepDiagnostics:
@@ -45,8 +50,6 @@ class StepDiagnostics:
         return metrics
 
     def routing_views(self, padded, old: ProxPolicy) -> dict[str, torch.Tensor | None]:
-        from moe_rl.actor.forward import routing_views
-
         a = self.actor
         return routing_views(
             a.chunks,
@@ -66,15 +69,11 @@ class StepDiagnostics:
     def router_agreement(self, padded, live_routes: torch.Tensor) -> float:
         """Fraction of (token, MoE layer) pairs where the actor's own routing picks the same expert
         set as the rollout engine (this rank's layers; real tokens except the last)."""
-        from moe_rl.actor.replay import router_agreement
-
         return router_agreement(self.actor.replay, padded, live_routes)
 
     def write_dump(
         self, step: int, padded, rewards, views, policy_version: torch.Tensor | None = None, turn_index=None
     ) -> None:
-        from moe_rl.rollout import dump
-
         a = self.actor
         # every rank's dump holds its samples' routes in full: the route holder of each tensor/context-parallel
         # group sends them to the others (collective over that group), and every MoE layer's: each pipeline
@@ -106,10 +105,8 @@ class StepDiagnostics:
 def all_layers(routes: torch.Tensor | None, layers: list[int], moe_layers: list[int]) -> torch.Tensor | None:
     """`[B, T, len(layers), K]` routes of this pipeline stage's MoE `layers` -> every MoE layer's, gathered from
     the other stages (which hold the same samples). Collective over the pipeline group unless it has one stage."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
-
-    from moe_rl.common.distributed import all_gather_objects
-    from moe_rl.routing.layout import layer_columns
 
     if routes is None or list(layers) == list(moe_layers):
         return routes

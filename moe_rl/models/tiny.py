@@ -163,6 +163,7 @@ def _sigmoid_router(spec: TinySpec) -> dict:
 
 def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
     """The transformers config object for `spec`."""
+    # heavy: transformers, imported on first use
     from transformers import DeepseekV3Config, Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
     common = dict(
@@ -234,6 +235,7 @@ def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
 
 def build_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer trained on the in-memory corpus (no download), with CHAT_TEMPLATE."""
+    # heavy: tokenizers and transformers, imported on first use
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -260,6 +262,7 @@ def build_tokenizer(vocab_size: int):
 def build_tiny_model(spec: TinySpec, out: str | Path, check=None) -> Path:
     """Write a random HF model folder for `spec` to `out` and return its path. `check(hf_config)`, if given, may
     refuse the model (raise ValueError) before anything is written."""
+    # heavy: transformers, imported on first use
     from transformers import AutoModelForCausalLM
 
     spec.validate()
@@ -298,6 +301,7 @@ def build_tiny_model(spec: TinySpec, out: str | Path, check=None) -> Path:
                 # mapping that drops it, or gates computed from the biased scores, must show.
                 b.copy_(0.1 * torch.randn_like(b))
     model = model.to(getattr(torch, spec.dtype))
+    # heavy: transformers, imported on first use
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
@@ -319,6 +323,7 @@ def _append_mtp_layers(spec: TinySpec, vocab: int, path: Path) -> None:
     released checkpoints name them: a full MoE decoder layer (drawn like the last decoder layer, whose
     checkpoint names it takes) plus enorm, hnorm, eh_proj, shared_head and embed_tokens. transformers
     builds no MTP modules and skips these tensors on load, as vLLM does without speculative decoding."""
+    # heavy: safetensors, imported on first use
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(path))

@@ -198,7 +198,7 @@ def gspo_fused(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, 
     """`gspo` through the fused kernel (moe_rl.kernels.gspo_loss; Triton on CUDA, its packed torch
     form on CPU), the correction's weights riding along: over the packed row's tokens and `cu_seqlens` when the
     forward ran packed (`x.packed`), else each padded row is one sequence."""
-    from moe_rl.kernels.gspo_loss import fused_gspo_loss
+    from moe_rl.kernels.gspo_loss import fused_gspo_loss  # optional: Triton (moe_rl.kernels)
 
     b, t = x.logp.shape
     if x.advantages.shape != (b,):

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from moe_rl.common.batch import PaddedBatch, pad_right
+from moe_rl.common.distributed import world_max
 from moe_rl.rollout.source import Rollout
 
 
@@ -192,7 +193,7 @@ class ReplayBuffer:
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self, path: Path) -> None:
         """Every group's tensors, their bookkeeping and the draw generator's state in one safetensors file."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # heavy: safetensors, imported on first use
 
         tensors = {f"{i}/{k}": v.contiguous() for i, g in enumerate(self.groups) for k, v in g.tensors.items()}
         tensors["generator"] = self.generator.get_state()
@@ -206,7 +207,7 @@ class ReplayBuffer:
 
     def load(self, path: Path) -> None:
         """Restore what `save` wrote (bit-exact)."""
-        from safetensors import safe_open
+        from safetensors import safe_open  # heavy: safetensors, imported on first use
 
         if not path.is_file():
             raise FileNotFoundError(
@@ -286,8 +287,6 @@ class BufferSource:
         self.groups = inner.groups
 
     def next(self, step: int) -> Rollout:
-        from moe_rl.common.distributed import world_max
-
         want = self.prompts_per_step
         fresh_wanted = fresh_count(self.buffer.fresh_fraction, want)
         dropped = generated = 0

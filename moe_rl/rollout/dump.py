@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 REQUIRED = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")
 PER_TOKEN = ("attention_mask", "loss_mask", "rollout_logprobs", "logprobs_replay", "logprobs_live", "turn_index")
@@ -55,6 +56,7 @@ def rank_file(root: str | Path, step: int, rank: int) -> Path:
 
 
 def write(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
+    # heavy: safetensors, imported on first use
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -78,7 +80,7 @@ def write_rank(
     `moe_rl.actor.forward.routing_views`, RouteReplay.dispatch_check(), the policy version that sampled
     each sample ([B], trainer.max_staleness) and metadata (model_path, model fingerprint, actor/rollout
     dtypes, router_replay, n)."""
-    import torch.distributed as dist
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -108,6 +110,7 @@ def write_rank(
 
 def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Load one rank file and check its shapes; raises DumpError naming the file and key."""
+    # heavy: safetensors, imported on first use
     from safetensors import safe_open
 
     path = Path(path)

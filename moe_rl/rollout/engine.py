@@ -10,6 +10,7 @@ after each rollout while the actor trains; the weight sync wakes the weights, sa
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import threading
@@ -22,8 +23,10 @@ import numpy as np
 import torch
 
 from moe_rl.common.batch import RolloutBatch
+from moe_rl.compat.vllm_plugin import BUSY_LOOP_ENV, CPU_ENGINE_ENV
 from moe_rl.rollout.multi_turn.config import MultiTurnConfig
 from moe_rl.rollout.placement import Placement
+from moe_rl.rollout.reaper import Reaper
 from moe_rl.rollout.route_capture import HookRouteCapture, NativeRouteCapture, RouteCapture
 from moe_rl.routing.records import route_dtype, validate_routes
 
@@ -157,8 +160,6 @@ class RolloutConfig:
 
 
 def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
-    from moe_rl.compat.vllm_plugin import BUSY_LOOP_ENV, CPU_ENGINE_ENV
-
     os.environ.pop(BUSY_LOOP_ENV, None)
     os.environ.pop(CPU_ENGINE_ENV, None)
     if torch.cuda.is_available():
@@ -173,6 +174,7 @@ def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
 
 def _default_max_num_seqs(world_size: int) -> int:
     """vLLM's default max_num_seqs for an offline `LLM` of `world_size` workers on this platform."""
+    # heavy: vLLM, imported on first use
     from vllm.config import SchedulerConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
@@ -199,6 +201,7 @@ def _engine_start(cfg: RolloutConfig):
             flush=True,
         )
         return nullcontext()
+    # compat.vllm registers an at-fork hook: imported where an engine runs
     from moe_rl.compat.vllm import engine_core_by_fork
 
     return engine_core_by_fork()
@@ -251,6 +254,7 @@ class TurnOutput:
 
 
 def _params(sampling: SamplingConfig, n: int, max_tokens: int, seed: int | None):
+    # heavy: vLLM, imported on first use
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -295,6 +299,7 @@ class RolloutEngine:
         self.prefix_caching = cfg.multi_turn.env != "none" and cfg.multi_turn.prefix_caching
         self.capture = self._make_capture(cfg.capture)
         _set_vllm_cpu_env(cfg)
+        # heavy: vLLM, imported on first use
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
@@ -317,6 +322,7 @@ class RolloutEngine:
             # on a 2-core machine) and watch. Named by class, the one-worker executor stays: the engine core runs
             # its worker itself. Same kernels, same thread settings (VLLM_CPU_OMP_THREADS_BIND applies in the
             # engine core), so the same tokens and log-probs.
+            # heavy: vLLM, imported on first use
             from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
             kwargs["distributed_executor_backend"] = UniProcExecutor
@@ -335,9 +341,8 @@ class RolloutEngine:
             kwargs.update(self.capture.engine_kwargs())
         elif self.prefix_caching:
             kwargs["enable_prefix_caching"] = True
+        # heavy: psutil, imported on first use
         import psutil
-
-        from moe_rl.rollout.reaper import Reaper
 
         me = psutil.Process()
         # Started first: if this process dies while the engine starts, the engine dies too.
@@ -397,8 +402,7 @@ class RolloutEngine:
         engine core that outlives its workers; the reaper then removes their shared memory and sockets."""
         if not hasattr(self, "llm"):
             return
-        import gc
-
+        # heavy: psutil, imported on first use; compat.vllm registers an at-fork hook: imported where an engine runs
         import psutil
 
         from moe_rl.compat.vllm import mark_engine_stopping
@@ -425,6 +429,7 @@ class RolloutEngine:
             raise RolloutEngineError(f"{what}: the rollout engine was shut down (or died earlier)")
 
     def _dead_processes(self) -> list[int]:
+        # heavy: psutil, imported on first use
         import psutil
 
         dead = []
@@ -442,6 +447,7 @@ class RolloutEngine:
         A daemon thread (not an executor, whose threads are joined at exit): a call blocked on a
         dead engine must not keep the interpreter from exiting.
         """
+        # heavy: vLLM, imported on first use
         from vllm.v1.engine.exceptions import EngineDeadError
 
         self._require_alive(what)
@@ -500,6 +506,7 @@ class RolloutEngine:
     # ---- sampling -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Sample `sampling.n` responses per prompt (token-id prompts)."""
+        # heavy: vLLM, imported on first use
         from vllm import TokensPrompt
 
         self._require_alive("generate")
@@ -527,6 +534,7 @@ class RolloutEngine:
         """One turn of multi-turn rollouts: one sample per token-id prompt, each with its own token budget and
         seed, and the routes of the positions the engine computed for it (prefix-cache hits are not).
         `sampling.n` is not used (each trajectory is its own prompt)."""
+        # heavy: vLLM, imported on first use
         from vllm import TokensPrompt
 
         self._require_alive("generate_turn")
@@ -616,6 +624,7 @@ class RolloutEngine:
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[np.ndarray]:
         """Teacher-forced log-probs of each token given its prefix (entry 0 is 0)."""
+        # heavy: vLLM, imported on first use
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)

@@ -54,6 +54,7 @@ def bind_engine(cores: list[int]) -> None:
 def pin(trainer: list[int], engine: list[int]) -> None:
     """Pin every thread of this process (torch's intra-op pool included) to the trainer's cores and every
     thread of its child processes (the engine's, started before) to the engine's."""
+    # heavy: psutil, imported on first use
     import psutil
 
     _pin_threads(os.getpid(), trainer)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -69,8 +70,6 @@ class Reaper:
 
     def close(self, timeout: float = 15.0) -> None:
         """Kill what is left of the engine and remove its files; returns when that is done."""
-        import select
-
         if self.proc.poll() is None:
             self._send("exit")
             ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -160,6 +159,7 @@ def _socket_inodes(pid: int) -> set[str]:
 
 class _Watch:
     def __init__(self, owner_pid: int):
+        # heavy: psutil, imported on first use
         import psutil
 
         self.owner = psutil.Process(owner_pid)
@@ -171,6 +171,7 @@ class _Watch:
         self.done = threading.Event()
 
     def owner_alive(self) -> bool:
+        # heavy: psutil, imported on first use
         import psutil
 
         try:
@@ -179,6 +180,7 @@ class _Watch:
             return False
 
     def add_engine(self, pids: list[int]) -> None:
+        # heavy: psutil, imported on first use
         import psutil
 
         for pid in pids:
@@ -188,6 +190,7 @@ class _Watch:
                 pass
 
     def scan(self) -> None:
+        # heavy: psutil, imported on first use
         import psutil
 
         for root, into in [(self.owner, self.descendants), *((p, self.engine) for p in list(self.engine.values()))]:
@@ -200,6 +203,7 @@ class _Watch:
 
     def kill(self, everything: bool) -> list[int]:
         """Kill the engine's processes (all the owner's descendants when `everything`)."""
+        # heavy: psutil, imported on first use
         import psutil
 
         victims = {**(self.descendants if everything else {}), **self.engine}
@@ -239,6 +243,7 @@ class _Watch:
 
 
 def _is_reaper(proc) -> bool:
+    # heavy: psutil, imported on first use
     import psutil
 
     try:

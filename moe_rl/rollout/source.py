@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from moe_rl.common.batch import PaddedBatch, cat_or_none
 from moe_rl.common.distributed import world_max
+from moe_rl.rollout import dump
+from moe_rl.rollout.multi_turn.metrics import multi_turn_metrics
 from moe_rl.routing.layout import layer_columns
 
 
@@ -173,8 +175,6 @@ class EngineSource:
         )
         turn_index, metrics = None, {}
         if batch.turn_index is not None:  # multi-turn
-            from moe_rl.rollout.multi_turn.metrics import multi_turn_metrics
-
             turn_index = torch.full(padded.input_ids.shape, -1, dtype=torch.long)
             for i, (p, t) in enumerate(zip(batch.prompt_ids, batch.turn_index, strict=True)):
                 turn_index[i, len(p) : len(p) + len(t)] = torch.from_numpy(t)
@@ -270,8 +270,6 @@ class DumpSource:
         """`route_layers`: the MoE layers this rank replays (its pipeline stage's; None: all); a dump holds every
         MoE layer's routes, the rank keeps these. `holds_routes`: whether this rank holds its group's routes
         (actor.replay.holds_routes); the others get theirs from it."""
-        from moe_rl.rollout import dump
-
         self.holds_routes = holds_routes
         self.steps = dump.step_folders(dump_dir)
         self.fingerprint, self.group_size = fingerprint, group_size
@@ -280,8 +278,6 @@ class DumpSource:
         self.route_cols = None if route_layers in (None, layers) else layer_columns(route_layers, layers)
 
     def next(self, step: int) -> Rollout:
-        from moe_rl.rollout import dump
-
         folder = self.steps[step % len(self.steps)]
         rank, world = dist.get_rank(), dist.get_world_size()
         tensors, meta = dump.read(folder / f"rank_{rank:05d}.safetensors")

@@ -9,8 +9,10 @@ import functools
 import pickle
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import Listener
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from moe_rl.common.distributed import tensor_nbytes
 
@@ -33,6 +35,7 @@ def _under_vllm_config(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        # heavy: vLLM, imported on first use
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.model_runner.vllm_config):
@@ -52,6 +55,7 @@ class WeightReceiver:
 
     def moe_rl_check_weight_update(self) -> bool:
         """Refuse an engine whose weights this path cannot update (also at the start of every update)."""
+        # compat.vllm registers an at-fork hook: imported where an engine runs
         from moe_rl.compat.vllm import refuse_padded_cpu_experts
 
         refuse_padded_cpu_experts(self.model_runner.get_model())
@@ -59,6 +63,7 @@ class WeightReceiver:
 
     @_under_vllm_config
     def moe_rl_begin_weight_update(self) -> bool:
+        # heavy: vLLM, imported on first use; compat.vllm registers an at-fork hook: imported where an engine runs
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         from moe_rl.compat.vllm import quiet_cache_only_reload_warning
@@ -72,6 +77,7 @@ class WeightReceiver:
     @_under_vllm_config
     def moe_rl_load_weights(self, payload: bytes) -> int:
         """Load one bucket of HF-named tensors (a safetensors blob) into the model."""
+        # heavy: safetensors, imported on first use
         from safetensors.torch import load
 
         tensors = load(payload)
@@ -86,8 +92,6 @@ class WeightReceiver:
         possibly in a later bucket), acknowledge (the leader then reuses the buffer), load it while the leader
         writes the next. Returns the tensors loaded, the seconds spent in vLLM's load and finish, and in the
         CPU experts' repack (part of the finish)."""
-        from multiprocessing.connection import Listener
-
         self.moe_rl_begin_weight_update()  # refuses before listening: the leader gets the error, not a hang
         model = self.model_runner.get_model()
         loaded, seconds = 0, 0.0
@@ -111,8 +115,6 @@ class WeightReceiver:
         pickled {GPU UUID: the buffer's `reduce_tensor` arguments}; rebuilt on this worker's device index as
         vLLM's IPCWeightTransferEngine does, then copied out like the shm bucket (the leader reuses the buffer
         once this returns, so the copies are waited for)."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         handles = pickle.loads(payload)  # from the trainer's leader rank, as vLLM's IPC engine trusts it
         index = self.device.index
         uuid = str(torch.cuda.get_device_properties(index).uuid)
@@ -133,6 +135,7 @@ class WeightReceiver:
     @_under_vllm_config
     def moe_rl_finish_weight_update(self) -> float:
         """Finish the layerwise reload; the seconds the CPU experts' repack took (0 without CPU experts)."""
+        # heavy: vLLM, imported on first use; compat.vllm registers an at-fork hook: imported where an engine runs
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         from moe_rl.compat.vllm import repack_cpu_experts

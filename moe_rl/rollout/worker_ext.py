@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
 
+from moe_rl.rollout.route_capture import RouteAssembler
 from moe_rl.rollout.weight_receiver import WeightReceiver
 
 
@@ -30,6 +32,7 @@ class MoeRLWorkerExtension(WeightReceiver):
 
     def moe_rl_init_worker(self) -> bool:
         """Per-process CPU setup (runs in each worker process, hence a method here)."""
+        # compat.vllm registers an at-fork hook: imported where an engine runs
         from moe_rl.compat.vllm import flatten_cpu_rope_heads, keep_seeded_samples_across_chunks, request_amx_permission
 
         flatten_cpu_rope_heads(self.model_runner.model)
@@ -44,12 +47,11 @@ class MoeRLWorkerExtension(WeightReceiver):
         return init.removeprefix("file://") if init.startswith("file://") else None
 
     def moe_rl_install_capture(self, moe_layers: list[int], topk: int, dtype: str) -> list[int]:
-        import torch
+        # heavy: vLLM, imported on first use; compat.vllm registers an at-fork hook: imported where an engine runs
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
         from moe_rl.compat.vllm import on_prepare_inputs
-        from moe_rl.rollout.route_capture import RouteAssembler
 
         runner = self.model_runner
         self._moe_rl_assembler = RouteAssembler(moe_layers, topk, np.dtype(dtype))

@@ -22,6 +22,12 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from moe_rl.actor.model import build_model, load_hf_config
+from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+from moe_rl.actor.weights import HFCheckpoint, export_hf_state_dict
+from moe_rl.trainer import checkpoint
 
 # Files copied from the source HF folder next to the exported weights.
 SIDE_FILES = (
@@ -38,8 +44,6 @@ SIDE_FILES = (
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A step_* folder, or a checkpoint root (its newest complete checkpoint)."""
-    from moe_rl.trainer import checkpoint
-
     path = Path(path)
     if (path / "model").is_dir():
         return path
@@ -52,8 +56,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def untrained_mtp_tensors(model_dir: str | Path, hf_cfg) -> dict[str, torch.Tensor]:
     """The source checkpoint's multi-token-prediction layers: `model.layers.{i}.*` for the
     `num_nextn_predict_layers` layers numbered from `num_hidden_layers`."""
-    from moe_rl.actor.weights import HFCheckpoint
-
     n = int(getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0)
     if not n:
         return {}
@@ -67,13 +69,8 @@ def export(
     ckpt: str | Path, out: str | Path, model: str | None = None, dtype: str | None = None, parallel=None
 ) -> Path:
     """Collective when distributed; rank 0 writes `out`. Returns the output folder."""
-    import torch.distributed as dist
+    # heavy: huggingface_hub, imported on first use
     from huggingface_hub import save_torch_state_dict
-
-    from moe_rl.actor.model import build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig
-    from moe_rl.actor.weights import export_hf_state_dict
-    from moe_rl.trainer import checkpoint
 
     ckpt = resolve_checkpoint(ckpt)
     if model is None:
@@ -122,10 +119,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert parallel size of this export job")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size of this export job")
     a = p.parse_args(argv)
-
-    import torch.distributed as dist
-
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
 
     parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep)
     init_distributed(parallel)

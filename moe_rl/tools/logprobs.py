@@ -15,6 +15,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.distributed as dist
+
+from moe_rl.actor.forward import compute_logprobs
+from moe_rl.actor.model import ModelOptions, load_model
+from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
 
 DEFAULT_PROMPTS = ["Question: what is 12 + 30? Answer: 42", "The quick brown fox jumps over the lazy dog."]
 
@@ -33,14 +38,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="actor dtype")
     a = p.parse_args(argv)
 
-    import torch.distributed as dist
+    # heavy: rich and transformers, imported on first use
     from rich.console import Console
     from rich.table import Table
     from transformers import AutoTokenizer
-
-    from moe_rl.actor.forward import compute_logprobs
-    from moe_rl.actor.model import ModelOptions, load_model
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
 
     parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep)
     init_distributed(parallel)

@@ -24,6 +24,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.common.distributed import all_gather_objects
+from moe_rl.compat.megatron_checkpoint import results_in_this_process
 
 
 class CheckpointError(RuntimeError):
@@ -160,6 +162,7 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
 
 
 def _rng_object():
+    # heavy: megatron-core, imported on first use
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     rank, world = _rank_world()
@@ -171,9 +174,8 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
     """Collective: every rank calls it. Returns the checkpoint folder. keep > 0: afterwards delete
     all but the newest `keep` complete checkpoints. `extra(folder)`: every rank writes its own further
     files (the replay buffer) into the folder before it is complete."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import dist_checkpointing
-
-    from moe_rl.compat.megatron_checkpoint import results_in_this_process
 
     rank, _ = _rank_world()
     path = step_dir(root, step)
@@ -234,8 +236,6 @@ def _signals_held() -> Iterator[None]:
     The commit (rename, then `latest`) takes milliseconds; a second SIGTERM exits a rank at once (StopFlag),
     and one landing between the rename and `latest` left a complete checkpoint that `latest` did not name
     (seen in CI). Only the main thread can swap handlers; elsewhere the block runs as it is."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -257,6 +257,7 @@ def _signals_held() -> Iterator[None]:
 def load_model(path: str | Path, chunks, extra: dict | None = None) -> dict:
     """Load the actor weights (any parallel layout) from a checkpoint folder; `extra` sharded
     entries stored beside them (the RNG states) come back in the returned dict."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import dist_checkpointing
 
     model_dir = Path(path) / "model"
@@ -270,6 +271,7 @@ def load_model(path: str | Path, chunks, extra: dict | None = None) -> dict:
 
 def saved_world(path: str | Path) -> int | None:
     """How many ranks wrote the checkpoint at `path` (from its per-rank RNG entries); None if it holds none."""
+    # heavy: torch.distributed.checkpoint, imported on first use
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(str(Path(path) / "model")).read_metadata().state_dict_metadata
@@ -300,12 +302,14 @@ def load(path: str | Path, chunks, optimizer) -> dict:
 
 
 def _save_optimizer(folder: Path, chunks, optimizer) -> None:
+    # heavy: megatron-core, imported on first use
     from megatron.core import dist_checkpointing
 
     dist_checkpointing.save({"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks))}, str(folder))
 
 
 def _load_optimizer(folder: Path, chunks, optimizer) -> None:
+    # heavy: megatron-core, imported on first use
     from megatron.core import dist_checkpointing
 
     sharded = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True)}
@@ -315,9 +319,8 @@ def _load_optimizer(folder: Path, chunks, optimizer) -> None:
 def save_part(folder: str | Path, chunks, optimizer) -> None:
     """Collective: one more model's weights and optimizer state (the critic) in `folder`/{model,optimizer},
     inside a checkpoint being written (checkpoint.save's `extra`)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import dist_checkpointing
-
-    from moe_rl.compat.megatron_checkpoint import results_in_this_process
 
     folder = Path(folder)
     if _rank_world()[0] == 0:

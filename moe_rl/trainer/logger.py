@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from moe_rl.routing.model_layout import moe_layout
+
 
 def say(line: str) -> None:
     """A line of moe-rl's own for the console and, as an INFO record, for the run's train_moe.log (Hydra's file
@@ -82,8 +84,8 @@ def val_line(step: int, metrics: dict[str, float]) -> str:
 
 def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> list[str]:
     """What this run is, said before the engines start: where it writes, the model, the layout, the objective."""
+    # torch (moe_rl.objectives): not loaded by importing this module
     from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
-    from moe_rl.routing.model_layout import moe_layout
 
     p, r, a = cfg.parallel, cfg.rollout, cfg.algorithm
     moe = moe_layout(hf_config)
@@ -134,6 +136,7 @@ def model_parameters(model_path: str) -> int:
 
 def parameter_counts(model_path: str) -> dict[str, int]:
     """Parameters per safetensors dtype ("F32", "BF16", ...) in an HF folder, from the files' headers."""
+    # heavy: safetensors, imported on first use
     from safetensors import safe_open
 
     counts: dict[str, int] = {}
@@ -148,6 +151,7 @@ def parameter_counts(model_path: str) -> dict[str, int]:
 def run_config(cfg) -> dict:
     """The config as wandb shows it, with the registered names of the loss and correction (their
     dataclasses alone do not say which was chosen)."""
+    # torch (moe_rl.objectives): not loaded by importing this module
     from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
 
     out = dataclasses.asdict(cfg)
@@ -173,6 +177,7 @@ class RunLogger:
         if resumed_step is not None:
             self._set_aside_steps_after(resumed_step)
         if sys.stdout.isatty():
+            # heavy: rich, imported on first use
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(
@@ -186,6 +191,7 @@ class RunLogger:
             # before it, vLLM's start-up output (written past rich) would tear the bar
         w = cfg.logging.wandb
         if w.mode != "disabled":
+            # heavy: wandb, imported on first use
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")

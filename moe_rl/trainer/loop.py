@@ -13,36 +13,51 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor import batch_invariant, engine_ops
+from moe_rl.actor.actor import Actor
+from moe_rl.actor.converters import get_converter
+from moe_rl.actor.model import check_divisibility, load_hf_config
+from moe_rl.actor.parallel import init_distributed
+from moe_rl.actor.replay import holds_routes
 from moe_rl.common.batch import ProxPolicy
+from moe_rl.common.distributed import all_gather_objects
 from moe_rl.config import TrainConfig, validate
 from moe_rl.critic.critic import Critic, gae_targets
+from moe_rl.data.prompts import PromptSource
+from moe_rl.data.rewards import load_reward, score
+from moe_rl.diagnostics.step_hooks import StepDiagnostics
+from moe_rl.models.tiny import TinySpec, build_tiny_model
+from moe_rl.objectives import Objective
 from moe_rl.objectives.proximal import loglinear_alpha
+from moe_rl.rollout import dump, placement
 from moe_rl.rollout.ahead import AheadSource
-from moe_rl.rollout.source import StepAbandoned
+from moe_rl.rollout.balance import balance_rollout
+from moe_rl.rollout.buffer import BufferSource, ReplayBuffer
+from moe_rl.rollout.engine import RolloutEngine, RolloutEngineError
+from moe_rl.rollout.engine_groups import engine_groups
+from moe_rl.rollout.multi_turn.builtin_envs import env_class
+from moe_rl.rollout.multi_turn.loop import AgentLoop
+from moe_rl.rollout.source import DumpSource, EngineSource, StepAbandoned
+from moe_rl.routing.records import filler_row, route_dtype
+from moe_rl.trainer import checkpoint
+from moe_rl.trainer.checkpoint import CheckpointError
 from moe_rl.trainer.health import HealthMonitor, SkipCounter
 from moe_rl.trainer.logger import RunLogger, run_header, say
 from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
+from moe_rl.trainer.run_dir import check_same_run_dir
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
-from moe_rl.weight_sync import sync_metrics
+from moe_rl.trainer.validation import Validator
+from moe_rl.weight_sync import WeightSync, sync_metrics
 
 
 class Trainer:
     """Builds every part from the config once (the mode picks the parts); `step()` runs one RL step."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path):
-        from moe_rl.actor.actor import Actor
-        from moe_rl.actor.converters import get_converter
-        from moe_rl.actor.model import check_divisibility, load_hf_config
-        from moe_rl.actor.parallel import init_distributed
-        from moe_rl.diagnostics.step_hooks import StepDiagnostics
-        from moe_rl.objectives import Objective
-        from moe_rl.trainer import checkpoint
-        from moe_rl.trainer.run_dir import check_same_run_dir
-        from moe_rl.weight_sync import WeightSync
-
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before anything is built
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
         check_same_run_dir(run_dir)  # before any rank writes to its own
@@ -109,8 +124,6 @@ class Trainer:
             resumed_step=self.step_index if resumed else None,
         )
         if t.true_on_policy:  # the engine's side of the mode, before it starts
-            from moe_rl.actor import batch_invariant, engine_ops
-
             gpu = torch.cuda.is_available()
             os.environ.update(batch_invariant.engine_environment() if gpu else engine_ops.engine_environment())
             if not gpu and (note := engine_ops.vllm_version_warning()) and self.rank == 0:
@@ -132,10 +145,9 @@ class Trainer:
         self.data_position = self.data.position  # prompts consumed by completed steps
 
     def _build_data(self) -> None:
+        # heavy: megatron-core and transformers, imported on first use
         from megatron.core import parallel_state as ps
         from transformers import AutoTokenizer
-
-        from moe_rl.data.rewards import load_reward
 
         cfg, d = self.cfg, self.cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -157,8 +169,6 @@ class Trainer:
     def _answers_for(self, training: bool) -> str | None:
         """What scores the prompts against their reference answers (so every prompt needs one): the multi-turn
         environment in training, else the reward function; None when neither needs answers."""
-        from moe_rl.rollout.multi_turn.builtin_envs import env_class
-
         env = self.cfg.rollout.multi_turn.env
         if training and env != "none":  # the environment scores; the reward function is not called
             needs = getattr(env_class(env), "needs_answer", False)  # an optional attribute of an environment class
@@ -170,9 +180,6 @@ class Trainer:
     ):
         """A PromptSource over `path` (this data-parallel rank's shard), rendered, tokenized and length-checked
         as data.* says, for responses of up to `max_tokens`; `answers_for`: see PromptSource."""
-        from moe_rl.actor.model import load_hf_config
-        from moe_rl.data.prompts import PromptSource
-
         cfg, d = self.cfg, self.cfg.data
         context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
         return PromptSource(
@@ -194,13 +201,8 @@ class Trainer:
 
     def _build_source(self):
         """(RolloutSource, this rank's engine or None) for trainer.mode."""
+        # heavy: megatron-core, imported on first use
         from megatron.core import parallel_state as ps
-
-        from moe_rl.actor.replay import holds_routes
-        from moe_rl.rollout import dump, placement
-        from moe_rl.rollout.engine import RolloutEngine
-        from moe_rl.rollout.engine_groups import engine_groups
-        from moe_rl.rollout.source import DumpSource, EngineSource
 
         cfg, a = self.cfg, self.actor
         if cfg.trainer.mode == "from_dump":
@@ -226,9 +228,6 @@ class Trainer:
             engine = RolloutEngine(rollout_cfg, a.layout.moe_layers, a.layout.num_experts, a.layout.topk)
         agent = None
         if engine is not None and cfg.rollout.multi_turn.env != "none":
-            from moe_rl.actor.model import load_hf_config
-            from moe_rl.rollout.multi_turn.loop import AgentLoop
-
             context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
             agent = AgentLoop(engine, cfg.rollout.multi_turn, self.tokenizer, context)
         if trainer_cores is not None:  # after the engine's processes started
@@ -257,11 +256,8 @@ class Trainer:
     def _buffer_source(self, inner):
         """The replay buffer over the engine's batches (buffer.*); its draws seeded per data-parallel rank, so
         ranks that share samples (TP, PP) draw alike."""
-        import numpy as np
+        # heavy: megatron-core, imported on first use
         from megatron.core import parallel_state as ps
-
-        from moe_rl.rollout.buffer import BufferSource, ReplayBuffer
-        from moe_rl.routing.records import filler_row, route_dtype
 
         cfg, b, layout = self.cfg, self.cfg.buffer, self.actor.layout
         seed = cfg.trainer.seed + 7919 * (1 + ps.get_data_parallel_rank())
@@ -286,8 +282,6 @@ class Trainer:
         return checkpoint_path / "buffer" / f"rank_{self.rank:05d}.safetensors"
 
     def _build_validator(self, engine):
-        from moe_rl.trainer.validation import Validator
-
         cfg = self.cfg
         max_tokens = cfg.val.max_tokens or cfg.sampling.max_tokens
         val = self._read_prompts(cfg.data.val_path, 0, 1, max_tokens, answers_for=self._answers_for(training=False))
@@ -301,8 +295,6 @@ class Trainer:
 
     def _resume(self) -> dict | None:
         """Restore the checkpoint chosen (and verified) at start; None for a fresh run."""
-        from moe_rl.trainer import checkpoint
-
         if self.resume_path is None:
             return None
         saved = self.resume_path / "trainer.json"  # its absence is checkpoint.load's error
@@ -333,8 +325,6 @@ class Trainer:
         if (saved_world, saved_dp) == (world, dp):
             return []
         if self.cfg.buffer.enable:
-            from moe_rl.trainer.checkpoint import CheckpointError
-
             raise CheckpointError(
                 f"cannot resume {self.resume_path} with buffer.enable: its replay buffer is held per rank, written by "
                 f"{saved_world} ranks with {saved_dp} data-parallel, and this run has {world} with {dp}. Resume with "
@@ -357,8 +347,6 @@ class Trainer:
         return notes
 
     def save_checkpoint(self) -> Path:
-        from moe_rl.trainer import checkpoint
-
         if not self.actor.weights_finite():
             raise checkpoint.CheckpointError(
                 f"refusing to save step {self.step_index}: the actor's weights are not finite on some rank"
@@ -380,8 +368,6 @@ class Trainer:
         return path
 
     def _tiny_model(self, run_dir: Path) -> str:
-        from moe_rl.models.tiny import TinySpec, build_tiny_model
-
         path = run_dir / "tiny_model"
         if self.rank == 0 and not (path / "config.json").is_file():
             build_tiny_model(TinySpec(arch=self.cfg.model.tiny_arch, seed=self.cfg.trainer.seed), path)
@@ -470,8 +456,6 @@ class Trainer:
     def _not_exact(self, padded, old: ProxPolicy, fraction: float) -> None:
         """trainer.true_on_policy and some response token's pi_old != mu: warn (or stop, under
         true_on_policy_strict) naming the first such token over the ranks. Collective."""
-        from moe_rl.common.distributed import all_gather_objects
-
         differ = (old.logprobs.float() != padded.rollout_logprobs.float()) & (padded.loss_mask > 0)
         first = None
         if differ.any():
@@ -509,17 +493,14 @@ class Trainer:
 
     def balance(self, rollout):
         """(this rank's rollout after balancing tokens over the data-parallel ranks, its metrics)."""
+        # heavy: megatron-core, imported on first use
         from megatron.core import parallel_state as ps
-
-        from moe_rl.rollout.balance import balance_rollout
 
         cfg = self.cfg
         return balance_rollout(rollout, cfg.sampling.n, cfg.actor.mini_batches, ps.get_data_parallel_group())
 
     def reward(self, rollout) -> torch.Tensor:
         """The reward plugin's scores (checked), or the dump's rewards."""
-        from moe_rl.data.rewards import score
-
         if rollout.rewards is not None:
             return rollout.rewards
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
@@ -542,8 +523,6 @@ class Trainer:
     def _engine_may_stop(self):
         """Under a stop signal (SIGTERM reaches the engine's processes too) an engine failure ends
         the step's engine work instead of the run: the checkpoint does not need the engine."""
-        from moe_rl.rollout.engine import RolloutEngineError
-
         try:
             yield
         except RolloutEngineError as e:
@@ -592,6 +571,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
 
 
 def _data_parallel_size() -> int:
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_world_size()

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from moe_rl.objectives.metrics import mismatch_from_sums, mismatch_sums
+
 
 class Timer:
     """Seconds per phase (`time/<phase>`), summed when a phase runs more than once."""
@@ -82,8 +84,6 @@ def global_metrics(
         token-weighted over the data-parallel ranks);
       `peaks` (time/*, memory/*, weight_sync/*): the largest rank's (the slowest, the most memory).
     """
-    from moe_rl.objectives.metrics import mismatch_from_sums, mismatch_sums
-
     mask = rollout.padded.loss_mask
     band = (icepop_band.low, icepop_band.high)
     sums, maxima = mismatch_sums(old.logprobs, rollout.padded.rollout_logprobs, mask, *band)

@@ -18,6 +18,7 @@ def agreed_now(pattern: str) -> str:
     """The time formatted with `pattern` (strftime), the same on every rank of a torchrun job: the first rank
     to ask stores its stamp in the launcher's store and every rank reads that one. Elsewhere (one process, a
     launcher without torchrun's store) it is this process's time."""
+    # torch (actor.parallel): not loaded by importing this module
     from moe_rl.actor.parallel import torchrun_store
 
     stamp = datetime.now().strftime(pattern)
@@ -31,6 +32,7 @@ def agreed_now(pattern: str) -> str:
 
 def register_run_stamp() -> None:
     """Make `${run_stamp:<strftime pattern>}` available to Hydra's config (conf/train_moe.yaml's run dir)."""
+    # heavy: omegaconf, imported on first use
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("run_stamp"):
@@ -40,6 +42,7 @@ def register_run_stamp() -> None:
 def check_same_run_dir(run_dir: Path) -> None:
     """Fail on every rank, naming the directories, when the ranks of a job were given different run directories
     (call after torch.distributed is up)."""
+    # torch (common.distributed): not loaded by importing this module
     from moe_rl.common.distributed import all_gather_objects
 
     dirs = all_gather_objects(str(Path(run_dir).absolute()))

@@ -3,8 +3,12 @@ checkpoint at the next step boundary) and its exit."""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -24,8 +28,6 @@ class StopFlag:
     REPEAT_S = 2.0
 
     def __init__(self):
-        import signal
-
         self.requested = False
         self.exiting = False
         self.first_at = 0.0
@@ -33,8 +35,6 @@ class StopFlag:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame):
-        import signal
-
         name = signal.Signals(signum).name
         if self.exiting:  # a signal during that exit's cleanup: leave now, never raise inside the cleanup
             # (seen: a SIGUSR1 raised inside multiprocessing's atexit join of the engine core, and the rank hung)
@@ -66,9 +66,6 @@ def stop_with_launcher() -> None:
     checkpoints at the next step boundary and exits instead of training on unsupervised.
     Linux prctl(PR_SET_PDEATHSIG); elsewhere a no-op. (SIGUSR1, not SIGTERM: with SIGTERM a rank
     was seen to receive it twice, which StopFlag takes as "exit now".)"""
-    import ctypes
-    import signal
-
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -86,9 +83,6 @@ def run_then_exit(main: Callable[[], object], *, end: Callable[[int], object] = 
     end. The exit status is main's: 0, or its SystemExit's code (Hydra exits 1 on an error). Other exceptions
     (KeyboardInterrupt) take Python's own way out. `end` ends the process with the status (the test suite's
     forked ranks hand it back to torch's multiprocessing instead)."""
-    import atexit
-    import threading
-
     code = 0
     try:
         main()

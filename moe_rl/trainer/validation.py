@@ -13,6 +13,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from moe_rl.data.rewards import score
+
 VAL_SUMS = ("prompts", "samples", "reward", "length", "passed", "correct", "stopped")
 
 
@@ -56,8 +58,6 @@ class Validator:
         }
 
     def _score(self, step: int) -> torch.Tensor:
-        from moe_rl.data.rewards import score
-
         batch = None
         with self.may_stop():
             batch = self.engine.generate([p.ids for p in self.share], self.sampling)

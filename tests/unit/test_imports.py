@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import io
 import pkgutil
+import tokenize
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -117,3 +119,49 @@ def test_units_import_only_lower_layers():
         if _unit(mod) != _unit(name) and layer[_unit(mod)] >= layer[_unit(name)]
     ]
     assert not bad, "imports against the layers (a unit imports lower layers only):\n" + "\n".join(bad)
+
+
+def _function_level_import_blocks(node: ast.AST, in_function: bool = False):
+    """Runs of consecutive import statements inside functions (nested blocks and functions included)."""
+    in_function = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    for _, value in ast.iter_fields(node):
+        if in_function and isinstance(value, list):
+            run = []
+            for stmt in [*value, None]:
+                if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                    run.append(stmt)
+                elif run:
+                    yield run
+                    run = []
+    for child in ast.iter_child_nodes(node):
+        yield from _function_level_import_blocks(child, in_function)
+
+
+def _comments(source: str) -> dict[int, bool]:
+    """{line: whether the comment on it is the whole line (else it trails code)}."""
+    return {
+        tok.start[0]: not tok.line[: tok.start[1]].strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+
+
+def test_function_level_imports_say_why():
+    """A cheap import goes at the top of its module. One inside a function stays there for a reason (a heavy or
+    optional library, an import cycle or the layers, a point it must run at) that a comment says: a trailing
+    comment, or a comment line directly above its block of imports."""
+    root = Path(moe_rl.__file__).parent
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        source, name = path.read_text(), path.relative_to(root.parent).as_posix()
+        comments = _comments(source)
+        for block in _function_level_import_blocks(ast.parse(source)):
+            explained = comments.get(block[0].lineno - 1) is True
+            for stmt in block:
+                trailing = any(line in comments for line in range(stmt.lineno, stmt.end_lineno + 1))
+                if not (explained or trailing):
+                    bad.append(f"{name}:{stmt.lineno}: {ast.unparse(stmt)}")
+    assert not bad, (
+        "function-level imports without a comment saying why (heavy, optional, a cycle or the layers, a point it "
+        "must run at; else move it to the top of the module):\n" + "\n".join(bad)
+    )

@@ -15,6 +15,7 @@ def multi_turn_metrics(info: dict[str, np.ndarray]) -> dict[str, float]:
     the first served from the cache), observations_truncated and ended_<reason> (counts), time/environment (the
     slowest engine's), routes/recomputed_fraction, routes/recomputed_disagreement and routes/missing_fraction
     (with route capture)."""
+    # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
     keys = [k for k in info if k != "env_wall_s"]
