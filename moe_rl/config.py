@@ -23,7 +23,7 @@ import torch
 
 from moe_rl.actor.model import Recompute
 from moe_rl.actor.parallel import ParallelConfig
-from moe_rl.common.errors import ConfigError
+from moe_rl.common.errors import ConfigError, refuse
 from moe_rl.data.prompts import Overlong
 from moe_rl.data.rewards import load_reward
 from moe_rl.models.tiny import Arch
@@ -36,7 +36,6 @@ from moe_rl.objectives.proximal import ProxLogp
 from moe_rl.rollout.buffer import Priority
 from moe_rl.rollout.engine import RolloutConfig, SamplingConfig
 from moe_rl.rollout.multi_turn.builtin_envs import env_class
-from moe_rl.weight_sync import DEVICE_TRANSPORTS
 
 
 class Dtype(StrEnum):
@@ -99,6 +98,11 @@ class ModelConfig:
     passes (actor.packing) then run as THD sequences through its attention. false: megatron's local spec
     (the CPU path)."""
 
+    def check(self) -> None:
+        """This section's own rules (validate: before anything is built)."""
+        if self.transformer_engine and not _has_cuda():
+            refuse("model.transformer_engine", "true needs CUDA (Transformer Engine); no CUDA here: set it false")
+
 
 @dataclass
 class AlgorithmConfig:
@@ -138,6 +142,32 @@ class AlgorithmConfig:
     old-log-prob pass: the actor before the update, mu's routes replayed) | loglinear (A-3PO: interpolated
     from mu and pi_theta by policy versions, objectives/proximal.py; skips that pass; not with
     actor.router_replay=r2 or algorithm.kl_in_reward, which need it)."""
+
+    def check(self) -> None:
+        """This section's own rules."""
+        for key, registry, value in (("loss", POLICY_LOSSES, self.loss), ("correction", CORRECTIONS, self.correction)):
+            try:
+                registry.name_of(value)
+            except ValueError as e:
+                refuse(f"algorithm.{key}", f"{e}; choose one with algorithm/{key}=<name>")
+        if self.advantage not in ADVANTAGES:
+            refuse("algorithm.advantage", f"{self.advantage!r} is not one of {ADVANTAGES.names()}")
+        if self.advantage == "gae":
+            if POLICY_LOSSES.name_of(self.loss) != "ppo":
+                refuse(
+                    "algorithm.advantage",
+                    "gae gives every token its own advantage: it needs the token-level PPO loss "
+                    "(algorithm/loss=ppo); GSPO's sequence ratio takes one per sequence",
+                )
+            if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+                refuse("algorithm.gamma", f"gamma={self.gamma}, lam={self.lam}: both must be in [0, 1]")
+        if getattr(self.loss, "agg", AGG_MODES[0]) not in AGG_MODES:
+            refuse("algorithm.loss.agg", f"{self.loss.agg!r} is not one of {AGG_MODES}")
+        for key in ("kl_coef", "entropy_coef"):
+            if not getattr(self, key) >= 0:
+                refuse(f"algorithm.{key}", f"{getattr(self, key)}: must be >= 0")
+        if self.kl_in_reward and not self.kl_coef > 0:
+            refuse("algorithm.kl_in_reward", "needs algorithm.kl_coef > 0 (the weight of the KL in the reward)")
 
 
 @dataclass
@@ -179,6 +209,18 @@ class ActorConfig:
     (kernels/linear_logprob.py, token chunks of at most 256 MiB of logits on CPU, 1 GiB on GPU), vocab-parallel
     under TP: the [tokens, vocab] logits are never held whole. false: full logits + log-softmax."""
 
+    def check(self) -> None:
+        """This section's own rules."""
+        for key, what in (
+            ("micro_batch_size", "(samples per forward)"),
+            ("max_tokens_per_micro_batch", ""),
+            ("mini_batches", ""),
+        ):
+            if getattr(self, key) < 1:
+                refuse(f"actor.{key}", f"{getattr(self, key)}: must be >= 1" + (f" {what}" if what else ""))
+        if self.distributed_optimizer and not _has_cuda():
+            refuse("actor.distributed_optimizer", "true needs CUDA (megatron's DDP buffers, NCCL); set it false on CPU")
+
 
 @dataclass
 class DataConfig:
@@ -207,6 +249,23 @@ class DataConfig:
     overlong_prompts: Overlong = Overlong.error
     """A prompt whose tokens + sampling.max_tokens exceed the engine's context: error (name its line)
     | drop (drop such rows at start and print how many)."""
+
+    def check(self) -> None:
+        """This section's own rules: the files exist and the reward loads."""
+        if self.task == "file" and not self.path:
+            refuse("data.path", "task=file needs a jsonl or parquet path")
+        if self.task == "file" and not os.path.exists(self.path):
+            refuse("data.path", f"{self.path!r} does not exist")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            refuse("data.max_prompt_tokens", f"{self.max_prompt_tokens}: must be >= 1 (or null)")
+        try:
+            load_reward(self.reward)
+        except ValueError as e:
+            refuse("data.reward", str(e))
+        if self.val_path and not os.path.exists(self.val_path):
+            refuse("data.val_path", f"{self.val_path!r} does not exist")
+        if self.prompts_per_step < 1:
+            refuse("data.prompts_per_step", "must be >= 1")
 
 
 @dataclass
@@ -267,6 +326,27 @@ class TrainerConfig:
     """With true_on_policy: a step where some response token's pi_old != mu stops the run with an error naming
     the first such sample and position (false: a warning)."""
 
+    def check(self) -> None:
+        """This section's own rules."""
+        if self.mode == "from_dump" and not self.dump_dir:
+            refuse("trainer.dump_dir", "mode=from_dump needs the folder of an earlier run's dumps")
+        if self.mode == "from_dump" and self.dump_every:
+            refuse("trainer.dump_every", "mode=from_dump reads dumps; it cannot also write them")
+        for key in ("steps", "checkpoint_every", "checkpoint_keep", "dump_every", "val_every"):
+            if getattr(self, key) < 0:
+                refuse(f"trainer.{key}", "must be >= 0")
+        if self.max_skipped_steps < 1:
+            refuse("trainer.max_skipped_steps", f"{self.max_skipped_steps}: must be >= 1 (1 = stop at the first skip)")
+        if self.max_staleness not in (0, 1):
+            refuse(
+                "trainer.max_staleness",
+                f"{self.max_staleness}: choose 0 (synchronous) or 1 (the engine samples one batch ahead); a deeper "
+                "pipeline is not built",
+            )
+        if self.max_staleness and self.mode != "train":
+            why = f"{self.max_staleness}: off-policy rollouts need trainer.mode=train, not {self.mode}"
+            refuse("trainer.max_staleness", why)
+
 
 @dataclass
 class ValConfig:
@@ -285,6 +365,17 @@ class ValConfig:
     """Validation prompt i (in file order) samples with seed + i, whatever the engine layout."""
     pass_threshold: float = 1.0
     """A sample counts as correct for val/pass@k when its reward >= this."""
+
+    def check(self) -> None:
+        """This section's own rules."""
+        if self.n < 1:
+            refuse("val.n", "must be >= 1")
+        if self.temperature < 0:
+            refuse("val.temperature", f"{self.temperature}: must be >= 0 (0 = greedy)")
+        if self.temperature == 0 and self.n > 1:
+            refuse("val.n", f"{self.n}: greedy validation (val.temperature=0) gives one answer per prompt; use val.n=1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            refuse("val.max_tokens", f"{self.max_tokens}: must be >= 1 (or null = sampling.max_tokens)")
 
 
 @dataclass
@@ -341,6 +432,14 @@ class BufferConfig:
     max_gen_batches: int = 4
     """Generation batches a step may run to fill itself; then it trains what it has and says so."""
 
+    def check(self) -> None:
+        """This section's own rules (checked when buffer.enable)."""
+        for key, low in (("max_age", 0), ("alpha", 0), ("eps", 0), ("max_gen_batches", 1)):
+            if getattr(self, key) < low:
+                refuse(f"buffer.{key}", f"{getattr(self, key)}: must be >= {low}")
+        if not 0 <= self.fresh_fraction <= 1:
+            refuse("buffer.fresh_fraction", f"{self.fresh_fraction}: must be in [0, 1]")
+
 
 @dataclass
 class CriticConfig:
@@ -363,6 +462,18 @@ class CriticConfig:
     warmup_steps: int = 0
     """First steps in which only the critic updates (the actor and the engine's weights stay)."""
 
+    def check(self) -> None:
+        """This section's own rules (checked when a critic is trained: algorithm.advantage=gae)."""
+        if self.value_clip is not None and not self.value_clip > 0:
+            refuse("critic.value_clip", f"{self.value_clip}: must be > 0 (or null for no clipping)")
+        for key in ("mini_batches", "epochs"):
+            if getattr(self, key) < 1:
+                refuse(f"critic.{key}", f"{getattr(self, key)}: must be >= 1")
+        if self.warmup_steps < 0:
+            refuse("critic.warmup_steps", f"{self.warmup_steps}: must be >= 0")
+        if self.model_path and not os.path.exists(self.model_path):
+            refuse("critic.model_path", f"{self.model_path!r} does not exist")
+
 
 @dataclass
 class TrainConfig:
@@ -380,7 +491,7 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
 
 
-def _validate_multi_turn(cfg: TrainConfig, bad) -> None:
+def _validate_multi_turn(cfg: TrainConfig) -> None:
     """rollout.multi_turn.*: the environment loads, the limits make sense, and what multi-turn rollouts do not
     combine with yet is refused."""
     mt = cfg.rollout.multi_turn
@@ -389,17 +500,17 @@ def _validate_multi_turn(cfg: TrainConfig, bad) -> None:
     try:
         env_class(mt.env)
     except ValueError as e:
-        bad("rollout.multi_turn.env", str(e).partition(": ")[2])
+        refuse("rollout.multi_turn.env", str(e).partition(": ")[2])
     if mt.max_turns < 1:
-        bad("rollout.multi_turn.max_turns", f"{mt.max_turns}: must be >= 1")
+        refuse("rollout.multi_turn.max_turns", f"{mt.max_turns}: must be >= 1")
     if mt.max_observation_tokens < 1:
-        bad("rollout.multi_turn.max_observation_tokens", f"{mt.max_observation_tokens}: must be >= 1")
+        refuse("rollout.multi_turn.max_observation_tokens", f"{mt.max_observation_tokens}: must be >= 1")
     if mt.max_context_tokens < 0:
-        bad("rollout.multi_turn.max_context_tokens", f"{mt.max_context_tokens}: must be >= 0 (0 = the engine's)")
+        refuse("rollout.multi_turn.max_context_tokens", f"{mt.max_context_tokens}: must be >= 0 (0 = the engine's)")
     if not mt.env_timeout_s > 0:
-        bad("rollout.multi_turn.env_timeout_s", f"{mt.env_timeout_s}: must be > 0")
+        refuse("rollout.multi_turn.env_timeout_s", f"{mt.env_timeout_s}: must be > 0")
     if mt.missing_routes not in ("error", "live"):
-        bad("rollout.multi_turn.missing_routes", f"{mt.missing_routes!r}: choose error or live")
+        refuse("rollout.multi_turn.missing_routes", f"{mt.missing_routes!r}: choose error or live")
     refused = {
         "trainer.mode=from_dump (a dump already holds its trajectories; set rollout.multi_turn.env=none)": (
             cfg.trainer.mode == "from_dump"
@@ -414,14 +525,14 @@ def _validate_multi_turn(cfg: TrainConfig, bad) -> None:
     }
     for what, used in refused.items():
         if used:
-            bad("rollout.multi_turn.env", f"{mt.env}: multi-turn rollouts do not combine with {what}")
+            refuse("rollout.multi_turn.env", f"{mt.env}: multi-turn rollouts do not combine with {what}")
 
 
-def _validate_true_on_policy(cfg: TrainConfig, bad) -> None:
+def _validate_true_on_policy(cfg: TrainConfig) -> None:
     """trainer.true_on_policy: refuse every setting under which pi_old cannot equal mu bit for bit."""
     t, p = cfg.trainer, cfg.parallel
     if t.true_on_policy_strict and not t.true_on_policy:
-        bad("trainer.true_on_policy_strict", "true needs trainer.true_on_policy=true")
+        refuse("trainer.true_on_policy_strict", "true needs trainer.true_on_policy=true")
     if not t.true_on_policy:
         return
     refused = {
@@ -443,77 +554,21 @@ def _validate_true_on_policy(cfg: TrainConfig, bad) -> None:
     }
     for what, used in refused.items():
         if used:
-            bad("trainer.true_on_policy", f"cannot be exact with {what}")
+            refuse("trainer.true_on_policy", f"cannot be exact with {what}")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need no model, run before anything is built: one clear error naming the key."""
-
-    def bad(key: str, msg: str):
-        raise ConfigError(f"config {key}: {msg}")
-
-    alg = cfg.algorithm
-    for key, registry, value in (("loss", POLICY_LOSSES, alg.loss), ("correction", CORRECTIONS, alg.correction)):
-        try:
-            registry.name_of(value)
-        except ValueError as e:
-            bad(f"algorithm.{key}", f"{e}; choose one with algorithm/{key}=<name>")
-    if alg.advantage not in ADVANTAGES:
-        bad("algorithm.advantage", f"{alg.advantage!r} is not one of {ADVANTAGES.names()}")
-    if alg.advantage == "gae":
-        c = cfg.critic
-        if POLICY_LOSSES.name_of(alg.loss) != "ppo":
-            bad(
-                "algorithm.advantage",
-                "gae gives every token its own advantage: it needs the token-level PPO loss "
-                "(algorithm/loss=ppo); GSPO's sequence ratio takes one per sequence",
-            )
-        if c.value_clip is not None and not c.value_clip > 0:
-            bad("critic.value_clip", f"{c.value_clip}: must be > 0 (or null for no clipping)")
-        for key in ("mini_batches", "epochs"):
-            if getattr(c, key) < 1:
-                bad(f"critic.{key}", f"{getattr(c, key)}: must be >= 1")
-        if (cfg.sampling.n * cfg.data.prompts_per_step) % c.mini_batches:
-            bad("critic.mini_batches", f"{c.mini_batches} does not divide the samples per step")
-        if c.warmup_steps < 0:
-            bad("critic.warmup_steps", f"{c.warmup_steps}: must be >= 0")
-        if c.model_path and not os.path.exists(c.model_path):
-            bad("critic.model_path", f"{c.model_path!r} does not exist")
-        if not (0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1):
-            bad("algorithm.gamma", f"gamma={alg.gamma}, lam={alg.lam}: both must be in [0, 1]")
-    if getattr(alg.loss, "agg", AGG_MODES[0]) not in AGG_MODES:
-        bad("algorithm.loss.agg", f"{alg.loss.agg!r} is not one of {AGG_MODES}")
-    if cfg.rollout.model:
-        bad("rollout.model", "is set from model.path by the trainer; set model.path instead")
-    if cfg.rollout.seed is not None:
-        bad("rollout.seed", "is set from trainer.seed by the trainer; set trainer.seed instead")
-    if cfg.actor.router_replay == "r3" and cfg.rollout.capture == "none":
-        bad("actor.router_replay", "r3 replays the rollout engine's routes, but rollout.capture=none")
-    t = cfg.trainer
-    if t.mode == "from_dump" and not t.dump_dir:
-        bad("trainer.dump_dir", "mode=from_dump needs the folder of an earlier run's dumps")
-    if t.mode == "from_dump" and t.dump_every:
-        bad("trainer.dump_every", "mode=from_dump reads dumps; it cannot also write them")
-    for key in ("steps", "checkpoint_every", "checkpoint_keep", "dump_every"):
-        if getattr(t, key) < 0:
-            bad(f"trainer.{key}", "must be >= 0")
-    if cfg.data.task == "file" and not cfg.data.path:
-        bad("data.path", "task=file needs a jsonl or parquet path")
-    if cfg.data.task == "file" and not os.path.exists(cfg.data.path):
-        bad("data.path", f"{cfg.data.path!r} does not exist")
-    if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens < 1:
-        bad("data.max_prompt_tokens", f"{cfg.data.max_prompt_tokens}: must be >= 1 (or null)")
-    try:
-        load_reward(cfg.data.reward)
-    except ValueError as e:
-        bad("data.reward", str(e))
-
-    for key in ("kl_coef", "entropy_coef"):
-        if not getattr(alg, key) >= 0:
-            bad(f"algorithm.{key}", f"{getattr(alg, key)}: must be >= 0")
-    if alg.kl_in_reward and not alg.kl_coef > 0:
-        bad("algorithm.kl_in_reward", "needs algorithm.kl_coef > 0 (the weight of the KL in the reward)")
-
+    """Checks that need no model, run before anything is built: one clear error naming the key. Each section checks
+    its own keys (`check`); the rules here span sections."""
+    alg, t, r = cfg.algorithm, cfg.trainer, cfg.rollout
+    for section in (cfg.model, alg, cfg.actor, cfg.data, t, cfg.val, cfg.sampling, r):
+        section.check()
+    if alg.advantage == "gae":  # the critic trains
+        cfg.critic.check()
+        if (cfg.sampling.n * cfg.data.prompts_per_step) % cfg.critic.mini_batches:
+            refuse("critic.mini_batches", f"{cfg.critic.mini_batches} does not divide the samples per step")
+    if cfg.actor.router_replay == "r3" and r.capture == "none":
+        refuse("actor.router_replay", "r3 replays the rollout engine's routes, but rollout.capture=none")
     if alg.prox_logp == "loglinear":
         needs = {
             "actor.router_replay=r2": cfg.actor.router_replay == "r2",  # replays that pass's own routes
@@ -522,151 +577,84 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         }
         for what, used in needs.items():
             if used:
-                bad("algorithm.prox_logp", f"loglinear skips the old-log-prob pass that {what} needs; use recompute")
-    _validate_multi_turn(cfg, bad)
-    if t.val_every < 0:
-        bad("trainer.val_every", "must be >= 0")
+                refuse("algorithm.prox_logp", f"loglinear skips the old-log-prob pass that {what} needs; use recompute")
+    _validate_multi_turn(cfg)
     if (t.val_every or t.val_before_train) and not cfg.data.val_path:
-        bad("trainer.val_every", "validation needs data.val_path (a prompt file like data.path)")
+        refuse("trainer.val_every", "validation needs data.val_path (a prompt file like data.path)")
     if (t.val_every or t.val_before_train) and t.mode == "from_dump":
-        bad("trainer.val_every", "validation samples with the rollout engine; mode=from_dump has none")
-    if cfg.data.val_path and not os.path.exists(cfg.data.val_path):
-        bad("data.val_path", f"{cfg.data.val_path!r} does not exist")
-    if cfg.val.n < 1:
-        bad("val.n", "must be >= 1")
-    if cfg.val.temperature < 0:
-        bad("val.temperature", f"{cfg.val.temperature}: must be >= 0 (0 = greedy)")
-    if cfg.val.temperature == 0 and cfg.val.n > 1:
-        bad("val.n", f"{cfg.val.n}: greedy validation (val.temperature=0) gives one answer per prompt; use val.n=1")
-    if cfg.val.max_tokens is not None and cfg.val.max_tokens < 1:
-        bad("val.max_tokens", f"{cfg.val.max_tokens}: must be >= 1 (or null = sampling.max_tokens)")
-    if cfg.data.prompts_per_step < 1:
-        bad("data.prompts_per_step", "must be >= 1")
-    if cfg.sampling.n < 1:
-        bad("sampling.n", "must be >= 1")
-    if cfg.sampling.n < 2 and alg.advantage in ADVANTAGES and ADVANTAGES.meta(alg.advantage).get("needs_groups"):
-        bad(
+        refuse("trainer.val_every", "validation samples with the rollout engine; mode=from_dump has none")
+    if cfg.sampling.n < 2 and ADVANTAGES.meta(alg.advantage).get("needs_groups"):
+        refuse(
             "sampling.n",
             f"{cfg.sampling.n}: algorithm.advantage={alg.advantage} compares samples within a "
             "group of the same prompt, so every advantage would be 0; use sampling.n >= 2 (or advantage=reinforce)",
         )
     if t.mode != "from_dump" and not cfg.sampling.temperature > 0:
-        bad(
+        refuse(
             "sampling.temperature",
             f"{cfg.sampling.temperature}: training needs sampling (> 0); greedy decoding gives identical "
             "samples (zero advantages) and no behaviour log-probabilities for the importance ratio",
         )
-    if cfg.sampling.max_tokens < 1:
-        bad("sampling.max_tokens", f"{cfg.sampling.max_tokens}: must be >= 1 (tokens generated per sample)")
-    if cfg.actor.micro_batch_size < 1:
-        bad("actor.micro_batch_size", f"{cfg.actor.micro_batch_size}: must be >= 1 (samples per forward)")
-    if cfg.actor.max_tokens_per_micro_batch < 1:
-        bad("actor.max_tokens_per_micro_batch", f"{cfg.actor.max_tokens_per_micro_batch}: must be >= 1")
-    if cfg.actor.distributed_optimizer and not _has_cuda():
-        bad("actor.distributed_optimizer", "true needs CUDA (megatron's DDP buffers, NCCL); set it false on CPU")
-    if cfg.model.transformer_engine and not _has_cuda():
-        bad("model.transformer_engine", "true needs CUDA (Transformer Engine); no CUDA here: set it false")
     if cfg.actor.packing and _has_cuda() and not cfg.model.transformer_engine:
-        bad(
+        refuse(
             "actor.packing",
             "on GPU packed rows run as THD sequences through Transformer Engine (megatron's fused softmax "
             "ignores a block-diagonal mask in bf16): set model.transformer_engine=true, or actor.packing=false",
         )
-    if cfg.actor.mini_batches < 1:
-        bad("actor.mini_batches", f"{cfg.actor.mini_batches}: must be >= 1")
-    if t.max_skipped_steps < 1:
-        bad("trainer.max_skipped_steps", f"{t.max_skipped_steps}: must be >= 1 (1 = stop at the first skip)")
     samples = cfg.sampling.n * cfg.data.prompts_per_step
     if samples % cfg.actor.mini_batches:
-        bad("actor.mini_batches", f"{cfg.actor.mini_batches} does not divide the {samples} samples per step")
+        refuse("actor.mini_batches", f"{cfg.actor.mini_batches} does not divide the {samples} samples per step")
     try:
         dp = cfg.parallel.data_parallel_size(world_size)
     except ValueError as e:
-        bad("parallel", str(e).removeprefix("parallel: "))
+        refuse("parallel", str(e).removeprefix("parallel: "))
     if t.balance_batch and dp > 1 and t.mode != "from_dump" and cfg.data.prompts_per_step % cfg.actor.mini_batches:
-        bad(
+        refuse(
             "trainer.balance_batch",
             f"true moves whole groups within their mini-batch: data.prompts_per_step={cfg.data.prompts_per_step} "
             f"must be a multiple of actor.mini_batches={cfg.actor.mini_batches}; or set trainer.balance_batch=false",
         )
     if cfg.actor.packing and cfg.parallel.cp > 1 and cfg.model.transformer_engine:
-        bad(
+        refuse(
             "actor.packing",
             f"with parallel.cp={cfg.parallel.cp} and model.transformer_engine=true: THD packs would need a "
             "zigzag split per sample, not built yet; set actor.packing=false",
         )
-    r = cfg.rollout
-    if r.engines < 0 or (r.engines and dp % r.engines):
-        bad(
+    if r.engines and dp % r.engines:
+        refuse(
             "rollout.engines",
             f"{r.engines} engines cannot serve {dp} data-parallel ranks (world {world_size} / tp*pp*cp) in equal "
             f"shares; choose a divisor of {dp}, or 0 for one engine per data-parallel rank",
         )
-    if r.placement == "separate" and _has_cuda():
-        bad("rollout.placement", "separate engines on devices of their own are not built yet on GPU; use colocated")
-    if t.max_staleness not in (0, 1):
-        bad(
-            "trainer.max_staleness",
-            f"{t.max_staleness}: choose 0 (synchronous) or 1 (the engine samples one batch ahead); a deeper "
-            "pipeline is not built",
-        )
-    if t.max_staleness and t.mode != "train":
-        bad("trainer.max_staleness", f"{t.max_staleness}: off-policy rollouts need trainer.mode=train, not {t.mode}")
     b = cfg.buffer
     if b.enable:
+        b.check()
         if b.capacity < cfg.data.prompts_per_step:
-            bad(
+            refuse(
                 "buffer.capacity",
                 f"{b.capacity} groups cannot hold one step's data.prompts_per_step={cfg.data.prompts_per_step}",
             )
-        for key, low in (("max_age", 0), ("alpha", 0), ("eps", 0), ("max_gen_batches", 1)):
-            if getattr(b, key) < low:
-                bad(f"buffer.{key}", f"{getattr(b, key)}: must be >= {low}")
-        if not 0 <= b.fresh_fraction <= 1:
-            bad("buffer.fresh_fraction", f"{b.fresh_fraction}: must be in [0, 1]")
         if t.mode != "train":
-            bad("buffer.enable", f"the buffer trains on engine samples: trainer.mode=train, not {t.mode}")
+            refuse("buffer.enable", f"the buffer trains on engine samples: trainer.mode=train, not {t.mode}")
         if t.max_staleness:
-            bad("buffer.enable", "with trainer.max_staleness >= 1 (sampling ahead into the buffer) is not built yet")
+            refuse("buffer.enable", "with trainer.max_staleness >= 1 (sampling ahead into the buffer) is not built yet")
         if alg.advantage == "gae":
-            bad(
+            refuse(
                 "buffer.enable",
                 "with algorithm.advantage=gae is not built yet: groups enter the buffer with their advantages, and "
                 "GAE's come from the critic's values at training time",
             )
         if cfg.data.prompts_per_step % cfg.actor.mini_batches:
-            bad(
+            refuse(
                 "buffer.enable",
                 f"needs data.prompts_per_step={cfg.data.prompts_per_step} to be a multiple of "
                 f"actor.mini_batches={cfg.actor.mini_batches} (a short batch keeps whole groups per mini-batch)",
             )
-    _validate_true_on_policy(cfg, bad)
-    if r.weight_transport in DEVICE_TRANSPORTS and not _has_cuda():
-        bad("rollout.weight_transport", f"{r.weight_transport} moves device memory: needs CUDA; use shm on CPU")
-    elif r.weight_transport == "cuda_ipc" and r.tensor_parallel_size > 1:
-        bad(
-            "rollout.weight_transport",
-            f"cuda_ipc maps the bucket on the leader's GPU, which only the first of rollout.tensor_parallel_size="
-            f"{r.tensor_parallel_size} engine workers shares; use shm (host memory, any engine layout)",
-        )
-    if r.sleep_while_training:
-        why = {
-            "needs CUDA (vLLM's sleep mode frees device memory; the CPU engine has none to free)": not _has_cuda(),
-            f"with trainer.max_staleness={t.max_staleness} (the engine samples as the actor trains)": t.max_staleness,
-            "with rollout.placement=separate (the engine's device is not the actor's)": r.placement == "separate",
-        }
-        for reason, refused in why.items():
-            if refused:
-                bad("rollout.sleep_while_training", f"true {reason}")
-    if r.tensor_parallel_size < 1:
-        bad("rollout.tensor_parallel_size", f"{r.tensor_parallel_size}: must be >= 1")
-    if r.max_num_batched_tokens is not None and r.max_num_batched_tokens < 1:
-        bad("rollout.max_num_batched_tokens", f"{r.max_num_batched_tokens}: must be >= 1 (or null: vLLM's default)")
-    if r.tensor_parallel_size > 1 and r.placement == "separate":
-        bad(
-            "rollout.tensor_parallel_size",
-            f"{r.tensor_parallel_size} with rollout.placement=separate: the separate placement binds one engine "
-            "process to half of its rank's cores; use placement colocated",
+    _validate_true_on_policy(cfg)
+    if r.sleep_while_training and t.max_staleness:
+        refuse(
+            "rollout.sleep_while_training",
+            f"true with trainer.max_staleness={t.max_staleness} (the engine samples as the actor trains)",
         )
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from moe_rl.common.batch import RolloutBatch
+from moe_rl.common.errors import refuse
 from moe_rl.compat.vllm_plugin import BUSY_LOOP_ENV, CPU_ENGINE_ENV
 from moe_rl.rollout.multi_turn.config import MultiTurnConfig
 from moe_rl.rollout.placement import Placement
@@ -57,6 +58,13 @@ class SamplingConfig:
     seed: int | None = 0
     """Base seed; prompt i uses seed + i. None: unseeded."""
 
+    def check(self) -> None:
+        """This section's own rules."""
+        if self.n < 1:
+            refuse("sampling.n", "must be >= 1")
+        if self.max_tokens < 1:
+            refuse("sampling.max_tokens", f"{self.max_tokens}: must be >= 1 (tokens generated per sample)")
+
 
 class Capture(StrEnum):
     """Route capture (rollout.capture)."""
@@ -80,6 +88,9 @@ class WeightTransport(StrEnum):
     shm = "shm"  # a /dev/shm file the engine worker maps
     rpc = "rpc"  # a safetensors blob through collective_rpc
     cuda_ipc = "cuda_ipc"  # GPU: the bucket stays on the leader's device, mapped by CUDA IPC handle
+
+
+DEVICE_TRANSPORTS = (WeightTransport.cuda_ipc.value,)  # the bucket buffer lives in device memory
 
 
 class LogprobsMode(StrEnum):
@@ -157,6 +168,50 @@ class RolloutConfig:
     CPU, 16 on GPUs)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn (agentic) rollouts; rollout.multi_turn.env=none keeps single-turn rollouts."""
+
+    def check(self) -> None:
+        """This section's own rules (the trainer's config validation; the multi-turn ones span sections)."""
+        if self.model:
+            refuse("rollout.model", "is set from model.path by the trainer; set model.path instead")
+        if self.seed is not None:
+            refuse("rollout.seed", "is set from trainer.seed by the trainer; set trainer.seed instead")
+        if self.engines < 0:
+            refuse("rollout.engines", f"{self.engines}: must be >= 0 (0 = one engine per data-parallel rank)")
+        cuda = torch.cuda.is_available()
+        if self.placement == "separate" and cuda:
+            refuse(
+                "rollout.placement", "separate engines on devices of their own are not built yet on GPU; use colocated"
+            )
+        if self.weight_transport in DEVICE_TRANSPORTS and not cuda:
+            refuse(
+                "rollout.weight_transport", f"{self.weight_transport} moves device memory: needs CUDA; use shm on CPU"
+            )
+        elif self.weight_transport == "cuda_ipc" and self.tensor_parallel_size > 1:
+            refuse(
+                "rollout.weight_transport",
+                f"cuda_ipc maps the bucket on the leader's GPU, which only the first of rollout.tensor_parallel_size="
+                f"{self.tensor_parallel_size} engine workers shares; use shm (host memory, any engine layout)",
+            )
+        if self.sleep_while_training:
+            why = {
+                "needs CUDA (vLLM's sleep mode frees device memory; the CPU engine has none to free)": not cuda,
+                "with rollout.placement=separate (the engine's device is not the actor's)": self.placement
+                == "separate",
+            }
+            for reason, refused in why.items():
+                if refused:
+                    refuse("rollout.sleep_while_training", f"true {reason}")
+        if self.tensor_parallel_size < 1:
+            refuse("rollout.tensor_parallel_size", f"{self.tensor_parallel_size}: must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            why = f"{self.max_num_batched_tokens}: must be >= 1 (or null: vLLM's default)"
+            refuse("rollout.max_num_batched_tokens", why)
+        if self.tensor_parallel_size > 1 and self.placement == "separate":
+            refuse(
+                "rollout.tensor_parallel_size",
+                f"{self.tensor_parallel_size} with rollout.placement=separate: the separate placement binds one engine "
+                "process to half of its rank's cores; use placement colocated",
+            )
 
 
 def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -341,9 +342,7 @@ def test_the_loss_is_chosen_by_its_group_only():
 def test_gpu_only_transport_choices_are_checked_as_on_a_gpu(monkeypatch):
     """What a GPU machine would be told (validated here with CUDA pretended present): cuda_ipc serves a colocated
     engine of one worker only."""
-    import moe_rl.config as config
-
-    monkeypatch.setattr(config, "_has_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = ["actor.packing=false"]  # packing on GPU needs Transformer Engine (another check)
     validate(OmegaConf.to_object(_compose([*gpu, "rollout.weight_transport=cuda_ipc"])), world_size=2)
     tp_engine = [*gpu, "rollout.weight_transport=cuda_ipc", "rollout.tensor_parallel_size=2", "parallel.tp=2"]
