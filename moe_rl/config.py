@@ -26,6 +26,7 @@ from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.common.errors import ConfigError, refuse
 from moe_rl.data.prompts import Overlong
 from moe_rl.data.rewards import load_reward
+from moe_rl.data.tasks import ArithmeticConfig, check_count
 from moe_rl.models.tiny import Arch
 from moe_rl.objectives import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 from moe_rl.objectives.aggregation import AGG_MODES
@@ -65,6 +66,15 @@ class Task(StrEnum):
 
     toy = "toy"  # the built-in toy prompts
     file = "file"  # data.path
+    arithmetic = "arithmetic"  # generated arithmetic problems (moe_rl/data/tasks.py; data.arithmetic)
+
+
+TASK_REWARDS = {
+    Task.toy: "moe_rl.data.rewards:toy_low_token_reward",
+    Task.file: "moe_rl.data.rewards:toy_low_token_reward",
+    Task.arithmetic: "moe_rl.data.rewards:numeric_answer_reward",
+}
+"""The reward a task is scored with when data.reward is empty."""
 
 
 class Mode(StrEnum):
@@ -225,7 +235,8 @@ class ActorConfig:
 @dataclass
 class DataConfig:
     task: Task = Task.toy
-    """toy (built in, learnable by a tiny random model) | file."""
+    """toy (built in, learnable by a tiny random model) | file (data.path) | arithmetic (generated problems with
+    worked solutions and integer answers: data.arithmetic)."""
     path: str = ""
     """jsonl or parquet file, or the folder of an HF dataset saved with save_to_disk (task=file)."""
     prompt_key: str = "prompt"
@@ -242,13 +253,26 @@ class DataConfig:
     """Validation prompts (same formats and keys as path), evaluated every trainer.val_every steps."""
     answer_key: str = "answer"
     """Field holding the reference answer passed to the reward (task=file)."""
-    reward: str = "moe_rl.data.rewards:toy_low_token_reward"
-    """Reward plugin `module:function(responses, answers, response_ids) -> list[float]`."""
+    reward: str = ""
+    """Reward plugin `module:function(responses, answers, response_ids) -> list[float]`; empty: the task's own
+    (toy and file: moe_rl.data.rewards:toy_low_token_reward; arithmetic: moe_rl.data.rewards:numeric_answer_reward,
+    1 when the last integer of the response is the answer)."""
     prompts_per_step: int = 4
     """Prompts per step on each data-parallel rank (samples = prompts * rollout.n)."""
     overlong_prompts: Overlong = Overlong.error
     """A prompt whose tokens + sampling.max_tokens exceed the engine's context: error (name its line)
     | drop (drop such rows at start and print how many)."""
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    """task=arithmetic: operands, digits and operators of the generated problems."""
+    problems: int = 20000
+    """task=arithmetic: distinct problems of the train split drawn with trainer.seed (the prompt pool)."""
+    val_problems: int = 200
+    """task=arithmetic: problems of the val split that validation scores when data.val_path is empty."""
+
+    @property
+    def reward_spec(self) -> str:
+        """The reward plugin the run uses: data.reward, or the task's own."""
+        return self.reward or TASK_REWARDS[self.task]
 
     def check(self) -> None:
         """This section's own rules: the files exist and the reward loads."""
@@ -259,9 +283,19 @@ class DataConfig:
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             refuse("data.max_prompt_tokens", f"{self.max_prompt_tokens}: must be >= 1 (or null)")
         try:
-            load_reward(self.reward)
+            load_reward(self.reward_spec)
         except ValueError as e:
             refuse("data.reward", str(e))
+        if self.task == "arithmetic":
+            self.arithmetic.check()
+            for key in ("problems", "val_problems"):
+                if getattr(self, key) < 1:
+                    refuse(f"data.{key}", f"{getattr(self, key)}: must be >= 1")
+            for key, split in (("problems", "train"), ("val_problems", "val")):
+                try:
+                    check_count(self.arithmetic, split, getattr(self, key))
+                except ConfigError as e:
+                    refuse(f"data.{key}", str(e))
         if self.val_path and not os.path.exists(self.val_path):
             refuse("data.val_path", f"{self.val_path!r} does not exist")
         if self.prompts_per_step < 1:
@@ -579,8 +613,11 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             if used:
                 refuse("algorithm.prox_logp", f"loglinear skips the old-log-prob pass that {what} needs; use recompute")
     _validate_multi_turn(cfg)
-    if (t.val_every or t.val_before_train) and not cfg.data.val_path:
-        refuse("trainer.val_every", "validation needs data.val_path (a prompt file like data.path)")
+    if (t.val_every or t.val_before_train) and not cfg.data.val_path and cfg.data.task != "arithmetic":
+        refuse(
+            "trainer.val_every",
+            "validation needs data.val_path (a prompt file like data.path), or data.task=arithmetic (its val split)",
+        )
     if (t.val_every or t.val_before_train) and t.mode == "from_dump":
         refuse("trainer.val_every", "validation samples with the rollout engine; mode=from_dump has none")
     if cfg.sampling.n < 2 and ADVANTAGES.meta(alg.advantage).get("needs_groups"):

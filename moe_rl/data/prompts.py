@@ -1,4 +1,5 @@
-"""Prompt sources: the built-in toy prompts, jsonl/parquet files or a `Dataset.save_to_disk` folder.
+"""Prompt sources: the built-in toy prompts, a built-in task's problems (moe_rl/data/tasks.py), jsonl/parquet files
+or a `Dataset.save_to_disk` folder.
 
 A row holds a prompt string (`data.prompt_key`) or a chat conversation (`data.messages_key`: a list
 of {"role": str, "content": str}). With `data.apply_chat_template=true` every prompt is rendered by
@@ -18,6 +19,8 @@ import random
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+
+from moe_rl.data.tasks import ArithmeticConfig, Split, generate
 
 
 class DataError(ValueError):
@@ -98,15 +101,21 @@ class PromptSource:
         context_limit: int | None = None,
         overlong: str = "error",
         answers_for: str | None = None,
+        problems: tuple[ArithmeticConfig, Split, int] | None = None,
     ):
         """`answers_for`: what needs every prompt's reference answer (a reward or an environment), named in the
-        error when a prompt has none; None: answers are optional."""
+        error when a prompt has none; None: answers are optional. `problems` (task=arithmetic): the task's
+        settings, the split and how many distinct problems of it to draw with `seed`."""
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong_prompts={overlong!r}: choose one of {OVERLONG_POLICIES}")
         if task == "toy":
             rng = random.Random(seed)
             words = [" ".join(rng.choice(TOY_WORDS) for _ in range(rng.randint(2, 8))) for _ in range(512)]
             self.items = [Prompt(w, source=f"toy:{i}") for i, w in enumerate(words)]
+        elif task == "arithmetic":
+            cfg, split, count = problems
+            drawn = generate(cfg, split, count, seed)
+            self.items = [Prompt(p.prompt, str(p.answer), source=f"{task}:{split}:{i}") for i, p in enumerate(drawn)]
         else:
             self.items = read_prompt_file(path, prompt_key, answer_key, messages_key)
         if apply_chat_template:

@@ -151,7 +151,7 @@ class Trainer:
 
         cfg, d = self.cfg, self.cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.reward_fn = load_reward(d.reward)
+        self.reward_fn = load_reward(d.reward_spec)
         self.data = self._read_prompts(
             d.path,
             ps.get_data_parallel_rank(),
@@ -159,6 +159,7 @@ class Trainer:
             cfg.sampling.max_tokens,
             d.task,
             answers_for=self._answers_for(training=True),
+            problems=(d.arithmetic, "train", d.problems),
         )  # context-parallel ranks share their samples
         if self.data.dropped and self.rank == 0:
             say(
@@ -173,13 +174,21 @@ class Trainer:
         if training and env != "none":  # the environment scores; the reward function is not called
             needs = getattr(env_class(env), "needs_answer", False)  # an optional attribute of an environment class
             return f"rollout.multi_turn.env={env}" if needs else None
-        return f"data.reward={self.cfg.data.reward}" if getattr(self.reward_fn, "needs_answer", False) else None
+        needs = getattr(self.reward_fn, "needs_answer", False)
+        return f"data.reward={self.cfg.data.reward_spec}" if needs else None
 
     def _read_prompts(
-        self, path: str, dp_rank: int, dp_size: int, max_tokens: int, task: str = "file", answers_for=None
+        self,
+        path: str,
+        dp_rank: int,
+        dp_size: int,
+        max_tokens: int,
+        task: str = "file",
+        answers_for=None,
+        problems=None,
     ):
         """A PromptSource over `path` (this data-parallel rank's shard), rendered, tokenized and length-checked
-        as data.* says, for responses of up to `max_tokens`; `answers_for`: see PromptSource."""
+        as data.* says, for responses of up to `max_tokens`; `answers_for`, `problems`: see PromptSource."""
         cfg, d = self.cfg, self.cfg.data
         context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
         return PromptSource(
@@ -197,6 +206,7 @@ class Trainer:
             context_limit=context - max_tokens,
             overlong=d.overlong_prompts,
             answers_for=answers_for,
+            problems=problems,
         )
 
     def _build_source(self):
@@ -284,11 +294,16 @@ class Trainer:
     def _build_validator(self, engine):
         cfg = self.cfg
         max_tokens = cfg.val.max_tokens or cfg.sampling.max_tokens
-        val = self._read_prompts(cfg.data.val_path, 0, 1, max_tokens, answers_for=self._answers_for(training=False))
+        d, answers = cfg.data, self._answers_for(training=False)
+        if d.val_path or d.task != "arithmetic":
+            val = self._read_prompts(d.val_path, 0, 1, max_tokens, answers_for=answers)
+        else:  # the task's val split
+            problems = (d.arithmetic, "val", d.val_problems)
+            val = self._read_prompts("", 0, 1, max_tokens, d.task, answers_for=answers, problems=problems)
         prompts = val.items  # in file order, every rank the same list
         if self.rank == 0:
             dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
-            say(f"[moe-rl] validation: {len(prompts)} prompts of {cfg.data.val_path}{dropped}")
+            say(f"[moe-rl] validation: {len(prompts)} prompts of {d.val_path or 'the arithmetic val split'}{dropped}")
         groups = self.source.groups
         args = (self.tokenizer, self.reward_fn, cfg.val, cfg.sampling, self._engine_may_stop)
         return Validator(prompts, groups, engine, *args)
