@@ -34,13 +34,14 @@ def _refuse(error: Exception) -> None:
     raise SystemExit(2) from None
 
 
-def _print_keys(prefix: str) -> None:
-    """`--keys [prefix]`: every key under prefix with its default and its comment (the docstring under the field)."""
+def print_keys(prefix: str, schema: type | None = None) -> None:
+    """`--keys [prefix]`: every key under prefix with its default and its comment (the docstring under the field);
+    `schema`: the config class (default TrainConfig)."""
     import textwrap
 
-    from moe_rl.config import describe_keys
+    from moe_rl.config import TrainConfig, describe_keys
 
-    rows = describe_keys(prefix)
+    rows = describe_keys(prefix, schema or TrainConfig)
     if not rows:
         raise SystemExit(f"--keys {prefix}: no key starts with {prefix!r} (try --keys without a prefix)")
     for key, default, comment in rows:
@@ -84,7 +85,7 @@ if __name__ == "__main__":
     from moe_rl.trainer.signals import run_then_exit
 
     if sys.argv[1:2] == ["--keys"]:
-        _print_keys(sys.argv[2] if len(sys.argv) > 2 else "")
+        print_keys(sys.argv[2] if len(sys.argv) > 2 else "")
         raise SystemExit(0)
     register_configs()
     register_run_stamp()  # conf/train_moe.yaml's run directory

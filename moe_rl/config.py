@@ -525,6 +525,128 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
 
 
+class SFTTask(StrEnum):
+    """Where the SFT examples come from (the SFT data.task)."""
+
+    arithmetic = "arithmetic"  # generated problems with worked solutions (data.arithmetic)
+    file = "file"  # data.path
+
+
+@dataclass
+class SFTDataConfig:
+    """The examples of supervised fine-tuning (launch/sft_moe.py; moe_rl/data/sft.py)."""
+
+    task: SFTTask = SFTTask.arithmetic
+    """arithmetic (generated problems with their worked solutions: data.arithmetic) | file (data.path)."""
+    path: str = ""
+    """task=file: jsonl or parquet rows (or a save_to_disk folder) with a prompt and a response, or a chat."""
+    val_path: str = ""
+    """task=file: validation rows in the same format (val/loss); empty: no validation."""
+    prompt_key: str = "prompt"
+    """Field of a row holding the prompt."""
+    response_key: str = "response"
+    """Field of a row holding the response to learn."""
+    messages_key: str = "messages"
+    """Field of a row holding a chat ({"role", "content"} messages): rendered with the tokenizer's chat template,
+    the loss on the assistant turns only."""
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    """task=arithmetic: operands, digits and operators of the problems."""
+    problems: int = 20000
+    """task=arithmetic: distinct problems of the train split drawn with trainer.seed."""
+    val_problems: int = 200
+    """task=arithmetic: problems of the val split scored by val/loss."""
+    batch_size: int = 64
+    """Examples per optimizer step over all data-parallel ranks (a multiple of the data-parallel size). At scale
+    a few hundred sequences (Qwen3-30B-A3B SFT recipes: 256-512 at 4-8k tokens)."""
+    max_length: int | None = None
+    """Longest example in tokens (prompt + response); null: the model's context. A longer row is an error naming
+    it."""
+
+    def check(self) -> None:
+        """This section's own rules."""
+        if self.task == "file":
+            if not self.path:
+                refuse("data.path", "task=file needs a jsonl or parquet file of prompt/response rows")
+            for key in ("path", "val_path"):
+                value = getattr(self, key)
+                if value and not os.path.exists(value):
+                    refuse(f"data.{key}", f"{value!r} does not exist")
+        else:
+            self.arithmetic.check()
+            for key, split in (("problems", "train"), ("val_problems", "val")):
+                if getattr(self, key) < 1:
+                    refuse(f"data.{key}", f"{getattr(self, key)}: must be >= 1")
+                try:
+                    check_count(self.arithmetic, split, getattr(self, key))
+                except ConfigError as e:
+                    refuse(f"data.{key}", str(e))
+        if self.batch_size < 1:
+            refuse("data.batch_size", f"{self.batch_size}: must be >= 1")
+        if self.max_length is not None and self.max_length < 2:
+            refuse("data.max_length", f"{self.max_length}: must be >= 2 (or null: the model's context)")
+
+
+@dataclass
+class SFTTrainerConfig:
+    steps: int = 300
+    """Optimizer steps (counting resumed ones)."""
+    seed: int = 1234
+    """Seeds the model init (tiny model), the problems drawn and the order of the examples."""
+    checkpoint_every: int = 100
+    """Save every N steps (0 = only at the end and on SIGTERM)."""
+    checkpoint_dir: str = ""
+    """Default: <run dir>/checkpoints."""
+    checkpoint_keep: int = 2
+    """Keep the newest N complete checkpoints (0 = all)."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in checkpoint_dir, if any) | auto_skip_damaged | off | a step_* folder."""
+    val_every: int = 50
+    """Validation loss (val/loss, the token mean over the validation examples) every N steps and at the end;
+    0 = never."""
+    export_hf: bool = True
+    """At the end, write the model as a Hugging Face folder, <run dir>/hf (train_moe.py model.path=<it> starts RL
+    from it)."""
+
+    def check(self) -> None:
+        """This section's own rules."""
+        for key in ("steps", "checkpoint_every", "checkpoint_keep", "val_every"):
+            if getattr(self, key) < 0:
+                refuse(f"trainer.{key}", "must be >= 0")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on the RL trainer's actor (launch/sft_moe.py): the same model, parallel and actor
+    sections; the actor routes live (no engine, nothing to replay)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    actor: ActorConfig = field(
+        default_factory=lambda: ActorConfig(router_replay=RouterReplay.off, lr=1e-3, mini_batches=1)
+    )
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def validate_sft(cfg: SFTConfig, world_size: int) -> None:
+    """The SFT run's checks, before anything is built: one clear error naming the key."""
+    for section in (cfg.model, cfg.actor, cfg.data, cfg.trainer):
+        section.check()
+    if cfg.actor.router_replay != "off":
+        refuse("actor.router_replay", f"{cfg.actor.router_replay}: SFT has no rollout routes to replay; set off")
+    if cfg.actor.mini_batches != 1:
+        refuse("actor.mini_batches", f"{cfg.actor.mini_batches}: SFT takes one optimizer step per data.batch_size")
+    if cfg.actor.packing and _has_cuda() and not cfg.model.transformer_engine:
+        refuse("actor.packing", "on GPU packed rows run as THD sequences: set model.transformer_engine=true")
+    try:
+        dp = cfg.parallel.data_parallel_size(world_size)
+    except ValueError as e:
+        refuse("parallel", str(e).removeprefix("parallel: "))
+    if cfg.data.batch_size % dp:
+        refuse("data.batch_size", f"{cfg.data.batch_size} does not split over {dp} data-parallel ranks")
+
+
 def _validate_multi_turn(cfg: TrainConfig) -> None:
     """rollout.multi_turn.*: the environment loads, the limits make sense, and what multi-turn rollouts do not
     combine with yet is refused."""
@@ -704,7 +826,7 @@ GROUPS = {"algorithm/loss": POLICY_LOSSES, "algorithm/correction": CORRECTIONS}
 
 
 def register_configs() -> None:
-    """The schema (`train_moe_schema`) and one group option per registered loss and correction."""
+    """The schemas (`train_moe_schema`, `sft_moe_schema`) and one group option per registered loss and correction."""
     # heavy: hydra and omegaconf, imported on first use
     from hydra.core.config_store import ConfigStore
     from omegaconf import MISSING, OmegaConf
@@ -716,6 +838,7 @@ def register_configs() -> None:
     schema.algorithm.loss = MISSING
     schema.algorithm.correction = MISSING
     cs.store(name="train_moe_schema", node=schema)
+    cs.store(name="sft_moe_schema", node=OmegaConf.structured(SFTConfig))
     for group, registry in GROUPS.items():
         for name, cls in registry.configs().items():
             cs.store(group=group, name=name, node=cls)
@@ -772,7 +895,7 @@ SLOTS = {g.replace("/", ".") for g in GROUPS}
 """The dataclass-valued keys a group option fills (algorithm.loss, algorithm.correction)."""
 
 
-def describe_keys(prefix: str = "") -> list[tuple[str, Any, str]]:
+def describe_keys(prefix: str = "", schema: type = TrainConfig) -> list[tuple[str, Any, str]]:
     """(key, default, comment) of every settable key that starts with `prefix` (`rollout`, `algorithm.loss`, ...),
     the settings of every registered loss and correction included (under algorithm.loss.* / algorithm.correction.*,
     named by option). What `launch/train_moe.py --keys` prints."""
@@ -791,8 +914,8 @@ def describe_keys(prefix: str = "") -> list[tuple[str, Any, str]]:
                 rows += walk(value, f"{at}{f.name}.")
         return rows
 
-    rows = walk(TrainConfig(), "")
-    for group, registry in GROUPS.items():
+    rows = walk(schema(), "")
+    for group, registry in GROUPS.items() if schema is TrainConfig else ():
         slot = group.replace("/", ".")
         for name, cls in sorted(registry.configs().items()):
             rows += walk(cls(), f"{slot}.", f"[{group}={name}] ")
@@ -803,13 +926,13 @@ REMOVED = {"algorithm.policy_loss": "choose the loss with the group, algorithm/l
 """Keys that were removed, with what replaces them."""
 
 
-def check_overrides(overrides: list[str]) -> None:
+def check_overrides(overrides: list[str], schema: type = TrainConfig) -> None:
     """Refuse a command-line key that no config has, naming the closest valid one, before Hydra
     composes anything (Hydra's own message lists no alternative). Group choices
     (`algorithm=ppo_tis`, `algorithm/loss=ppo`) and `hydra.*` / `+key` / `~key` pass through."""
-    known = set(_schema_keys(TrainConfig()))
-    choices = _choices(TrainConfig())
-    for registry_group, registry in GROUPS.items():  # every loss's and correction's settings
+    known = set(_schema_keys(schema()))
+    choices = _choices(schema())
+    for registry_group, registry in GROUPS.items() if schema is TrainConfig else ():  # every loss's and correction's
         slot = registry_group.replace("/", ".")
         for cls in registry.configs().values():
             known |= {f"{slot}.{k}" for k in _schema_keys(cls())}

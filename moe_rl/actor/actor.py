@@ -24,6 +24,7 @@ from moe_rl.actor.train_step import all_finite, train_minibatch
 from moe_rl.actor.weights import full_hf_state_dict
 from moe_rl.common.batch import PaddedBatch, ProxPolicy
 from moe_rl.common.distributed import global_mean, global_sums, loss_counts
+from moe_rl.objectives.sft import nll_loss
 from moe_rl.routing.records import route_dtype
 
 
@@ -296,6 +297,37 @@ class Actor:
             else None
         )
         return out | self._pass_shape(padded, plan)
+
+    def supervised_step(self, padded: PaddedBatch) -> dict[str, float]:
+        """Supervised fine-tuning: one optimizer step of next-token cross-entropy on `padded.loss_mask`'s tokens,
+        the token mean over every data-parallel rank's batch (objectives/sft.py); the actor routes live. Returns
+        sft/loss (that mean, before the step), actor/grad_norm, actor/skipped_steps and the pass's shape."""
+        plan = self.pack_plan(padded)
+        (counts,) = loss_counts([padded.loss_mask])
+        batch = {"input_ids": padded.input_ids, "attention_mask": padded.attention_mask, "loss_mask": padded.loss_mask}
+        m = train_minibatch(
+            self.chunks,
+            self.optimizer,
+            batch,
+            functools.partial(nll_loss, num_tokens=counts["num_tokens"]),
+            self.cfg.micro_batch_size,
+            fused_logprob=self.fused_logprob,
+            pack=plan,
+            ddp=self.ddp,
+        )
+        self.version += 1
+        out = {"sft/loss": m.get("nll", 0.0), "actor/grad_norm": m["actor/grad_norm"]}
+        out["actor/skipped_steps"] = m["skipped"]
+        return out | self._pass_shape(padded, plan)
+
+    @torch.no_grad()
+    def nll(self, padded: PaddedBatch) -> float:
+        """Token-mean next-token cross-entropy on `padded.loss_mask`'s tokens over every data-parallel rank's batch
+        (validation loss). Collective."""
+        logp = self._logprobs(self.chunks, None, padded, with_entropy=False)["logprobs"]
+        mask = padded.loss_mask.to(logp.dtype)
+        total, tokens = global_sums([float(-(logp * mask).sum()), float(mask.sum())])
+        return total / max(tokens, 1.0)
 
     def _pass_shape(self, padded: PaddedBatch, plan) -> dict[str, float]:
         """What the update computed: perf/micro_batches (forwards on a rank), perf/padding_fraction

@@ -215,17 +215,21 @@ def _check_lengths(items: list[Prompt], limit: int, limit_name: str, policy: str
 def read_prompt_file(path: str, prompt_key: str, answer_key: str, messages_key: str = "messages") -> list[Prompt]:
     """Prompts of a jsonl or parquet file or a `Dataset.save_to_disk` folder; a DataError names the
     file and line (`file:line`, `file:row N` counting from 1) of any bad row."""
-    p = Path(path)
-    if p.is_dir():
-        rows = _dataset_folder_rows(p)
-    elif p.is_file():
-        rows = _parquet_rows(p) if p.suffix == ".parquet" else _jsonl_rows(p)
-    else:
-        raise FileNotFoundError(f"data.path={path!r} does not exist")
-    items = [_prompt(where, row, prompt_key, answer_key, messages_key) for where, row in rows]
+    items = [_prompt(where, row, prompt_key, answer_key, messages_key) for where, row in read_rows(path)]
     if not items:
         raise DataError(f"{path}: holds no prompts (empty file)")
     return items
+
+
+def read_rows(path: str):
+    """(where, row) of each row of a jsonl or parquet file or a `Dataset.save_to_disk` folder; `where` is `file:line`
+    or `file:row N` (counting from 1)."""
+    p = Path(path)
+    if p.is_dir():
+        return _dataset_folder_rows(p)
+    if p.is_file():
+        return _parquet_rows(p) if p.suffix == ".parquet" else _jsonl_rows(p)
+    raise FileNotFoundError(f"data.path={path!r} does not exist")
 
 
 def _prompt(where: str, row, prompt_key: str, answer_key: str, messages_key: str) -> Prompt:

@@ -4,7 +4,7 @@ integer answer (for RL rewards and evaluation).
 A problem's split (train / val / test) is a function of the problem's own text (a SHA-256 of it), so no seed
 can put one problem in two splits; the seed only picks which problems of a split are drawn, each at most once.
 Rows are `{"prompt", "response", "answer"}`: the prompt is the expression and "=", the response works it out
-one operation per step and ends with the result (`12+34=46, 46-5=41`), so the last integer in a response is its
+one operation per step and ends with the result (`12+34=46;46-5=41`), so the last integer in a response is its
 answer (`moe_rl.data.rewards:numeric_answer_reward` scores it).
 
     python -m moe_rl.data.tasks arithmetic --split test --n 500 --seed 7 --out test.jsonl
@@ -102,7 +102,7 @@ def solve(numbers: list[int], ops: list[str]) -> tuple[str, int]:
                 del ops[i]
             else:
                 i += 1
-    return ", ".join(steps), numbers[0]
+    return ";".join(steps), numbers[0]  # no spaces: the byte-level tokenizer keeps every digit a token
 
 
 def arithmetic_problem(rng: random.Random, cfg: ArithmeticConfig) -> Problem:

@@ -18,28 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+from moe_rl.actor.hf_export import write_hf_folder
 from moe_rl.actor.model import build_model, load_hf_config
 from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
-from moe_rl.actor.weights import HFCheckpoint, export_hf_state_dict
 from moe_rl.trainer import checkpoint
-
-# Files copied from the source HF folder next to the exported weights.
-SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-    "chat_template.jinja",
-)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -53,56 +39,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
-def untrained_mtp_tensors(model_dir: str | Path, hf_cfg) -> dict[str, torch.Tensor]:
-    """The source checkpoint's multi-token-prediction layers: `model.layers.{i}.*` for the
-    `num_nextn_predict_layers` layers numbered from `num_hidden_layers`."""
-    n = int(getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0)
-    if not n:
-        return {}
-    ckpt = HFCheckpoint(model_dir)
-    first = hf_cfg.num_hidden_layers
-    prefixes = tuple(f"model.layers.{i}." for i in range(first, first + n))
-    return {k: ckpt.get(k) for k in ckpt.weight_map if k.startswith(prefixes)}
-
-
 def export(
     ckpt: str | Path, out: str | Path, model: str | None = None, dtype: str | None = None, parallel=None
 ) -> Path:
     """Collective when distributed; rank 0 writes `out`. Returns the output folder."""
-    # heavy: huggingface_hub, imported on first use
-    from huggingface_hub import save_torch_state_dict
-
     ckpt = resolve_checkpoint(ckpt)
     if model is None:
         meta = ckpt / "trainer.json"
         if not meta.is_file():
             raise FileNotFoundError(f"{meta} is missing; pass --model HF_DIR (the folder the run started from)")
         model = json.loads(meta.read_text())["model_path"]
-    hf_cfg = load_hf_config(model)
-    chunks, conv = build_model(hf_cfg, parallel or ParallelConfig())
+    chunks, conv = build_model(load_hf_config(model), parallel or ParallelConfig())
     checkpoint.load_model(ckpt, chunks)
-    state = export_hf_state_dict(chunks, conv)
-    out = Path(out)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        target = getattr(torch, dtype) if dtype else getattr(hf_cfg, "dtype", None) or torch.float32
-        if isinstance(target, str):
-            target = getattr(torch, target)
-        out.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.detach().to(target, copy=True) for k, v in state.items()}  # views share storage
-        mtp = untrained_mtp_tensors(model, hf_cfg)
-        if mtp:
-            weights.update({k: v.to(target) for k, v in mtp.items()})
-            print(f"[moe-rl] copied {len(mtp)} multi-token-prediction tensors unchanged from {model} (not trained)")
-        save_torch_state_dict(weights, out, max_shard_size="5GB")
-        hf_cfg.dtype = target
-        hf_cfg.save_pretrained(out)
-        for name in SIDE_FILES:
-            if (Path(model) / name).is_file():
-                shutil.copy2(Path(model) / name, out / name)
-        (out / "moe_rl_export.json").write_text(json.dumps({"checkpoint": str(ckpt), "source_model": str(model)}))
-    if dist.is_initialized():
-        dist.barrier()
-    return out
+    return write_hf_folder(chunks, conv, model, out, dtype, {"checkpoint": str(ckpt), "source_model": str(model)})
 
 
 def main(argv: list[str] | None = None) -> None:

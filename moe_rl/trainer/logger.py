@@ -62,6 +62,7 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     out rather than shown as nan."""
     times = " ".join(f"{k[5:]}={v:.1f}s" for k, v in metrics.items() if k.startswith("time/"))
     shown = (
+        ("loss", "sft/loss", ".4f"),
         ("reward", "reward/mean", ".3f"),
         ("len", "response/length_mean", ".1f"),
         ("turns", "multi_turn/turns_mean", ".2f"),
@@ -155,9 +156,10 @@ def run_config(cfg) -> dict:
     from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
 
     out = dataclasses.asdict(cfg)
-    alg = cfg.algorithm
-    out["algorithm"]["loss"]["name"] = POLICY_LOSSES.name_of(alg.loss)
-    out["algorithm"]["correction"]["name"] = CORRECTIONS.name_of(alg.correction)
+    alg = getattr(cfg, "algorithm", None)  # an SFT config has none
+    if alg is not None:
+        out["algorithm"]["loss"]["name"] = POLICY_LOSSES.name_of(alg.loss)
+        out["algorithm"]["correction"]["name"] = CORRECTIONS.name_of(alg.correction)
     return out
 
 
@@ -246,10 +248,12 @@ class RunLogger:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
-        if "reward/mean" in metrics:  # a training step (a record may hold only validation)
+        if "reward/mean" in metrics or "sft/loss" in metrics:  # a training step (a record may hold only validation)
             self._print(step_line(step, self.total, metrics))
         if "val/reward_mean" in metrics:
             self._print(val_line(step, metrics))
+        if "val/loss" in metrics:
+            self._print(f"validation at step {step}: loss {metrics['val/loss']:.4f}")
         if self.progress is not None:
             self.progress.update(self.task, completed=step)
 

@@ -99,7 +99,7 @@ def check_model(path: str, parallel, out_dir: Path, seed: int) -> None:
 
     exported = export_hf_state_dict(chunks, conv)
     ckpt = HFCheckpoint(path)
-    from moe_rl.tools.export_hf import untrained_mtp_tensors
+    from moe_rl.actor.hf_export import untrained_mtp_tensors
 
     trained = set(ckpt.weight_map) - set(untrained_mtp_tensors(path, cfg))  # MTP layers are not the actor's
     missing = sorted(trained - set(exported))

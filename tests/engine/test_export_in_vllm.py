@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from moe_rl.actor.forward import compute_logprobs
+from moe_rl.actor.hf_export import untrained_mtp_tensors
 from moe_rl.actor.model import load_hf_config
 from moe_rl.actor.weights import HFCheckpoint
-from moe_rl.tools.export_hf import export, untrained_mtp_tensors
+from moe_rl.tools.export_hf import export
 from moe_rl.trainer import checkpoint
 from tests.engine.conftest import start_engine
 from tests.reference import hf_forward, load_hf, untied_batch

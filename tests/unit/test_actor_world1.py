@@ -81,7 +81,7 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tiny_models, world1):
     exported = export_hf_state_dict(chunks, conv)
     ckpt = HFCheckpoint(path)
     # every checkpoint tensor but the multi-token-prediction layers (deepseek_v3), which the export copies as is
-    from moe_rl.tools.export_hf import untrained_mtp_tensors
+    from moe_rl.actor.hf_export import untrained_mtp_tensors
 
     mtp = untrained_mtp_tensors(path, load_hf_config(path))
     assert set(exported) == set(ckpt.weight_map) - set(mtp)

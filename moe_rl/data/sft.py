@@ -1,0 +1,150 @@
+"""Supervised fine-tuning examples: a prompt and the response to learn, tokenized, with the tokens the loss counts.
+
+From a file (jsonl / parquet / a `save_to_disk` folder, read as prompt files are, so a bad row is named by file and
+line): rows with a prompt (`data.prompt_key`) and a response (`data.response_key`), or a chat (`data.messages_key`)
+rendered with the tokenizer's chat template, the loss on the assistant turns only. From a built-in task
+(moe_rl/data/tasks.py): its prompts and worked solutions. A plain prompt is tokenized as the rollout engine's
+prompts are (`tokenizer(prompt)`), the response after it on its own, ended by the end-of-text token, so that what
+the model learns to write is what it writes when the engine samples after that prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.common.batch import PaddedBatch
+from moe_rl.data.prompts import DataError, read_rows
+from moe_rl.data.tasks import ArithmeticConfig, Split, generate
+
+
+@dataclass
+class Example:
+    ids: list[int]  # the whole sequence: prompt then response
+    mask: list[int]  # 1 on the tokens the loss counts (the response; a chat's assistant turns)
+    source: str  # file:line, or task:split:index
+
+
+def task_examples(cfg: ArithmeticConfig, split: Split | str, n: int, seed: int, tokenizer) -> list[Example]:
+    """`n` problems of a task's split with their worked solutions."""
+    rows = [(f"arithmetic:{split}:{i}", p.prompt, p.response) for i, p in enumerate(generate(cfg, split, n, seed))]
+    return [_plain(where, prompt, response, tokenizer) for where, prompt, response in rows]
+
+
+def read_examples(path: str, prompt_key: str, response_key: str, messages_key: str, tokenizer) -> list[Example]:
+    """The examples of a file; a DataError names the file and line of a row that cannot be one."""
+    out = [_example(where, row, prompt_key, response_key, messages_key, tokenizer) for where, row in read_rows(path)]
+    if not out:
+        raise DataError(f"{path}: holds no examples (empty file)")
+    return out
+
+
+def _example(where: str, row, prompt_key: str, response_key: str, messages_key: str, tokenizer) -> Example:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if row.get(messages_key) is not None:
+        return _chat(where, row[messages_key], messages_key, tokenizer)
+    prompt, response = row.get(prompt_key), row.get(response_key)
+    if prompt is None or response is None:
+        missing = [k for k, v in ((prompt_key, prompt), (response_key, response)) if v is None]
+        raise DataError(
+            f"{where}: no {' or '.join(repr(k) for k in missing)} (an SFT row has data.prompt_key and "
+            f"data.response_key, or data.messages_key with an assistant turn; keys: {sorted(row)})"
+        )
+    for key, value in ((prompt_key, prompt), (response_key, response)):
+        if not isinstance(value, str) or not value.strip():
+            raise DataError(f"{where}: {key!r} must be a non-empty string, got {value!r:.80}")
+    return _plain(where, prompt, response, tokenizer)
+
+
+def _plain(where: str, prompt: str, response: str, tokenizer) -> Example:
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    response_ids = [*tokenizer(response, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    return Example(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids), where)
+
+
+def _chat(where: str, messages, messages_key: str, tokenizer) -> Example:
+    """A conversation rendered with the chat template; the loss on each assistant turn's tokens (the template's
+    text after the generation prompt up to the end of that turn)."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: {messages_key!r} must be a non-empty list of messages, got {messages!r:.80}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(
+                f"{where}: {messages_key!r}[{i}] must be an object with string 'role' and 'content', got {m!r:.80}"
+            )
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise DataError(f"{where}: {messages_key!r} has no assistant turn to learn")
+    empty = next((i for i in turns if not messages[i]["content"].strip()), None)
+    if empty is not None:
+        raise DataError(f"{where}: {messages_key!r}[{empty}] is an empty assistant turn")
+
+    def render(upto: int, prompt: bool) -> list[int]:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=True, add_generation_prompt=prompt)
+
+    ids = render(len(messages), False)
+    mask = [0] * len(ids)
+    for i in turns:
+        start, end = render(i, True), render(i + 1, False)
+        if ids[: len(end)] != end or end[: len(start)] != start:
+            raise DataError(
+                f"{where}: the chat template renders turn {i} differently inside the whole conversation, so its "
+                "tokens cannot be told apart; an SFT chat needs a template whose rendering of a prefix of the "
+                "conversation is a prefix of the whole"
+            )
+        mask[len(start) : len(end)] = [1] * (len(end) - len(start))
+    return Example(ids, mask, where)
+
+
+def check_lengths(examples: list[Example], limit: int, name: str) -> None:
+    """A DataError naming the first example longer than `limit` tokens (`name`: the setting the limit comes from)."""
+    long = next((e for e in examples if len(e.ids) > limit), None)
+    if long is not None:
+        raise DataError(f"{long.source}: {len(long.ids)} tokens, longer than {name}={limit}")
+
+
+class Batches:
+    """Endless batches of `batch_size` examples in epochs shuffled with `seed`, the same global batch whatever the
+    data-parallel size: rank r of `dp_size` takes the batch's examples r, r + dp_size, ... `position` counts the
+    batches handed out (a checkpoint keeps it; `skip` resumes there)."""
+
+    def __init__(self, examples: list[Example], batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+        if batch_size % dp_size:
+            raise ValueError(f"batch_size={batch_size} does not split over {dp_size} data-parallel ranks")
+        if len(examples) < batch_size:
+            raise DataError(f"{len(examples)} examples cannot fill a batch of {batch_size}")
+        self.examples, self.batch_size, self.seed = examples, batch_size, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.position = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self) -> list[Example]:
+        per_epoch = len(self.examples) // self.batch_size  # the last partial batch of an epoch is left out
+        epoch, index = divmod(self.position, per_epoch)
+        rows = self._order(epoch)[index * self.batch_size : (index + 1) * self.batch_size]
+        self.position += 1
+        return [self.examples[i] for i in rows[self.dp_rank :: self.dp_size]]
+
+    def skip(self, count: int) -> None:
+        self.position += count
+
+
+def pad(examples: list[Example], pad_id: int, pad_to_multiple: int = 1, min_length: int = 0) -> PaddedBatch:
+    """Right-padded tensors of `examples`; loss_mask marks the tokens the loss counts."""
+    t = max(max(len(e.ids) for e in examples), min_length)
+    t += (-t) % pad_to_multiple
+    ids = torch.full((len(examples), t), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(examples), t, dtype=torch.long)
+    mask = torch.zeros(len(examples), t, dtype=torch.float32)
+    for i, e in enumerate(examples):
+        ids[i, : len(e.ids)] = torch.tensor(e.ids)
+        attn[i, : len(e.ids)] = 1
+        mask[i, : len(e.ids)] = torch.tensor(e.mask, dtype=torch.float32)
+    return PaddedBatch(ids, attn, mask, torch.zeros(len(examples), t), None)

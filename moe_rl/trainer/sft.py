@@ -1,0 +1,192 @@
+"""Supervised fine-tuning on the RL trainer's actor (launch/sft_moe.py): the same megatron-core model under any
+parallel layout, packing, recompute, fused log-probs and optimizer; checkpoints with resume and SIGTERM;
+metrics.jsonl, wandb and one console line per step; at the end an HF folder that RL starts from.
+
+A step: the next `data.batch_size` examples (the same global batch whatever the data-parallel size), each rank its
+share, one optimizer step of next-token cross-entropy on the response tokens, the token mean over the batch
+(objectives/sft.py). Every `trainer.val_every` steps and at the end: val/loss over the validation examples.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.actor.actor import Actor
+from moe_rl.actor.hf_export import write_hf_folder
+from moe_rl.actor.model import check_divisibility, get_converter, load_hf_config
+from moe_rl.actor.parallel import init_distributed
+from moe_rl.config import SFTConfig, validate_sft
+from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
+from moe_rl.models.tiny import TinySpec, build_tiny_model
+from moe_rl.trainer import checkpoint
+from moe_rl.trainer.logger import RunLogger, say
+from moe_rl.trainer.metrics import PeakMemory
+from moe_rl.trainer.run_dir import check_same_run_dir
+from moe_rl.trainer.signals import StopFlag, stop_with_launcher
+
+
+class SFTTrainer:
+    def __init__(self, cfg: SFTConfig, run_dir: Path):
+        # heavy: megatron-core and transformers, imported on first use
+        from megatron.core import parallel_state as ps
+        from transformers import AutoTokenizer
+
+        validate_sft(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before anything is built
+        init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+        check_same_run_dir(run_dir)
+        self.cfg, self.run_dir, self.rank = cfg, run_dir, dist.get_rank()
+        t = cfg.trainer
+        self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
+        self.resume_path, notes = checkpoint.resolve_resume(self.checkpoint_dir, t.resume)
+        for note in notes if self.rank == 0 else []:
+            say(f"[moe-rl] WARNING: {note}")
+        self.model_path = cfg.model.path or self._tiny_model(run_dir)
+        hf_config = load_hf_config(self.model_path)
+        check_divisibility(get_converter(hf_config), cfg.parallel)
+        # the data before the model: a bad row fails in seconds
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        limit = cfg.data.max_length or hf_config.max_position_embeddings
+        limit_name = "data.max_length" if cfg.data.max_length else "the model's context (max_position_embeddings)"
+        train, val = self._examples()
+        for examples in (train, val):
+            check_lengths(examples, limit, limit_name)
+        dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.batches = Batches(train, cfg.data.batch_size, t.seed, dp_rank, dp)
+        self.val = val[dp_rank::dp]  # each rank scores its share; val/loss sums over the ranks
+        if self.rank == 0:
+            p = cfg.parallel
+            say(f"[moe-rl] SFT run {run_dir}: metrics.jsonl, checkpoints/, hf/ at the end")
+            say(
+                f"[moe-rl] model {self.model_path} ({hf_config.model_type}); layout world {dist.get_world_size()} = "
+                f"DP {dp} x TP {p.tp} x PP {p.pp} x CP {p.cp}, EP {p.ep}; {len(train)} train and {len(val)} val "
+                f"examples, {cfg.data.batch_size} per step"
+            )
+        self.actor = Actor(cfg.actor, cfg.model, cfg.parallel, self.model_path, record_routes=False)
+        self.memory = PeakMemory()
+        self.memory.reset()
+        self.stop = StopFlag()
+        self.step_index = 0
+        resumed = self._resume()
+        self.logger = RunLogger(
+            run_dir,
+            cfg,
+            enabled=self.rank == 0,
+            wandb_id=(resumed or {}).get("wandb_run_id"),
+            resumed_step=self.step_index if resumed else None,
+        )
+
+    def _examples(self) -> tuple[list[Example], list[Example]]:
+        d, seed = self.cfg.data, self.cfg.trainer.seed
+        if d.task == "arithmetic":
+            train = task_examples(d.arithmetic, "train", d.problems, seed, self.tokenizer)
+            return train, task_examples(d.arithmetic, "val", d.val_problems, seed, self.tokenizer)
+        keys = (d.prompt_key, d.response_key, d.messages_key, self.tokenizer)
+        return read_examples(d.path, *keys), read_examples(d.val_path, *keys) if d.val_path else []
+
+    def _tiny_model(self, run_dir: Path) -> str:
+        path = run_dir / "tiny_model"
+        if self.rank == 0 and not (path / "config.json").is_file():
+            build_tiny_model(TinySpec(arch=self.cfg.model.tiny_arch, seed=self.cfg.trainer.seed), path)
+        dist.barrier()
+        return str(path)
+
+    def _resume(self) -> dict | None:
+        if self.resume_path is None:
+            return None
+        state = checkpoint.load(self.resume_path, self.actor.chunks, self.actor.optimizer)
+        self.step_index = state["step"]
+        self.batches.skip(state["data_position"])
+        if self.rank == 0:
+            say(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}")
+        return state
+
+    def _padded(self, examples: list[Example]):
+        # heavy: megatron-core, imported on first use
+        from megatron.core import parallel_state as ps
+
+        p = self.cfg.parallel
+        # expert-parallel ranks dispatch tokens together: one sequence length over them
+        length = max(len(e.ids) for e in examples)
+        if p.ep > 1 or p.etp > 1:
+            t = torch.tensor([length])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
+            length = int(t)
+        return pad(examples, self.tokenizer.pad_token_id or 0, p.seq_multiple, length)
+
+    def step(self) -> dict[str, float]:
+        start = time.perf_counter()
+        self.memory.reset()
+        padded = self._padded(self.batches.next())
+        metrics = self.actor.supervised_step(padded)
+        self.step_index += 1
+        seconds = time.perf_counter() - start
+        metrics |= {"time/step": seconds, "perf/tokens_per_s": metrics["perf/tokens"] / seconds}
+        metrics |= self.memory.read()
+        if self.val and self.cfg.trainer.val_every and self._due(self.cfg.trainer.val_every):
+            metrics |= self.validate()
+        self.logger.log(self.step_index, metrics)
+        return metrics
+
+    def _due(self, every: int) -> bool:
+        return self.step_index % every == 0 or self.step_index == self.cfg.trainer.steps
+
+    def validate(self) -> dict[str, float]:
+        return {"val/loss": self.actor.nll(self._padded(self.val))}
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "data_position": self.batches.position,
+            "wandb_run_id": self.logger.run_id,
+            "model_path": self.model_path,
+            "world_size": dist.get_world_size(),
+        }
+        a = self.actor
+        path = checkpoint.save(
+            self.checkpoint_dir, self.step_index, a.chunks, a.optimizer, state, self.cfg.trainer.checkpoint_keep
+        )
+        if self.rank == 0:
+            say(f"[moe-rl] checkpoint step {self.step_index} -> {path}")
+        return path
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:
+    """Run SFT steps up to `trainer.steps` (counting resumed ones); returns this run's per-step metrics (rank 0
+    also writes them). Checkpoints every `trainer.checkpoint_every` steps, at the end and on SIGTERM; then the HF
+    folder <run dir>/hf (trainer.export_hf)."""
+    stop_with_launcher()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = SFTTrainer(cfg, run_dir)
+    t = cfg.trainer
+    history = []
+    try:
+        while trainer.step_index < t.steps:
+            history.append(trainer.step())
+            if trainer.stop.agreed():
+                trainer.save_checkpoint()
+                trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
+                return history
+            if trainer.step_index == t.steps or (t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0):
+                trainer.save_checkpoint()
+        if t.export_hf:
+            a = trainer.actor
+            out = write_hf_folder(
+                a.chunks,
+                a.conv,
+                trainer.model_path,
+                run_dir / "hf",
+                provenance={"sft_step": trainer.step_index, "source_model": trainer.model_path},
+            )
+            if trainer.rank == 0:
+                say(f"[moe-rl] HF folder of step {trainer.step_index}: {out}")
+    finally:
+        trainer.close()
+    return history
