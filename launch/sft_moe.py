@@ -21,18 +21,18 @@ import sys
 import hydra
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_moe import _refuse, print_keys  # noqa: E402 (launch/ beside this script)
 
 
 def _check_command_line() -> None:
     """A misspelled key fails here with the closest valid key, and a value outside a key's fixed set with the valid
     ones."""
     from moe_rl.config import ConfigError, SFTConfig, check_overrides
+    from moe_rl.tools.launcher import refuse
 
     try:
         check_overrides([a for a in sys.argv[1:] if not a.startswith("-")], SFTConfig)
     except ConfigError as e:
-        _refuse(e)
+        refuse(e)
 
 
 @hydra.main(config_path="../conf", config_name="sft_moe", version_base="1.3")
@@ -42,18 +42,20 @@ def main(cfg) -> None:
 
     from moe_rl.config import ConfigError
     from moe_rl.data.prompts import DataError
+    from moe_rl.tools.launcher import refuse
     from moe_rl.trainer.sft import sft
 
     sft_cfg = OmegaConf.to_object(cfg)  # an SFTConfig
     try:
         sft(sft_cfg, HydraConfig.get().runtime.output_dir)
     except (ConfigError, DataError) as e:  # a setting, or a data row, refused before training
-        _refuse(e)
+        refuse(e)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from moe_rl.config import SFTConfig, register_configs
+    from moe_rl.tools.launcher import print_keys
     from moe_rl.trainer.run_dir import register_run_stamp
     from moe_rl.trainer.signals import run_then_exit
 

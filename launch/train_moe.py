@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import hydra
 
@@ -25,39 +24,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # again (megatron's checkpoint writer starts one at the first save) and needs none of moe-rl or torch for that.
 
 
-def _refuse(error: Exception) -> None:
-    """A setting that cannot run: one line, said once (by rank 0), not a traceback from every rank."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[moe-rl] {error}", file=sys.stderr, flush=True)
-    else:  # torchrun stops the job at the first rank's exit: let rank 0 say it first
-        time.sleep(10)
-    raise SystemExit(2) from None
-
-
-def print_keys(prefix: str, schema: type | None = None) -> None:
-    """`--keys [prefix]`: every key under prefix with its default and its comment (the docstring under the field);
-    `schema`: the config class (default TrainConfig)."""
-    import textwrap
-
-    from moe_rl.config import TrainConfig, describe_keys
-
-    rows = describe_keys(prefix, schema or TrainConfig)
-    if not rows:
-        raise SystemExit(f"--keys {prefix}: no key starts with {prefix!r} (try --keys without a prefix)")
-    for key, default, comment in rows:
-        print(f"{key} = {default!r}")
-        print(textwrap.fill(comment, width=110, initial_indent="    ", subsequent_indent="    "))
-
-
 def _check_command_line() -> None:
     """A misspelled key fails here with the closest valid key, and a value outside a key's fixed set with the valid
     ones, not in Hydra's words."""
     from moe_rl.config import ConfigError, check_overrides
+    from moe_rl.tools.launcher import refuse
 
     try:
         check_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
     except ConfigError as e:
-        _refuse(e)
+        refuse(e)
 
 
 @hydra.main(config_path="../conf", config_name="train_moe", version_base="1.3")
@@ -67,13 +43,14 @@ def main(cfg) -> None:
 
     from moe_rl.config import ConfigError, TrainConfig
     from moe_rl.data.prompts import DataError
+    from moe_rl.tools.launcher import refuse
     from moe_rl.trainer.loop import train
 
     train_cfg: TrainConfig = OmegaConf.to_object(cfg)
     try:
         train(train_cfg, HydraConfig.get().runtime.output_dir)
     except (ConfigError, DataError) as e:  # a setting, or a prompt file (every rank reads it whole), refused early
-        _refuse(e)
+        refuse(e)
 
 
 if __name__ == "__main__":
@@ -81,6 +58,7 @@ if __name__ == "__main__":
     # console) instead of its own handler on stdout.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from moe_rl.config import register_configs
+    from moe_rl.tools.launcher import print_keys
     from moe_rl.trainer.run_dir import register_run_stamp
     from moe_rl.trainer.signals import run_then_exit
 

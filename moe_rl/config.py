@@ -603,6 +603,8 @@ class SFTTrainerConfig:
     val_every: int = 50
     """Validation loss (val/loss, the token mean over the validation examples) every N steps and at the end;
     0 = never."""
+    val_before_train: bool = True
+    """With val_every > 0, also score val/loss before the first step (logged as step 0; not on a resumed run)."""
     export_hf: bool = True
     """At the end, write the model as a Hugging Face folder, <run dir>/hf (train_moe.py model.path=<it> starts RL
     from it)."""

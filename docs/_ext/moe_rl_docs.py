@@ -3,6 +3,7 @@
 A page asks for generated content with a MyST comment line, replaced when Sphinx reads the page:
 
     % moe-rl-docs: config-keys        every key of `moe_rl.config.describe_keys("")`: key, default, comment
+    % moe-rl-docs: config-keys sft    the same for the SFT config (`SFTConfig`, launch/sft_moe.py)
     % moe-rl-docs: cli <name>         the `--help` output of a command in CLI_COMMANDS
 
 The keys come from the dataclasses through `describe_keys` (what `launch/train_moe.py --keys` prints); the help
@@ -29,7 +30,10 @@ MARKER = re.compile(r"^% moe-rl-docs: (?P<what>[a-z-]+)(?: (?P<arg>.+?))?\s*$", 
 
 # name on the page -> how to run it with --help: a script run on its own, or a module's argparse main, all of which
 # run in one helper process (one import of torch for all of them)
-CLI_SCRIPTS: dict[str, list[str]] = {"train_moe": ["launch/train_moe.py", "--help"]}
+CLI_SCRIPTS: dict[str, list[str]] = {
+    "train_moe": ["launch/train_moe.py", "--help"],
+    "sft_moe": ["launch/sft_moe.py", "--help"],
+}
 CLI_MODULES: dict[str, list[str]] = {
     "moe-rl-diagnose": ["moe_rl.diagnostics", "--help"],
     "moe-rl-diagnose live": ["moe_rl.diagnostics", "live", "--help"],
@@ -38,6 +42,7 @@ CLI_MODULES: dict[str, list[str]] = {
     "moe-rl-tiny-model": ["moe_rl.tools.tiny_model", "--help"],
     "moe-rl-export-hf": ["moe_rl.tools.export_hf", "--help"],
     "logprobs": ["moe_rl.tools.logprobs", "--help"],
+    "tasks": ["moe_rl.data.tasks", "--help"],
 }
 CLI_COMMANDS = [*CLI_SCRIPTS, *CLI_MODULES]
 
@@ -93,14 +98,14 @@ def default_text(value) -> str:
     return repr(value)
 
 
-def config_keys_markdown() -> str:
+def config_keys_markdown(schema: str = "") -> str:
     """Every config key, by top-level section (the settings of each registered loss and correction under a
     heading of their own, `algorithm/loss=<name>`): the key and its default (as an override writes it), then its
     comment."""
-    from moe_rl.config import describe_keys
+    from moe_rl.config import SFTConfig, TrainConfig, describe_keys
 
     sections: dict[str, dict[str, list[str]]] = {}  # section -> group choice ("" for none) -> lines
-    for key, default, comment in describe_keys(""):
+    for key, default, comment in describe_keys("", {"": TrainConfig, "sft": SFTConfig}[schema]):
         choice = ""
         label = re.match(r"\[([^\]]+)\] ", comment)
         if label:  # describe_keys names the group choice a key belongs to: "[algorithm/loss=gspo] ..."
@@ -165,7 +170,7 @@ def _expand(app, docname: str, source: list[str]) -> None:
     def replace(m: re.Match) -> str:
         what, arg = m.group("what"), m.group("arg")
         if what == "config-keys":
-            return config_keys_markdown()
+            return config_keys_markdown(arg or "")
         if what == "cli":
             return cli_markdown(arg or "")
         raise ValueError(f"{docname}: unknown generated content {what!r}")

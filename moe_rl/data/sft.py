@@ -10,6 +10,7 @@ the model learns to write is what it writes when the engine samples after that p
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -82,20 +83,27 @@ def _chat(where: str, messages, messages_key: str, tokenizer) -> Example:
     if empty is not None:
         raise DataError(f"{where}: {messages_key!r}[{empty}] is an empty assistant turn")
 
-    def render(upto: int, prompt: bool) -> list[int]:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=True, add_generation_prompt=prompt)
+    def render(upto: int, prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt)
 
-    ids = render(len(messages), False)
-    mask = [0] * len(ids)
+    # Each assistant turn is the text after its generation prompt up to the end of the turn; the pieces between
+    # are tokenized on their own, as the engine tokenizes a prompt ending with the generation prompt.
+    text, cuts = render(len(messages), False), [0]
     for i in turns:
         start, end = render(i, True), render(i + 1, False)
-        if ids[: len(end)] != end or end[: len(start)] != start:
+        if not (text.startswith(end) and end.startswith(start) and len(start) >= cuts[-1]):
             raise DataError(
                 f"{where}: the chat template renders turn {i} differently inside the whole conversation, so its "
                 "tokens cannot be told apart; an SFT chat needs a template whose rendering of a prefix of the "
                 "conversation is a prefix of the whole"
             )
-        mask[len(start) : len(end)] = [1] * (len(end) - len(start))
+        cuts += [len(start), len(end)]
+    cuts.append(len(text))
+    ids, mask = [], []
+    for k, (a, b) in enumerate(itertools.pairwise(cuts)):
+        piece = tokenizer(text[a:b], add_special_tokens=False)["input_ids"] if b > a else []
+        ids += piece
+        mask += [k % 2] * len(piece)  # odd pieces are assistant turns
     return Example(ids, mask, where)
 
 

@@ -21,6 +21,7 @@ from moe_rl.actor.hf_export import write_hf_folder
 from moe_rl.actor.model import check_divisibility, get_converter, load_hf_config
 from moe_rl.actor.parallel import init_distributed
 from moe_rl.config import SFTConfig, validate_sft
+from moe_rl.data.prompts import DataError
 from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
 from moe_rl.models.tiny import TinySpec, build_tiny_model
 from moe_rl.trainer import checkpoint
@@ -57,6 +58,8 @@ class SFTTrainer:
             check_lengths(examples, limit, limit_name)
         dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.batches = Batches(train, cfg.data.batch_size, t.seed, dp_rank, dp)
+        if 0 < len(val) < dp:
+            raise DataError(f"{len(val)} validation examples cannot be shared by {dp} data-parallel ranks")
         self.val = val[dp_rank::dp]  # each rank scores its share; val/loss sums over the ranks
         if self.rank == 0:
             p = cfg.parallel
@@ -125,7 +128,7 @@ class SFTTrainer:
         metrics = self.actor.supervised_step(padded)
         self.step_index += 1
         seconds = time.perf_counter() - start
-        metrics |= {"time/step": seconds, "perf/tokens_per_s": metrics["perf/tokens"] / seconds}
+        metrics |= {"time/step": seconds, "perf/tokens_per_s": metrics.pop("perf/tokens") / seconds}
         metrics |= self.memory.read()
         if self.val and self.cfg.trainer.val_every and self._due(self.cfg.trainer.val_every):
             metrics |= self.validate()
@@ -168,6 +171,8 @@ def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:
     t = cfg.trainer
     history = []
     try:
+        if trainer.val and t.val_every and t.val_before_train and trainer.step_index == 0:
+            trainer.logger.log(0, trainer.validate())
         while trainer.step_index < t.steps:
             history.append(trainer.step())
             if trainer.stop.agreed():

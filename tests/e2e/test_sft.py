@@ -1,0 +1,128 @@
+"""Supervised fine-tuning end to end (`launch/sft_moe.py`, tiny MoE, the arithmetic task): it learns (validation loss
+at least halves), its HF folder scores the validation examples in transformers as the actor did, a resumed run
+continues exactly, every parallel layout and packing give world 1's first steps, and bad rows are refused naming the
+file and line before the model is built."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, run_job, untimed
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SFT = [sys.executable, "launch/sft_moe.py"]
+SFT2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch/sft_moe.py"]
+COMMON = ["logging.wandb.mode=disabled", "data.problems=2000", "data.val_problems=64"]
+LAYOUT_STEPS = 2
+# fp32 rounding of other reduction orders (measured: step 1 within 1.1e-7, step 2 within 1.4e-6); a wrong gradient
+# split or a lost token moves them by 1e-2 or more
+LAYOUT_TOL = 1e-5
+
+
+def _sft(cmd: list[str], run_dir: Path, overrides: list[str]) -> list[dict]:
+    out = run_job([*cmd, f"hydra.run.dir={run_dir}", *COMMON, *overrides], timeout=900)
+    print("\n".join(line for line in out.splitlines() if line.startswith(("step", "validation"))))
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """20 steps at world 1, validation every 10 (and before the first step), a checkpoint at step 10."""
+    run_dir = tmp_path_factory.mktemp("sft")
+    return run_dir, _sft(SFT, run_dir, ["trainer.steps=20", "trainer.val_every=10", "trainer.checkpoint_every=10"])
+
+
+def test_sft_halves_the_validation_loss_and_its_hf_folder_scores_as_the_actor(run):
+    run_dir, records = run
+    val = {r["step"]: r["val/loss"] for r in records if "val/loss" in r}
+    assert sorted(val) == [0, 10, 20]
+    assert val[20] * 2 <= val[0], val
+    steps = [r for r in records if "sft/loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert steps[-1]["sft/loss"] < steps[0]["sft/loss"] / 2
+    # transformers (not moe-rl's code) on the exported folder: the same mean cross-entropy over the val split
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moe_rl.data.sft import pad, task_examples
+    from moe_rl.data.tasks import ArithmeticConfig
+
+    hf = run_dir / "hf"
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    examples = task_examples(ArithmeticConfig(), "val", 64, 1234, AutoTokenizer.from_pretrained(hf))
+    batch = pad(examples, 0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    mask = batch.loss_mask[:, 1:]
+    nll = float(-(logp * mask).sum() / mask.sum())
+    assert nll == pytest.approx(val[20], rel=1e-4), (nll, val[20])
+
+
+def test_a_resumed_sft_run_continues_exactly(run, tmp_path):
+    """Steps 11-20 of a run resumed from its step-10 checkpoint are the uninterrupted run's, bit for bit."""
+    run_dir, records = run
+    first = tmp_path / "resumed"
+    _sft(SFT, first, ["trainer.steps=10", "trainer.val_every=10"])
+    again = _sft(SFT, first, ["trainer.steps=20", "trainer.val_every=10"])
+    want = [untimed(r) for r in records if r["step"] > 10]
+    got = [untimed(r) for r in again if r["step"] > 10]
+    assert got == want
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", "dp"])
+def test_every_layout_trains_as_world_1(run, layout, tmp_path):
+    run_dir, records = run
+    extra = [] if layout == "dp" else [layout]
+    got = _sft(SFT2, tmp_path / "run", [f"trainer.steps={LAYOUT_STEPS}", "trainer.val_every=0", *extra])
+    want = [r for r in records if "sft/loss" in r][:LAYOUT_STEPS]
+    for a, b in zip(want, got, strict=True):
+        for key in ("sft/loss", "actor/grad_norm"):
+            assert abs(a[key] - b[key]) <= LAYOUT_TOL * abs(a[key]), (layout, a["step"], key, a[key], b[key])
+
+
+def test_packed_and_padded_steps_agree(run, tmp_path):
+    run_dir, records = run
+    padded = [f"trainer.steps={LAYOUT_STEPS}", "trainer.val_every=0", "actor.packing=false"]
+    got = _sft(SFT, tmp_path / "padded", padded)
+    want = [r for r in records if "sft/loss" in r][:LAYOUT_STEPS]
+    assert got[0]["perf/padding_fraction"] > want[0]["perf/padding_fraction"]  # it did run padded
+    for a, b in zip(want, got, strict=True):
+        for key in ("sft/loss", "actor/grad_norm"):
+            assert abs(a[key] - b[key]) <= LAYOUT_TOL * abs(a[key]), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize(
+    ("rows", "overrides", "message"),
+    [
+        ([{"prompt": "1+1="}], [], "sft.jsonl:2: no 'response'"),
+        ([{"prompt": "1+1=", "response": " "}], [], "sft.jsonl:2: 'response' must be a non-empty string"),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], [], "sft.jsonl:2: 'messages' has no assistant turn"),
+        ([{"prompt": "1+1=", "response": "2" * 40}], ["data.max_length=16"], "tokens, longer than data.max_length=16"),
+        ([], ["data.arithmetic.operators=/"], "config data.arithmetic.operators: '/': choose one or more of '+-*'"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_row_or_key(rows, overrides, message, tmp_path):
+    data = tmp_path / "sft.jsonl"
+    good = {"prompt": "2+2=", "response": "4"}
+    data.write_text("".join(json.dumps(r) + "\n" for r in [good, *rows]))
+    task = [] if overrides and overrides[0].startswith("data.arithmetic") else ["data.task=file", f"data.path={data}"]
+    proc = subprocess.run(
+        [*SFT, f"hydra.run.dir={tmp_path / 'run'}", *COMMON, *task, *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[moe-rl]")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any training
