@@ -27,7 +27,7 @@ from moe_rl.common.errors import ConfigError, refuse
 from moe_rl.data.prompts import Overlong
 from moe_rl.data.rewards import load_reward
 from moe_rl.data.tasks import ArithmeticConfig, check_count
-from moe_rl.models.tiny import Arch
+from moe_rl.models.tiny import Arch, Size
 from moe_rl.objectives import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 from moe_rl.objectives.aggregation import AGG_MODES
 from moe_rl.objectives.corrections import IcePopConfig
@@ -99,6 +99,9 @@ class ModelConfig:
     """HF model folder. Empty: build the tiny model below into the run directory."""
     tiny_arch: Arch = Arch.qwen3_moe
     """Architecture of the built-in tiny model (qwen3_moe | mixtral | olmoe | glm4_moe | deepseek_v3)."""
+    tiny_size: Size = Size.tiny
+    """Size of the built-in model: tiny (1.1M parameters, the toy task) | small (10.9M: hidden 256, 6 layers, expert
+    FFN 256; learns arithmetic on 2 CPU cores in minutes)."""
     dtype: Dtype = Dtype.float32
     """Actor dtype: float32 | bfloat16."""
     recompute: Recompute | None = None

@@ -31,6 +31,20 @@ class Arch(StrEnum):
 
 
 ARCHS = tuple(m.value for m in Arch)
+
+
+class Size(StrEnum):
+    """The built-in model's sizes (model.tiny_size, the tool's --size)."""
+
+    tiny = "tiny"  # 1.1M parameters (qwen3_moe): the toy task, the tests
+    small = "small"  # 10.9M (qwen3_moe): learns arithmetic on 2 CPU cores in minutes (docs/guides/sft.md)
+
+
+SIZES: dict[str, dict[str, int]] = {
+    Size.tiny: {},
+    Size.small: {"hidden": 256, "heads": 8, "kv_heads": 4, "layers": 6, "moe_intermediate": 256, "intermediate": 512},
+}
+"""What each size sets; TinySpec's own defaults are the tiny one."""
 # Families with sigmoid grouped routing, an expert bias, shared experts and leading dense layers.
 SIGMOID_ARCHS = ("glm4_moe", "deepseek_v3")
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -346,3 +360,15 @@ def _append_mtp_layers(spec: TinySpec, vocab: int, path: Path) -> None:
         )
         tensors.update({prefix + k: v.to(dtype).contiguous() for k, v in extra.items()})
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def built_in_model(run_dir: str | Path, arch: str, size: str, seed: int) -> str:
+    """The trainers' default model (model.path empty): built once into `<run_dir>/tiny_model` by rank 0 unless it is
+    there (a resumed run keeps its own). Collective when distributed."""
+    path = Path(run_dir) / "tiny_model"
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0 and not (path / "config.json").is_file():
+        build_tiny_model(TinySpec(arch=arch, seed=seed, **SIZES[size]), path)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return str(path)

@@ -2,6 +2,7 @@
 
 Examples:
   python -m moe_rl.tools.tiny_model --arch qwen3_moe --out /tmp/tiny-qwen3
+  python -m moe_rl.tools.tiny_model --size small --out /tmp/small-qwen3      # 10.9M: learns arithmetic
   python -m moe_rl.tools.tiny_model --arch mixtral --out /tmp/tiny-mixtral --dtype bfloat16
   python -m moe_rl.tools.tiny_model --arch qwen3_moe --dense-layers 0 --layers 3 --out /tmp/q
   python -m moe_rl.tools.tiny_model --arch olmoe --num-experts 320 --topk 4 --out /tmp/big-e
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from moe_rl.actor.converters import get_converter
-from moe_rl.models.tiny import ARCHS, TinySpec, build_tiny_model
+from moe_rl.models.tiny import ARCHS, SIZES, Size, TinySpec, build_tiny_model
 
 
 def _parse_int_list(text: str) -> list[int]:
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--num-experts", type=int, default=d.num_experts, help="routed experts per MoE layer")
     p.add_argument("--topk", type=int, default=d.topk, help="experts per token")
-    p.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
+    p.add_argument("--layers", type=int, help="(default: the --size's) decoder layers")
     p.add_argument(
         "--dense-layers",
         type=_parse_int_list,
@@ -54,19 +55,29 @@ def main(argv: list[str] | None = None) -> None:
         help="glm4_moe/deepseek_v3: multi-token-prediction layers written after the decoder's, as in released "
         "checkpoints (num_nextn_predict_layers; the actor neither trains nor replays them)",
     )
-    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (multiple of 32)")
-    p.add_argument("--heads", type=int, default=d.heads, help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads (GQA)")
+    p.add_argument("--hidden", type=int, help="(default: the --size's) hidden size (multiple of 32)")
+    p.add_argument("--heads", type=int, help="(default: the --size's) attention heads")
+    p.add_argument("--kv-heads", type=int, help="(default: the --size's) key/value heads (GQA)")
     p.add_argument("--head-dim", type=int, default=d.head_dim, help="attention head dim")
-    p.add_argument("--moe-intermediate", type=int, default=d.moe_intermediate, help="expert FFN size")
-    p.add_argument("--intermediate", type=int, default=d.intermediate, help="dense FFN size")
+    p.add_argument("--moe-intermediate", type=int, help="(default: the --size's) expert FFN size")
+    p.add_argument("--intermediate", type=int, help="(default: the --size's) dense FFN size")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="tokenizer/embedding size")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype, help="saved weight dtype")
     p.add_argument("--seed", type=int, default=d.seed, help="weight init seed")
     p.add_argument(
         "--tie-embeddings", action="store_true", help="share the input embedding with the LM head (tie_word_embeddings)"
     )
+    p.add_argument(
+        "--size",
+        choices=[s.value for s in Size],
+        default=Size.tiny.value,
+        help="preset of --hidden, --heads, --kv-heads, --layers, --moe-intermediate, --intermediate "
+        "(tiny: 1.1M parameters; small: 10.9M, learns arithmetic); an explicit flag overrides it",
+    )
     a = p.parse_args(argv)
+    for key in ("layers", "hidden", "heads", "kv_heads", "moe_intermediate", "intermediate"):
+        if getattr(a, key) is None:  # not given: the size's value
+            setattr(a, key, SIZES[a.size].get(key, getattr(d, key)))
     spec = TinySpec(
         arch=a.arch,
         num_experts=a.num_experts,

@@ -30,7 +30,7 @@ from moe_rl.critic.critic import Critic, gae_targets
 from moe_rl.data.prompts import PromptSource
 from moe_rl.data.rewards import load_reward, score
 from moe_rl.diagnostics.step_hooks import StepDiagnostics
-from moe_rl.models.tiny import TinySpec, build_tiny_model
+from moe_rl.models.tiny import built_in_model
 from moe_rl.objectives import Objective
 from moe_rl.objectives.proximal import loglinear_alpha
 from moe_rl.rollout import dump, placement
@@ -69,7 +69,8 @@ class Trainer:
         self.resume_path, notes = checkpoint.resolve_resume(self.checkpoint_dir, t.resume)
         for note in notes if self.rank == 0 else []:
             say(f"[moe-rl] WARNING: {note}")
-        self.model_path = cfg.model.path or self._tiny_model(run_dir)
+        m = cfg.model
+        self.model_path = m.path or built_in_model(run_dir, m.tiny_arch, m.tiny_size, cfg.trainer.seed)
         hf_config = load_hf_config(self.model_path)
         check_divisibility(get_converter(hf_config), cfg.parallel)  # before anything is built
         # Data and reward before the model and engines: a bad file fails in seconds.
@@ -381,13 +382,6 @@ class Trainer:
         if self.rank == 0:
             say(f"[moe-rl] checkpoint step {self.step_index} -> {path}")
         return path
-
-    def _tiny_model(self, run_dir: Path) -> str:
-        path = run_dir / "tiny_model"
-        if self.rank == 0 and not (path / "config.json").is_file():
-            build_tiny_model(TinySpec(arch=self.cfg.model.tiny_arch, seed=self.cfg.trainer.seed), path)
-        dist.barrier()
-        return str(path)
 
     # ---- one RL step: one line per phase ------------------------------------------------
     def step(self) -> dict[str, float]:

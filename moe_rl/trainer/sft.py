@@ -23,7 +23,7 @@ from moe_rl.actor.parallel import init_distributed
 from moe_rl.config import SFTConfig, validate_sft
 from moe_rl.data.prompts import DataError
 from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
-from moe_rl.models.tiny import TinySpec, build_tiny_model
+from moe_rl.models.tiny import built_in_model
 from moe_rl.trainer import checkpoint
 from moe_rl.trainer.logger import RunLogger, say
 from moe_rl.trainer.metrics import PeakMemory
@@ -46,7 +46,8 @@ class SFTTrainer:
         self.resume_path, notes = checkpoint.resolve_resume(self.checkpoint_dir, t.resume)
         for note in notes if self.rank == 0 else []:
             say(f"[moe-rl] WARNING: {note}")
-        self.model_path = cfg.model.path or self._tiny_model(run_dir)
+        m = cfg.model
+        self.model_path = m.path or built_in_model(run_dir, m.tiny_arch, m.tiny_size, cfg.trainer.seed)
         hf_config = load_hf_config(self.model_path)
         check_divisibility(get_converter(hf_config), cfg.parallel)
         # the data before the model: a bad row fails in seconds
@@ -90,13 +91,6 @@ class SFTTrainer:
             return train, task_examples(d.arithmetic, "val", d.val_problems, seed, self.tokenizer)
         keys = (d.prompt_key, d.response_key, d.messages_key, self.tokenizer)
         return read_examples(d.path, *keys), read_examples(d.val_path, *keys) if d.val_path else []
-
-    def _tiny_model(self, run_dir: Path) -> str:
-        path = run_dir / "tiny_model"
-        if self.rank == 0 and not (path / "config.json").is_file():
-            build_tiny_model(TinySpec(arch=self.cfg.model.tiny_arch, seed=self.cfg.trainer.seed), path)
-        dist.barrier()
-        return str(path)
 
     def _resume(self) -> dict | None:
         if self.resume_path is None:

@@ -124,3 +124,15 @@ def test_no_all_zero_row_in_embedding_or_output(arch, tmp_path):
         assert zero_rows == [], f"{arch} {name}: all-zero rows {zero_rows}"
         pad_std = table[model.config.pad_token_id].std().item()
         assert 0.5 * model.config.initializer_range < pad_std < 2 * model.config.initializer_range
+
+
+def test_the_small_size_and_an_explicit_flag_over_it(tmp_path):
+    """--size small is the 10.9M model the arithmetic recipe trains; a flag given beside it wins."""
+    import json
+
+    from moe_rl.tools.tiny_model import main
+
+    main(["--size", "small", "--layers", "2", "--out", str(tmp_path / "small")])
+    cfg = json.loads((tmp_path / "small" / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (256, 8, 4)
+    assert (cfg["moe_intermediate_size"], cfg["num_hidden_layers"]) == (256, 2)
