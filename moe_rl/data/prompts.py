@@ -253,6 +253,12 @@ def _prompt(where: str, row, prompt_key: str, answer_key: str, messages_key: str
         if not isinstance(text, str) or not text.strip():
             raise DataError(f"{where}: {prompt_key!r} must be a non-empty string, got {text!r:.80}")
         return Prompt(text, answer, where)
+    check_messages(where, messages, messages_key)
+    return Prompt("", answer, where, messages=messages)
+
+
+def check_messages(where: str, messages, messages_key: str) -> None:
+    """A DataError naming the row (`where`) unless `messages` is a non-empty list of {"role", "content"} strings."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: {messages_key!r} must be a non-empty list of messages, got {messages!r:.80}")
     for i, m in enumerate(messages):
@@ -260,7 +266,6 @@ def _prompt(where: str, row, prompt_key: str, answer_key: str, messages_key: str
             raise DataError(
                 f"{where}: {messages_key!r}[{i}] must be an object with string 'role' and 'content', got {m!r:.80}"
             )
-    return Prompt("", answer, where, messages=messages)
 
 
 def _jsonl_rows(path: Path):

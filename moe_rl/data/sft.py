@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.common.batch import PaddedBatch
-from moe_rl.data.prompts import DataError, read_rows
+from moe_rl.data.prompts import DataError, check_messages, read_rows
 from moe_rl.data.tasks import ArithmeticConfig, Split, generate
 
 
@@ -69,13 +69,7 @@ def _plain(where: str, prompt: str, response: str, tokenizer) -> Example:
 def _chat(where: str, messages, messages_key: str, tokenizer) -> Example:
     """A conversation rendered with the chat template; the loss on each assistant turn's tokens (the template's
     text after the generation prompt up to the end of that turn)."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: {messages_key!r} must be a non-empty list of messages, got {messages!r:.80}")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise DataError(
-                f"{where}: {messages_key!r}[{i}] must be an object with string 'role' and 'content', got {m!r:.80}"
-            )
+    check_messages(where, messages, messages_key)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         raise DataError(f"{where}: {messages_key!r} has no assistant turn to learn")

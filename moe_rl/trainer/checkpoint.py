@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from moe_rl.common.distributed import all_gather_objects
 from moe_rl.compat.megatron_checkpoint import results_in_this_process
+from moe_rl.trainer.logger import say
 
 
 class CheckpointError(RuntimeError):
@@ -113,6 +114,14 @@ def problems(path: Path) -> list[str]:
         elif _crc32(f) != want["crc32"]:
             found.append(f"{f} does not match its checksum (crc32 {_crc32(f)}, manifest {want['crc32']}): corrupted")
     return sorted(x for part in all_gather_objects(found) for x in part)
+
+
+def resume_point(root: Path, how: str, rank: int) -> Path | None:
+    """resolve_resume, its warnings printed by rank 0."""
+    path, notes = resolve_resume(root, how)
+    for note in notes if rank == 0 else []:
+        say(f"[moe-rl] WARNING: {note}")
+    return path
 
 
 def resolve_resume(root: Path, how: str) -> tuple[Path | None, list[str]]:

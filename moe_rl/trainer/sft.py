@@ -43,9 +43,7 @@ class SFTTrainer:
         self.cfg, self.run_dir, self.rank = cfg, run_dir, dist.get_rank()
         t = cfg.trainer
         self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
-        self.resume_path, notes = checkpoint.resolve_resume(self.checkpoint_dir, t.resume)
-        for note in notes if self.rank == 0 else []:
-            say(f"[moe-rl] WARNING: {note}")
+        self.resume_path = checkpoint.resume_point(self.checkpoint_dir, t.resume, self.rank)
         m = cfg.model
         self.model_path = m.path or built_in_model(run_dir, m.tiny_arch, m.tiny_size, cfg.trainer.seed)
         hf_config = load_hf_config(self.model_path)
