@@ -267,8 +267,9 @@ class DataConfig:
     | drop (drop such rows at start and print how many)."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """task=arithmetic: operands, digits and operators of the generated problems."""
-    problems: int = 20000
-    """task=arithmetic: distinct problems of the train split drawn with trainer.seed (the prompt pool)."""
+    problems: int = 8000
+    """task=arithmetic: distinct problems of the train split drawn with trainer.seed (the prompt pool); at most half
+    of the split's distinct problems (8,000 of the default task's 16,000)."""
     val_problems: int = 200
     """task=arithmetic: problems of the val split that validation scores when data.val_path is empty."""
 
@@ -554,8 +555,9 @@ class SFTDataConfig:
     the loss on the assistant turns only."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """task=arithmetic: operands, digits and operators of the problems."""
-    problems: int = 20000
-    """task=arithmetic: distinct problems of the train split drawn with trainer.seed."""
+    problems: int = 8000
+    """task=arithmetic: distinct problems of the train split drawn with trainer.seed; at most half of the split's
+    distinct problems (8,000 of the default task's 16,000)."""
     val_problems: int = 200
     """task=arithmetic: problems of the val split scored by val/loss."""
     batch_size: int = 64

@@ -43,6 +43,7 @@ CLI_MODULES: dict[str, list[str]] = {
     "moe-rl-export-hf": ["moe_rl.tools.export_hf", "--help"],
     "logprobs": ["moe_rl.tools.logprobs", "--help"],
     "tasks": ["moe_rl.data.tasks", "--help"],
+    "evaluate": ["moe_rl.tools.evaluate", "--help"],
 }
 CLI_COMMANDS = [*CLI_SCRIPTS, *CLI_MODULES]
 

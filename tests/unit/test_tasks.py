@@ -111,7 +111,7 @@ def test_rl_reads_the_task_directly_with_answers_and_its_own_reward():
     [
         ({"operands": 1}, "config data.arithmetic.operands: 1: a problem needs at least 2 operands"),
         ({"operators": "x"}, "config data.arithmetic.operators: 'x': choose one or more of '+-*' ('x' is not one)"),
-        ({"digits": 1, "operands": 2}, "config data.problems: 20000 train problems asked of about 160 distinct ones"),
+        ({"digits": 1, "operands": 2}, "config data.problems: 8000 train problems asked of about 160 distinct ones"),
     ],
 )
 def test_the_trainer_refuses_an_impossible_task_setting_before_anything_is_built(overrides, message):

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# A small MoE that learns arithmetic on a CPU: build the model, SFT on worked solutions, RL (GSPO + IcePop + R3) on
+# the integer answers, and score both models on the test split (pass@1 greedy, pass@8 at temperature 1).
+#
+#   bash launch/recipes/arithmetic.sh OUT_DIR [SFT_STEPS] [RL_STEPS]
+#
+# Leaves OUT_DIR/sft/hf and OUT_DIR/rl/hf (HF folders vLLM and transformers load), each stage's run folder and log,
+# and OUT_DIR/summary.json: {"sft": {"pass@1", "pass@8", "minutes"}, "rl": {...}, "test_problems": N}.
+# One line per stage on the console. Numbers measured with it: docs/guides/sft.md.
+set -euo pipefail
+OUT=${1:?usage: bash launch/recipes/arithmetic.sh OUT_DIR [SFT_STEPS] [RL_STEPS]}
+SFT_STEPS=${2:-600}
+RL_STEPS=${3:-200}
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
+PY=${PYTHON:-python}
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node=2)
+TEST_N=500
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$HERE"
+export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore VLLM_CONFIGURE_LOGGING=0
+
+stage() {  # stage NAME LOG command...: run it, say one line, keep its output in LOG
+  local name=$1 log=$2 start=$SECONDS
+  shift 2
+  if ! "$@" >"$log" 2>&1; then
+    echo "[recipe] $name failed after $((SECONDS - start)) s; the end of $log:" >&2
+    tail -n 30 "$log" >&2
+    exit 1
+  fi
+  echo "[recipe] $name: $((SECONDS - start)) s (log: $log)"
+  echo $((SECONDS - start)) >"$log.seconds"
+}
+
+evaluate() {  # evaluate NAME MODEL
+  stage "$1 test split ($TEST_N problems)" "$OUT/$1_eval.log" \
+    "$PY" -m moe_rl.tools.evaluate --model "$2" --split test --n "$TEST_N" --k 8 --temperature 1.0 --out "$OUT/$1_eval.json"
+  echo "[recipe] $1: $(cat "$OUT/$1_eval.json")"
+}
+
+stage "model (10.9M qwen3_moe)" "$OUT/model.log" "$PY" -m moe_rl.tools.tiny_model --size small --out "$OUT/model"
+stage "SFT ($SFT_STEPS steps)" "$OUT/sft.log" "${TORCHRUN[@]}" launch/sft_moe.py hydra.run.dir="$OUT/sft" \
+  model.path="$OUT/model" trainer.steps="$SFT_STEPS" trainer.val_every=100 logging.wandb.mode=disabled
+evaluate sft "$OUT/sft/hf"
+stage "RL ($RL_STEPS steps)" "$OUT/rl.log" "${TORCHRUN[@]}" launch/train_moe.py hydra.run.dir="$OUT/rl" \
+  model.path="$OUT/sft/hf" data.task=arithmetic trainer.steps="$RL_STEPS" trainer.checkpoint_every=0 \
+  actor.lr=1e-4 trainer.val_every=50 val.temperature=0 val.n=1 logging.wandb.mode=disabled
+stage "RL export" "$OUT/rl_export.log" "$PY" -m moe_rl.tools.export_hf "$OUT/rl/checkpoints" --out "$OUT/rl/hf"
+evaluate rl "$OUT/rl/hf"
+
+"$PY" - "$OUT" "$TEST_N" <<'PYEOF'
+import json, sys
+from pathlib import Path
+out, n = Path(sys.argv[1]), int(sys.argv[2])
+def stage(name, train_log):
+    result = json.loads((out / f"{name}_eval.json").read_text())
+    seconds = int((out / f"{train_log}.seconds").read_text())
+    return {"pass@1": result["pass@1"], "pass@8": result["pass@8"], "minutes": round(seconds / 60, 1)}
+summary = {"sft": stage("sft", "sft.log"), "rl": stage("rl", "rl.log"), "test_problems": n}
+(out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+print("[recipe] summary:", json.dumps(summary))
+PYEOF
