@@ -104,7 +104,7 @@ def run_job(cmd: list[str], timeout: int = 600, env: dict | None = None) -> str:
     A `python -m torch.distributed.run ...` command runs forked from this process's warm server
     (tests/warm_torchrun.py) unless MOE_RL_TEST_WARM_LAUNCH=0.
     """
-    env = dict(_job_env(), **(env or {}))
+    env = dict(job_env(), **(env or {}))
     if cmd[:3] == TORCHRUN and warm_torchrun.enabled():
         with tempfile.NamedTemporaryFile(mode="w+") as log:
             code = _warm_server().run(cmd[3:], REPO, env, log.name, timeout)
@@ -117,7 +117,7 @@ def run_job(cmd: list[str], timeout: int = 600, env: dict | None = None) -> str:
     return out
 
 
-def _job_env() -> dict[str, str]:
+def job_env() -> dict[str, str]:
     # A world-1 fixture in this process set MASTER_ADDR/PORT; a child must pick its own port.
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     return dict(inherited, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
@@ -129,7 +129,7 @@ _WARM: list[warm_torchrun.Server] = []
 def _warm_server() -> warm_torchrun.Server:
     """This pytest process's warm torchrun server (tests/warm_torchrun.py), started at its first launch."""
     if not _WARM:
-        _WARM.append(warm_torchrun.Server(_job_env(), Path(tempfile.mkdtemp(prefix="moe-rl-warm-"))))
+        _WARM.append(warm_torchrun.Server(job_env(), Path(tempfile.mkdtemp(prefix="moe-rl-warm-"))))
     return _WARM[0]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, run_job, untimed
+from tests.conftest import REPO, job_env, run_job, untimed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -117,6 +117,7 @@ def test_bad_input_is_refused_naming_the_row_or_key(rows, overrides, message, tm
     proc = subprocess.run(
         [*SFT, f"hydra.run.dir={tmp_path / 'run'}", *COMMON, *task, *overrides],
         cwd=REPO,
+        env=job_env(),  # not this process's world-1 rendezvous port
         capture_output=True,
         text=True,
         timeout=300,
