@@ -175,9 +175,14 @@ def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, defa
     assert [h["step"] for h in history] == list(range(1, 5))
     # every step, the ones before the signal too: those ran from the real command line, the reference and the
     # resumed steps from tests/warm_torchrun.py's forked launches, which must train the same
+    # a signal that lands during the weight sync stops the engines with it: that step logs no weight_sync/* (its
+    # sync was cut short; the checkpoint does not need the engine), and the run says so
+    cut = f"step {stopped_at} warning: engine stopped by the signal" in text
     for step in history:
         expected = untimed(reference[step["step"] - 1])
         got = untimed(step)
+        if cut and step["step"] == stopped_at:
+            expected = {k: v for k, v in expected.items() if not k.startswith("weight_sync/")}
         assert got.keys() == expected.keys()
         for k in expected:
             assert got[k] == pytest.approx(expected[k], rel=1e-6, abs=1e-9), (step["step"], k)
