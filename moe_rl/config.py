@@ -291,19 +291,24 @@ class DataConfig:
         except ValueError as e:
             refuse("data.reward", str(e))
         if self.task == "arithmetic":
-            self.arithmetic.check()
-            for key in ("problems", "val_problems"):
-                if getattr(self, key) < 1:
-                    refuse(f"data.{key}", f"{getattr(self, key)}: must be >= 1")
-            for key, split in (("problems", "train"), ("val_problems", "val")):
-                try:
-                    check_count(self.arithmetic, split, getattr(self, key))
-                except ConfigError as e:
-                    refuse(f"data.{key}", str(e))
+            _check_problems(self)
         if self.val_path and not os.path.exists(self.val_path):
             refuse("data.val_path", f"{self.val_path!r} does not exist")
         if self.prompts_per_step < 1:
             refuse("data.prompts_per_step", "must be >= 1")
+
+
+def _check_problems(data) -> None:
+    """task=arithmetic, in either trainer's data section: the task's settings, and data.problems / data.val_problems
+    that its train and val splits can hold."""
+    data.arithmetic.check()
+    for key, split in (("problems", "train"), ("val_problems", "val")):
+        if getattr(data, key) < 1:
+            refuse(f"data.{key}", f"{getattr(data, key)}: must be >= 1")
+        try:
+            check_count(data.arithmetic, split, getattr(data, key))
+        except ConfigError as e:
+            refuse(f"data.{key}", str(e))
 
 
 @dataclass
@@ -577,14 +582,7 @@ class SFTDataConfig:
                 if value and not os.path.exists(value):
                     refuse(f"data.{key}", f"{value!r} does not exist")
         else:
-            self.arithmetic.check()
-            for key, split in (("problems", "train"), ("val_problems", "val")):
-                if getattr(self, key) < 1:
-                    refuse(f"data.{key}", f"{getattr(self, key)}: must be >= 1")
-                try:
-                    check_count(self.arithmetic, split, getattr(self, key))
-                except ConfigError as e:
-                    refuse(f"data.{key}", str(e))
+            _check_problems(self)
         if self.batch_size < 1:
             refuse("data.batch_size", f"{self.batch_size}: must be >= 1")
         if self.max_length is not None and self.max_length < 2:

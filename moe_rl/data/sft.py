@@ -121,11 +121,14 @@ class Batches:
         self.examples, self.batch_size, self.seed = examples, batch_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0
+        self._epoch: tuple[int, list[int]] | None = None  # (epoch, its order): shuffled once per epoch
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.examples)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+        if self._epoch is None or self._epoch[0] != epoch:
+            order = list(range(len(self.examples)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch = (epoch, order)
+        return self._epoch[1]
 
     def next(self) -> list[Example]:
         per_epoch = len(self.examples) // self.batch_size  # the last partial batch of an epoch is left out

@@ -13,13 +13,13 @@ import os
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from moe_rl.actor.actor import Actor
 from moe_rl.actor.hf_export import write_hf_folder
 from moe_rl.actor.model import check_divisibility, get_converter, load_hf_config
 from moe_rl.actor.parallel import init_distributed
+from moe_rl.common.distributed import world_max
 from moe_rl.config import SFTConfig, validate_sft
 from moe_rl.data.prompts import DataError
 from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
@@ -60,6 +60,7 @@ class SFTTrainer:
         if 0 < len(val) < dp:
             raise DataError(f"{len(val)} validation examples cannot be shared by {dp} data-parallel ranks")
         self.val = val[dp_rank::dp]  # each rank scores its share; val/loss sums over the ranks
+        self._val_batch = None
         if self.rank == 0:
             p = cfg.parallel
             say(f"[moe-rl] SFT run {run_dir}: metrics.jsonl, checkpoints/, hf/ at the end")
@@ -101,17 +102,9 @@ class SFTTrainer:
         return state
 
     def _padded(self, examples: list[Example]):
-        # heavy: megatron-core, imported on first use
-        from megatron.core import parallel_state as ps
-
-        p = self.cfg.parallel
-        # expert-parallel ranks dispatch tokens together: one sequence length over them
-        length = max(len(e.ids) for e in examples)
-        if p.ep > 1 or p.etp > 1:
-            t = torch.tensor([length])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
-            length = int(t)
-        return pad(examples, self.tokenizer.pad_token_id or 0, p.seq_multiple, length)
+        # expert-parallel ranks dispatch tokens together: one sequence length over the ranks, as the RL source pads
+        (length,) = world_max(max(len(e.ids) for e in examples))
+        return pad(examples, self.tokenizer.pad_token_id or 0, self.cfg.parallel.seq_multiple, length)
 
     def step(self) -> dict[str, float]:
         start = time.perf_counter()
@@ -131,7 +124,9 @@ class SFTTrainer:
         return self.step_index % every == 0 or self.step_index == self.cfg.trainer.steps
 
     def validate(self) -> dict[str, float]:
-        return {"val/loss": self.actor.nll(self._padded(self.val))}
+        if self._val_batch is None:  # the same examples every time: padded once
+            self._val_batch = self._padded(self.val)
+        return {"val/loss": self.actor.nll(self._val_batch)}
 
     def save_checkpoint(self) -> Path:
         state = {
