@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks a CPU machine cannot run, on one GPU with torch + Triton (no vLLM needed): the kernel tests with
 # compiled Triton kernels (megatron's batch-invariant kernels too), the kernel benchmarks, and the tests marked
-# `gpu` (actor.distributed_optimizer against the CPU-path optimizer). Each step has its own time limit and log
-# ($OUT/<step>.log, whose tail is printed), so one that hangs or fails does not cost the others.
+# `gpu` (actor.distributed_optimizer against the CPU-path optimizer; the SFT step against transformers). Each step
+# has its own time limit and log ($OUT/<step>.log, whose tail is printed), so one that hangs or fails does not cost
+# the others.
 #
 #   OUT=/tmp/gpu_check bash bench/gpu_check.sh
 #   STEPS="kernel_tests gpu_tests" OUT=/tmp/gpu_check bash bench/gpu_check.sh     # some of the steps
