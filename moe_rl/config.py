@@ -571,9 +571,25 @@ class SFTDataConfig:
     max_length: int | None = None
     """Longest example in tokens (prompt + response); null: the model's context. A longer row is an error naming
     it."""
+    answer_key: str = "answer"
+    """task=file: field of a validation row holding the reference answer that validation by generation scores
+    (val.generate)."""
+    reward: str = ""
+    """Reward plugin of validation by generation, as RL's data.reward; empty: the task's own (arithmetic:
+    moe_rl.data.rewards:numeric_answer_reward; task=file has none, so its validation is val/loss only)."""
+
+    @property
+    def reward_spec(self) -> str:
+        """The reward plugin validation by generation uses ("" = none): data.reward, or the task's own."""
+        return self.reward or (TASK_REWARDS[Task.arithmetic] if self.task == "arithmetic" else "")
 
     def check(self) -> None:
         """This section's own rules."""
+        if self.reward:
+            try:
+                load_reward(self.reward)
+            except ValueError as e:
+                refuse("data.reward", str(e))
         if self.task == "file":
             if not self.path:
                 refuse("data.path", "task=file needs a jsonl or parquet file of prompt/response rows")
@@ -587,6 +603,20 @@ class SFTDataConfig:
             refuse("data.batch_size", f"{self.batch_size}: must be >= 1")
         if self.max_length is not None and self.max_length < 2:
             refuse("data.max_length", f"{self.max_length}: must be >= 2 (or null: the model's context)")
+
+
+@dataclass
+class SFTValConfig(ValConfig):
+    """SFT validation by generation: the validation prompts sampled through a vLLM engine with the weights of the
+    step (synced from the actor) and scored by the reward, logged as RL's val/* metrics."""
+
+    generate: bool = True
+    """Every trainer.val_every steps, besides val/loss, sample the validation prompts through a vLLM engine and
+    score them with the reward (data.reward or the task's own): val/pass@1, val/pass@k, val/reward_mean,
+    val/length_mean, as in RL. The engine starts once (one per run, on rank 0) and gets the weights before each
+    validation. Off by itself when the data has no reward (task=file without data.reward)."""
+    max_tokens: int = 64
+    """Longest validation response in tokens."""
 
 
 @dataclass
@@ -604,10 +634,10 @@ class SFTTrainerConfig:
     resume: str = "auto"
     """auto (newest complete checkpoint in checkpoint_dir, if any) | auto_skip_damaged | off | a step_* folder."""
     val_every: int = 50
-    """Validation loss (val/loss, the token mean over the validation examples) every N steps and at the end;
-    0 = never."""
+    """Validation every N steps and at the end: val/loss (the token mean over the validation examples) and, with
+    val.generate, the val/* scores of generation; 0 = never."""
     val_before_train: bool = True
-    """With val_every > 0, also score val/loss before the first step (logged as step 0; not on a resumed run)."""
+    """With val_every > 0, also validate before the first step (logged as step 0; not on a resumed run)."""
     export_hf: bool = True
     """At the end, write the model as a Hugging Face folder, <run dir>/hf (train_moe.py model.path=<it> starts RL
     from it)."""
@@ -622,7 +652,7 @@ class SFTTrainerConfig:
 @dataclass
 class SFTConfig:
     """Supervised fine-tuning on the RL trainer's actor (launch/sft_moe.py): the same model, parallel and actor
-    sections; the actor routes live (no engine, nothing to replay)."""
+    sections; the actor routes live (nothing to replay). A vLLM engine only for validation by generation (val.*)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -631,12 +661,13 @@ class SFTConfig:
     )
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+    val: SFTValConfig = field(default_factory=SFTValConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def validate_sft(cfg: SFTConfig, world_size: int) -> None:
     """The SFT run's checks, before anything is built: one clear error naming the key."""
-    for section in (cfg.model, cfg.actor, cfg.data, cfg.trainer):
+    for section in (cfg.model, cfg.actor, cfg.data, cfg.trainer, cfg.val):
         section.check()
     if cfg.actor.router_replay != "off":
         refuse("actor.router_replay", f"{cfg.actor.router_replay}: SFT has no rollout routes to replay; set off")

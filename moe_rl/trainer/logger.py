@@ -76,11 +76,15 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
 
 
 def val_line(step: int, metrics: dict[str, float]) -> str:
-    return (
-        f"validation at step {step}: reward {metrics['val/reward_mean']:.3f} pass@k {metrics['val/pass@k']:.3f} "
-        f"pass@1 {metrics['val/pass@1']:.3f} len {metrics['val/length_mean']:.1f} "
-        f"({metrics['val/prompts']:.0f} prompts)"
-    )
+    """The console line of a validation: SFT's val/loss and the scores of generation, whichever the record has."""
+    parts = [f"loss {metrics['val/loss']:.4f}"] if "val/loss" in metrics else []
+    if "val/reward_mean" in metrics:
+        parts.append(
+            f"reward {metrics['val/reward_mean']:.3f} pass@k {metrics['val/pass@k']:.3f} "
+            f"pass@1 {metrics['val/pass@1']:.3f} len {metrics['val/length_mean']:.1f} "
+            f"({metrics['val/prompts']:.0f} prompts)"
+        )
+    return f"validation at step {step}: {' '.join(parts)}"
 
 
 def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> list[str]:
@@ -250,10 +254,8 @@ class RunLogger:
             self.run.log(metrics, step=step)
         if "reward/mean" in metrics or "sft/loss" in metrics:  # a training step (a record may hold only validation)
             self._print(step_line(step, self.total, metrics))
-        if "val/reward_mean" in metrics:
+        if "val/reward_mean" in metrics or "val/loss" in metrics:
             self._print(val_line(step, metrics))
-        if "val/loss" in metrics:
-            self._print(f"validation at step {step}: loss {metrics['val/loss']:.4f}")
         if self.progress is not None:
             self.progress.update(self.task, completed=step)
 

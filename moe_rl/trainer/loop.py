@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +36,7 @@ from moe_rl.rollout import dump, placement
 from moe_rl.rollout.ahead import AheadSource
 from moe_rl.rollout.balance import balance_rollout
 from moe_rl.rollout.buffer import BufferSource, ReplayBuffer
-from moe_rl.rollout.engine import RolloutEngine, RolloutEngineError
+from moe_rl.rollout.engine import RolloutEngine
 from moe_rl.rollout.engine_groups import engine_groups
 from moe_rl.rollout.multi_turn.builtin_envs import env_class
 from moe_rl.rollout.multi_turn.loop import AgentLoop
@@ -526,16 +525,9 @@ class Trainer:
             self.logger.warn(self.step_index + 1, warning)
         return warning is not None
 
-    @contextmanager
     def _engine_may_stop(self):
-        """Under a stop signal (SIGTERM reaches the engine's processes too) an engine failure ends
-        the step's engine work instead of the run: the checkpoint does not need the engine."""
-        try:
-            yield
-        except RolloutEngineError as e:
-            if not self.stop.requested:
-                raise
-            self.logger.warn(self.step_index + 1, f"engine stopped by the signal ({e}); checkpointing without it")
+        """StopFlag.engine_may_stop, warning at the step under way."""
+        return self.stop.engine_may_stop(lambda message: self.logger.warn(self.step_index + 1, message))
 
     def close(self) -> None:
         self.source.close()

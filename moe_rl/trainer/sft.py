@@ -9,8 +9,10 @@ share, one optimizer step of next-token cross-entropy on the response tokens, th
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -21,14 +23,19 @@ from moe_rl.actor.model import check_divisibility, get_converter, load_hf_config
 from moe_rl.actor.parallel import init_distributed
 from moe_rl.common.distributed import world_max
 from moe_rl.config import SFTConfig, validate_sft
-from moe_rl.data.prompts import DataError
+from moe_rl.data.prompts import DataError, PromptSource
+from moe_rl.data.rewards import load_reward
 from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
 from moe_rl.models.tiny import built_in_model
+from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
+from moe_rl.rollout.engine_groups import engine_groups
 from moe_rl.trainer import checkpoint
 from moe_rl.trainer.logger import RunLogger, say
 from moe_rl.trainer.metrics import PeakMemory
 from moe_rl.trainer.run_dir import check_same_run_dir
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
+from moe_rl.trainer.validation import Validator
+from moe_rl.weight_sync import WeightSync
 
 
 class SFTTrainer:
@@ -55,6 +62,10 @@ class SFTTrainer:
         train, val = self._examples()
         for examples in (train, val):
             check_lengths(examples, limit, limit_name)
+        generate = bool(val and t.val_every and cfg.val.generate)
+        val_prompts, reward_fn = [], None
+        if generate and cfg.data.reward_spec:
+            val_prompts, reward_fn = self._val_prompts(hf_config.max_position_embeddings)
         dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.batches = Batches(train, cfg.data.batch_size, t.seed, dp_rank, dp)
         if 0 < len(val) < dp:
@@ -82,6 +93,11 @@ class SFTTrainer:
             wandb_id=(resumed or {}).get("wandb_run_id"),
             resumed_step=self.step_index if resumed else None,
         )
+        self.engine = self.weight_sync = self.generation = None
+        if val_prompts:
+            self._start_generation(val_prompts, reward_fn)
+        elif generate and self.rank == 0:
+            say("[moe-rl] validation: val/loss only (task=file has no reward: set data.reward to score generations)")
 
     def _examples(self) -> tuple[list[Example], list[Example]]:
         d, seed = self.cfg.data, self.cfg.trainer.seed
@@ -90,6 +106,52 @@ class SFTTrainer:
             return train, task_examples(d.arithmetic, "val", d.val_problems, seed, self.tokenizer)
         keys = (d.prompt_key, d.response_key, d.messages_key, self.tokenizer)
         return read_examples(d.path, *keys), read_examples(d.val_path, *keys) if d.val_path else []
+
+    def _val_prompts(self, context: int) -> tuple[list, Callable]:
+        """The validation prompts of generation (every rank the same list) and the reward that scores them; a row
+        without an answer the reward needs, or too long for the context with val.max_tokens, is an error naming it."""
+        cfg, d = self.cfg, self.cfg.data
+        reward_fn = load_reward(d.reward_spec)
+        needs = f"data.reward={d.reward_spec}" if getattr(reward_fn, "needs_answer", False) else None
+        prompts = PromptSource(
+            d.task,
+            d.val_path,
+            d.prompt_key,
+            d.answer_key,
+            cfg.trainer.seed,
+            messages_key=d.messages_key,
+            tokenizer=self.tokenizer,
+            context_limit=context - cfg.val.max_tokens,
+            answers_for=needs,
+            problems=(d.arithmetic, "val", d.val_problems),
+        ).items
+        return prompts, reward_fn
+
+    def _start_generation(self, prompts: list, reward_fn: Callable) -> None:
+        """Validation by generation (val.*): one engine (on rank 0) that gets the actor's weights before each
+        validation, and RL's Validator over `prompts`."""
+        # heavy: megatron-core, imported on first use
+        from megatron.core import parallel_state as ps
+
+        cfg = self.cfg
+        groups = engine_groups(1, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        if groups.is_leader:
+            lay = self.actor.layout
+            engine_cfg = RolloutConfig(
+                model=self.model_path, dtype=cfg.model.dtype, capture="none", seed=cfg.trainer.seed
+            )
+            self.engine = RolloutEngine(engine_cfg, lay.moe_layers, lay.num_experts, lay.topk)
+        self.weight_sync = WeightSync(self.actor, self.engine, groups.leaders, bucket_mb=64)
+        may_stop = functools.partial(
+            self.stop.engine_may_stop, lambda message: self.logger.warn(self.step_index, message)
+        )
+        sampling = SamplingConfig(max_tokens=cfg.val.max_tokens)
+        self.generation = Validator(
+            prompts, groups, self.engine, self.tokenizer, reward_fn, cfg.val, sampling, may_stop
+        )
+        if self.rank == 0:
+            what = f"{len(prompts)} prompts, {cfg.data.reward_spec}, one engine"
+            say(f"[moe-rl] validation: val/loss and generation ({what})")
 
     def _resume(self) -> dict | None:
         if self.resume_path is None:
@@ -124,9 +186,16 @@ class SFTTrainer:
         return self.step_index % every == 0 or self.step_index == self.cfg.trainer.steps
 
     def validate(self) -> dict[str, float]:
+        """val/loss, and with validation by generation the val/* scores of the step's weights (collective)."""
         if self._val_batch is None:  # the same examples every time: padded once
             self._val_batch = self._padded(self.val)
-        return {"val/loss": self.actor.nll(self._val_batch)}
+        out = {"val/loss": self.actor.nll(self._val_batch)}
+        if self.generation is not None:
+            if self.step_index > 0:  # the engine started with the weights of step 0
+                with self.stop.engine_may_stop(lambda message: self.logger.warn(self.step_index, message)):
+                    self.weight_sync()
+            out |= self.generation(self.step_index)
+        return out
 
     def save_checkpoint(self) -> Path:
         state = {
@@ -144,6 +213,8 @@ class SFTTrainer:
         return path
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
         self.logger.close()
 
 

@@ -11,9 +11,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from moe_rl.rollout.engine import RolloutEngineError
 
 
 class StopFlag:
@@ -53,6 +56,17 @@ class StopFlag:
                 f"[moe-rl] pid {os.getpid()}: {name}: checkpoint at the next step boundary", file=sys.stderr, flush=True
             )
             self.requested, self.first_at = True, time.monotonic()
+
+    @contextmanager
+    def engine_may_stop(self, warn: Callable[[str], object]):
+        """Under a stop signal (SIGTERM reaches the engine's processes too) an engine failure ends the engine work
+        instead of the run, saying so through `warn`: the checkpoint does not need the engine."""
+        try:
+            yield
+        except RolloutEngineError as e:
+            if not self.requested:
+                raise
+            warn(f"engine stopped by the signal ({e}); checkpointing without it")
 
     def agreed(self) -> bool:
         t = torch.tensor([int(self.requested)])

@@ -1,5 +1,6 @@
 """Supervised fine-tuning end to end (`launch/sft_moe.py`, tiny MoE, the arithmetic task): it learns (validation loss
-at least halves), its HF folder scores the validation examples in transformers as the actor did, a resumed run
+at least halves), its HF folder scores the validation examples in transformers as the actor did, validation by
+generation scores the step's weights as transformers' greedy decoding does, a resumed run
 continues exactly, every parallel layout and packing give world 1's first steps, and bad rows are refused naming the
 file and line before the model is built."""
 
@@ -65,6 +66,37 @@ def test_sft_halves_the_validation_loss_and_its_hf_folder_scores_as_the_actor(ru
     assert nll == pytest.approx(val[20], rel=1e-4), (nll, val[20])
 
 
+def test_validation_by_generation_scores_the_synced_weights_as_transformers_does(run):
+    """val/* of generation at the last step are those of transformers' greedy decoding of the exported folder (the
+    engine got the step's weights), and differ from step 0's (it did not keep the initial ones)."""
+    run_dir, records = run
+    val = {r["step"]: r for r in records if "val/pass@1" in r}
+    assert sorted(val) == [0, 10, 20]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moe_rl.data.rewards import numeric_answer_reward
+    from moe_rl.data.tasks import ArithmeticConfig, generate
+
+    hf = run_dir / "hf"
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    lengths, texts, answers = [], [], []
+    for p in generate(ArithmeticConfig(), "val", 64, 1234):
+        ids = torch.tensor([tokenizer(p.prompt)["input_ids"]])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        response = out[0, ids.shape[1] :].tolist()
+        lengths.append(len(response))
+        texts.append(tokenizer.decode(response, skip_special_tokens=True))
+        answers.append(str(p.answer))
+    rewards = numeric_answer_reward(texts, answers, [[]] * len(texts))
+    got = val[20]
+    assert got["val/prompts"] == 64
+    assert got["val/length_mean"] == pytest.approx(sum(lengths) / 64, abs=1 / 64), (got, lengths)
+    assert got["val/pass@1"] == pytest.approx(sum(rewards) / 64, abs=1 / 64)
+    assert got["val/length_mean"] != val[0]["val/length_mean"]
+
+
 def test_a_resumed_sft_run_continues_exactly(run, tmp_path):
     """Steps 11-20 of a run resumed from its step-10 checkpoint are the uninterrupted run's, bit for bit."""
     run_dir, records = run
@@ -107,12 +139,18 @@ def test_packed_and_padded_steps_agree(run, tmp_path):
         ([{"messages": [{"role": "user", "content": "hi"}]}], [], "sft.jsonl:2: 'messages' has no assistant turn"),
         ([{"prompt": "1+1=", "response": "2" * 40}], ["data.max_length=16"], "tokens, longer than data.max_length=16"),
         ([], ["data.arithmetic.operators=/"], "config data.arithmetic.operators: '/': choose one or more of '+-*'"),
+        (  # validation by generation: the reward needs every validation prompt's answer
+            [{"prompt": "1+1=", "response": "2"}],
+            ["data.val_path={data}", "data.reward=moe_rl.data.rewards:numeric_answer_reward"],
+            "sft.jsonl:2: the prompt has no answer (data.answer_key='answer')",
+        ),
     ],
 )
 def test_bad_input_is_refused_naming_the_row_or_key(rows, overrides, message, tmp_path):
     data = tmp_path / "sft.jsonl"
-    good = {"prompt": "2+2=", "response": "4"}
+    good = {"prompt": "2+2=", "response": "4", "answer": "4"}
     data.write_text("".join(json.dumps(r) + "\n" for r in [good, *rows]))
+    overrides = [o.format(data=data) for o in overrides]
     task = [] if overrides and overrides[0].startswith("data.arithmetic") else ["data.task=file", f"data.path={data}"]
     proc = subprocess.run(
         [*SFT, f"hydra.run.dir={tmp_path / 'run'}", *COMMON, *task, *overrides],
