@@ -7,8 +7,11 @@ file and line before the model is built."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +109,45 @@ def test_a_resumed_sft_run_continues_exactly(run, tmp_path):
     want = [untimed(r) for r in records if r["step"] > 10]
     got = [untimed(r) for r in again if r["step"] > 10]
     assert got == want
+
+
+def test_sigterm_checkpoints_and_the_resumed_run_continues_exactly(run, tmp_path):
+    """SIGTERM to the job's process group (Slurm's preemption: the engine gets it too) early in the run: it saves a
+    checkpoint at the step boundary and exits; `trainer.resume=auto` then trains the uninterrupted run's steps."""
+    _, records = run
+    run_dir, log = tmp_path / "preempted", tmp_path / "preempted.log"
+    overrides = ["trainer.steps=20", "trainer.val_every=10", "trainer.checkpoint_every=0"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*SFT, f"hydra.run.dir={run_dir}", *COMMON, *overrides],
+            cwd=REPO,
+            env=job_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.time() + 300
+            while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.1)  # the step-0 validation is logged: training starts now
+            assert proc.poll() is None, log.read_text()[-5000:]
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = log.read_text()
+    assert "stopped by a signal after saving a checkpoint" in text, text[-5000:]
+    stopped_at = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert 1 <= stopped_at < 20, stopped_at
+    again = _sft(SFT, run_dir, overrides)
+    last = {r["step"]: untimed(r) for r in again}  # the last record of each step
+    want = {r["step"]: untimed(r) for r in records}
+    assert sorted(last) == list(range(21)), sorted(last)
+    for step in range(1, 21):
+        assert last[step] == want[step], (step, stopped_at)
 
 
 @pytest.mark.distributed
