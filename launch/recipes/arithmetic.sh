@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# A small MoE that learns arithmetic on a CPU: build the model, SFT on worked solutions, RL (GSPO + IcePop + R3) on
-# the integer answers, and score both models on the test split (pass@1 greedy, pass@8 at temperature 1).
+# A small MoE that learns arithmetic on a CPU: build the model, SFT on worked solutions, RL (GSPO + IcePop + R3,
+# conf/arithmetic_rl.yaml) on the integer answers, and score both models on the test split (pass@1 greedy, pass@8 at
+# temperature 1).
 #
 #   bash launch/recipes/arithmetic.sh OUT_DIR [SFT_STEPS] [RL_STEPS]
 #
 # Leaves OUT_DIR/sft/hf and OUT_DIR/rl/hf (HF folders vLLM and transformers load), each stage's run folder and log,
-# and OUT_DIR/summary.json: {"sft": {"pass@1", "pass@8", "minutes"}, "rl": {...}, "test_problems": N}.
+# and OUT_DIR/summary.json: {"sft": {"pass@1", "pass@8", "minutes"}, "rl": {..., "ppo_kl_mean", "gain_pass@1"},
+# "test_problems": N}.
 # One line per stage on the console. Numbers measured with it: docs/guides/sft.md.
 set -euo pipefail
 OUT=${1:?usage: bash launch/recipes/arithmetic.sh OUT_DIR [SFT_STEPS] [RL_STEPS]}
-SFT_STEPS=${2:-600}
-RL_STEPS=${3:-200}
+SFT_STEPS=${2:-900}
+RL_STEPS=${3:-240}
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(bash "$HERE/launch/setup_env.sh" --print-venv)/bin/python}  # the environment launch/setup_env.sh made
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node=2)
 TEST_N=500
 mkdir -p "$OUT"
@@ -40,11 +42,11 @@ evaluate() {  # evaluate NAME MODEL
 
 stage "model (10.9M qwen3_moe)" "$OUT/model.log" "$PY" -m moe_rl.tools.tiny_model --size small --out "$OUT/model"
 stage "SFT ($SFT_STEPS steps)" "$OUT/sft.log" "${TORCHRUN[@]}" launch/sft_moe.py hydra.run.dir="$OUT/sft" \
-  model.path="$OUT/model" trainer.steps="$SFT_STEPS" trainer.val_every=100 logging.wandb.mode=disabled
+  model.path="$OUT/model" trainer.steps="$SFT_STEPS" trainer.val_every=100 trainer.checkpoint_every=0 \
+  logging.wandb.mode=disabled
 evaluate sft "$OUT/sft/hf"
-stage "RL ($RL_STEPS steps)" "$OUT/rl.log" "${TORCHRUN[@]}" launch/train_moe.py hydra.run.dir="$OUT/rl" \
-  model.path="$OUT/sft/hf" data.task=arithmetic trainer.steps="$RL_STEPS" trainer.checkpoint_every=0 \
-  actor.lr=1e-4 trainer.val_every=50 val.temperature=0 val.n=1 logging.wandb.mode=disabled
+stage "RL ($RL_STEPS steps)" "$OUT/rl.log" "${TORCHRUN[@]}" launch/train_moe.py --config-name=arithmetic_rl \
+  hydra.run.dir="$OUT/rl" model.path="$OUT/sft/hf" trainer.steps="$RL_STEPS" logging.wandb.mode=disabled
 stage "RL export" "$OUT/rl_export.log" "$PY" -m moe_rl.tools.export_hf "$OUT/rl/checkpoints" --out "$OUT/rl/hf"
 evaluate rl "$OUT/rl/hf"
 
@@ -57,6 +59,10 @@ def stage(name, train_log):
     seconds = int((out / f"{train_log}.seconds").read_text())
     return {"pass@1": result["pass@1"], "pass@8": result["pass@8"], "minutes": round(seconds / 60, 1)}
 summary = {"sft": stage("sft", "sft.log"), "rl": stage("rl", "rl.log"), "test_problems": n}
+steps = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+kl = [r["actor/ppo_kl"] for r in steps if "actor/ppo_kl" in r]
+summary["rl"]["ppo_kl_mean"] = sum(kl) / len(kl)  # the policy's pace: mean over the RL steps
+summary["rl"]["gain_pass@1"] = round(summary["rl"]["pass@1"] - summary["sft"]["pass@1"], 3)
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 print("[recipe] summary:", json.dumps(summary))
 PYEOF

@@ -21,16 +21,16 @@ from moe_rl.config import (
     register_configs,
     validate,
 )
-from moe_rl.objectives.corrections import GeoMaskConfig, TISConfig
+from moe_rl.objectives.corrections import GeoMaskConfig, IcePopConfig, TISConfig
 from moe_rl.objectives.policy_loss import GSPOConfig, PPOConfig
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
 
-def _compose(overrides=()):
+def _compose(overrides=(), name="train_moe"):
     register_configs()
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="train_moe", overrides=list(overrides))
+        return compose(config_name=name, overrides=list(overrides))
 
 
 def test_composed_defaults_are_the_dataclass_defaults():
@@ -38,6 +38,25 @@ def test_composed_defaults_are_the_dataclass_defaults():
     obj: TrainConfig = OmegaConf.to_object(_compose())
     assert obj == TrainConfig()
     validate(obj, world_size=2)
+
+
+def test_the_arithmetic_recipe_config_changes_only_what_it_says():
+    """conf/arithmetic_rl.yaml (the recipe's RL stage): valid, and train_moe.yaml's defaults everywhere else."""
+    obj: TrainConfig = OmegaConf.to_object(_compose(name="arithmetic_rl"))
+    validate(obj, world_size=2)
+    default = dict(_flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig()))))
+    changed = {k: v for k, v in _flat(OmegaConf.to_container(OmegaConf.structured(obj))) if default[k] != v}
+    assert set(changed) == {
+        "data.task",
+        "data.prompts_per_step",
+        "actor.lr",
+        "trainer.steps",
+        "trainer.checkpoint_every",
+        "trainer.val_every",
+        "trainer.val_before_train",
+    }, changed
+    assert isinstance(obj.algorithm.loss, GSPOConfig) and isinstance(obj.algorithm.correction, IcePopConfig)
+    assert obj.actor.router_replay == "r3"  # today's defaults: GSPO + IcePop + R3
 
 
 def _flat(node, prefix=""):
