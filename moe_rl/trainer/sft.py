@@ -9,7 +9,6 @@ share, one optimizer step of next-token cross-entropy on the response tokens, th
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable
@@ -142,16 +141,16 @@ class SFTTrainer:
             )
             self.engine = RolloutEngine(engine_cfg, lay.moe_layers, lay.num_experts, lay.topk)
         self.weight_sync = WeightSync(self.actor, self.engine, groups.leaders, bucket_mb=64)
-        may_stop = functools.partial(
-            self.stop.engine_may_stop, lambda message: self.logger.warn(self.step_index, message)
-        )
         sampling = SamplingConfig(max_tokens=cfg.val.max_tokens)
-        self.generation = Validator(
-            prompts, groups, self.engine, self.tokenizer, reward_fn, cfg.val, sampling, may_stop
-        )
+        args = (self.tokenizer, reward_fn, cfg.val, sampling, self._engine_may_stop)
+        self.generation = Validator(prompts, groups, self.engine, *args)
         if self.rank == 0:
             what = f"{len(prompts)} prompts, {cfg.data.reward_spec}, one engine"
             say(f"[moe-rl] validation: val/loss and generation ({what})")
+
+    def _engine_may_stop(self):
+        """StopFlag.engine_may_stop, warning at the current step."""
+        return self.stop.engine_may_stop(lambda message: self.logger.warn(self.step_index, message))
 
     def _resume(self) -> dict | None:
         if self.resume_path is None:
@@ -192,7 +191,7 @@ class SFTTrainer:
         out = {"val/loss": self.actor.nll(self._val_batch)}
         if self.generation is not None:
             if self.step_index > 0:  # the engine started with the weights of step 0
-                with self.stop.engine_may_stop(lambda message: self.logger.warn(self.step_index, message)):
+                with self._engine_may_stop():
                     self.weight_sync()
             out |= self.generation(self.step_index)
         return out
