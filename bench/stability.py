@@ -1,0 +1,281 @@
+"""Stability lab: what routing replay, IcePop and true on-policy do to a small MoE's RL on the arithmetic task.
+
+Every cell is the arithmetic recipe's RL stage (conf/arithmetic_rl.yaml: GSPO, 512 samples a step, actor.lr=2e-4)
+started from one SFT model, with one setting changed: the replay (R3, R2, none), the correction (IcePop, TIS,
+none), the engine and actor dtypes, true on-policy, or off-policy updates (4 mini-batches and one step of staleness,
+so pi_theta drifts from pi_old and mu). Per run: validation pass@1 (greedy, 200 val problems) every --val-every
+steps with a checkpoint there, test pass@1 (greedy, 500 test problems) of the last step and of the step that
+validation picks, the reward curve, mismatch/k3_kl, icepop/masked_fraction, router/agreement, grad-norm spikes
+(a step above 10x the median of the steps before it) and a collapse flag (validation pass@1 ends >= 0.10 below its
+best, or a 5-step mean reward falls below half of the best one before it).
+
+  python bench/stability.py --quick --sft OUT/sft/hf            # 3 cells, one seed (bf16 engine + fp32 actor)
+  python bench/stability.py --sft OUT/sft/hf --out /tmp/lab      # the whole matrix, 2 seeds
+  python bench/stability.py --quick                              # builds the SFT model first (the recipe's stage)
+
+Prints one JSON line {"cells": [...], "settings": {...}}; OUT holds it (stability.json), each run's folder and log,
+the curves (reward.png, k3_kl.png, val_pass1.png) and the table (table.md) that docs/stability.md shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SFT_STEPS = 900  # the recipe's SFT stage (launch/recipes/arithmetic.sh)
+TEST_PROBLEMS = 500
+
+
+@dataclass(frozen=True)
+class Cell:
+    replay: str  # actor.router_replay: r3 | r2 | off
+    correction: str  # algorithm/correction: icepop | tis | none
+    engine_dtype: str = "bfloat16"
+    actor_dtype: str = "float32"
+    true_on_policy: bool = False
+    off_policy: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.replay}+{self.correction}", f"engine-{self.engine_dtype}", f"actor-{self.actor_dtype}"]
+        parts += ["true-on-policy"] * self.true_on_policy + ["off-policy"] * self.off_policy
+        return "_".join(parts)
+
+    def overrides(self) -> list[str]:
+        out = [
+            f"actor.router_replay={self.replay}",
+            f"algorithm/correction={self.correction}",
+            f"rollout.dtype={self.engine_dtype}",
+            f"model.dtype={self.actor_dtype}",
+        ]
+        if self.true_on_policy:
+            out.append("trainer.true_on_policy=true")
+        if self.off_policy:
+            out += ["actor.mini_batches=4", "trainer.max_staleness=1"]
+        return out
+
+
+BF16 = {"engine_dtype": "bfloat16", "actor_dtype": "bfloat16"}
+MATRIX = [
+    Cell("off", "none"),
+    Cell("r2", "icepop"),
+    Cell("r3", "none"),
+    Cell("off", "icepop"),
+    Cell("r3", "icepop"),  # the defaults
+    Cell("r3", "tis"),
+    Cell("off", "none", **BF16),
+    Cell("r3", "icepop", **BF16),
+    Cell("off", "none", **BF16, true_on_policy=True),
+    Cell("off", "none", off_policy=True),
+    Cell("r3", "icepop", off_policy=True),
+]
+QUICK = [Cell("off", "none"), Cell("off", "icepop"), Cell("r3", "icepop")]
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> None:
+    """Run a command with its output in `log`; a failure raises with the log's end."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}); the end of {log}:\n{tail}")
+
+
+def torchrun(script: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script, *args]
+
+
+def build_sft(out: Path) -> Path:
+    """The recipe's model and SFT stages: OUT/sft/hf."""
+    if (out / "sft" / "hf" / "config.json").is_file():
+        return out / "sft" / "hf"
+    run([sys.executable, "-m", "moe_rl.tools.tiny_model", "--size", "small", "--out", str(out / "model")],
+        out / "model.log", 300)  # fmt: skip
+    sft_args = [f"hydra.run.dir={out / 'sft'}", f"model.path={out / 'model'}", f"trainer.steps={SFT_STEPS}"]
+    sft_args += ["trainer.val_every=100", "trainer.checkpoint_every=0", "logging.wandb.mode=disabled"]
+    run(torchrun("launch/sft_moe.py", *sft_args), out / "sft.log", 3600)
+    return out / "sft" / "hf"
+
+
+def test_pass1(checkpoint: Path, work: Path, name: str) -> float:
+    """Greedy pass@1 on the test split of the model at `checkpoint` (exported to an HF folder first)."""
+    hf = work / f"{name}_hf"
+    run([sys.executable, "-m", "moe_rl.tools.export_hf", str(checkpoint), "--out", str(hf)], work / f"{name}.log", 600)
+    result = work / f"{name}_eval.json"
+    evaluate = [sys.executable, "-m", "moe_rl.tools.evaluate", "--model", str(hf), "--split", "test"]
+    evaluate += ["--n", str(TEST_PROBLEMS), "--k", "1", "--out", str(result)]
+    run(evaluate, work / f"{name}_eval.log", 900)
+    shutil.rmtree(hf)
+    return json.loads(result.read_text())["pass@1"]
+
+
+def spikes(grad_norms: list[float], factor: float = 10.0, warmup: int = 5) -> int:
+    """Steps whose grad norm is above `factor` times the median of the steps before it (after `warmup` steps)."""
+    return sum(g > factor * statistics.median(grad_norms[:i]) for i, g in enumerate(grad_norms) if i >= warmup)
+
+
+def collapsed(val: dict[int, float], rewards: list[float], window: int = 5) -> bool:
+    """Validation pass@1 ends >= 0.10 below its best (and did not come back), or a `window`-step mean reward falls
+    below half of the best window mean before it."""
+    if val and max(val.values()) - val[max(val)] >= 0.10:
+        return True
+    means = [statistics.fmean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)]
+    best = 0.0
+    for m in means:
+        if m < best / 2:
+            return True
+        best = max(best, m)
+    return False
+
+
+def run_cell(cell: Cell, seed: int, sft: Path, out: Path, steps: int, val_every: int) -> dict:
+    name = f"{cell.name}_seed{seed}"
+    work = out / name
+    if work.exists():
+        shutil.rmtree(work)
+    args = ["--config-name=arithmetic_rl", f"hydra.run.dir={work}", f"model.path={sft}", f"trainer.steps={steps}"]
+    args += [f"trainer.val_every={val_every}", f"trainer.checkpoint_every={val_every}", "trainer.checkpoint_keep=0"]
+    args += [f"trainer.seed={seed}", f"sampling.seed={seed}", f"logging.router_agreement_every={val_every}"]
+    args += ["logging.wandb.mode=disabled", *cell.overrides()]
+    start = time.perf_counter()
+    run(torchrun("launch/train_moe.py", *args), out / f"{name}.log", 3600)
+    minutes = (time.perf_counter() - start) / 60
+    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in records if "reward/mean" in r]
+    val = {r["step"]: r["val/pass@1"] for r in records if "val/pass@1" in r}
+    best_step = max((s for s in val if s > 0), key=lambda s: (val[s], -s), default=steps)
+    checkpoints = work / "checkpoints"
+    final = test_pass1(checkpoints / f"step_{steps:06d}", work, "final")
+    best = final if best_step == steps else test_pass1(checkpoints / f"step_{best_step:06d}", work, "best")
+    shutil.rmtree(checkpoints)
+
+    def series(key: str) -> list[float]:
+        return [r[key] for r in steps_ if key in r]
+
+    rewards, k3 = series("reward/mean"), series("mismatch/k3_kl")
+    masked, agreement, ppo_kl = series("icepop/masked_fraction"), series("router/agreement"), series("actor/ppo_kl")
+    return {
+        "name": cell.name,
+        **asdict(cell),
+        "seed": seed,
+        "steps": steps,
+        "minutes": round(minutes, 1),
+        "k3_kl_mean": statistics.fmean(k3) if k3 else None,
+        "icepop_masked_fraction_mean": statistics.fmean(masked) if masked else None,
+        "router_agreement_mean": statistics.fmean(agreement) if agreement else None,
+        "ppo_kl_mean": statistics.fmean(ppo_kl) if ppo_kl else None,
+        "val_pass@1": {str(s): v for s, v in sorted(val.items())},
+        "best_step": best_step,
+        "test_pass@1": final,
+        "best_test_pass@1": best,
+        "reward_first5": statistics.fmean(rewards[:5]),
+        "reward_last5": statistics.fmean(rewards[-5:]),
+        "collapsed": collapsed(val, rewards),
+        "grad_norm_spikes": spikes(series("actor/grad_norm")),
+        "curves": {"reward": rewards, "k3_kl": k3},
+    }
+
+
+def table(cells: list[dict]) -> str:
+    """The Markdown table: one row per setting, the seeds' values side by side."""
+    rows = [
+        "| replay | correction | engine / actor | mode | test pass@1 (last) | test pass@1 (best val step) | "
+        "k3 KL (mean) | IcePop masked | router agreement | reward first 5 → last 5 | spikes | collapsed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_name: dict[str, list[dict]] = {}
+    for c in cells:
+        by_name.setdefault(c["name"], []).append(c)
+
+    def joined(runs: list[dict], key: str, fmt: str) -> str:
+        return " / ".join("–" if r[key] is None else format(r[key], fmt) for r in runs)
+
+    for runs in by_name.values():
+        c = runs[0]
+        mode = "true on-policy" if c["true_on_policy"] else "off-policy" if c["off_policy"] else "on-policy"
+        dtypes = f"{c['engine_dtype'].replace('bfloat16', 'bf16').replace('float32', 'fp32')} / "
+        dtypes += c["actor_dtype"].replace("bfloat16", "bf16").replace("float32", "fp32")
+        reward = " / ".join(f"{r['reward_first5']:.2f} → {r['reward_last5']:.2f}" for r in runs)
+        rows.append(
+            f"| {c['replay']} | {c['correction']} | {dtypes} | {mode} | {joined(runs, 'test_pass@1', '.3f')} | "
+            f"{joined(runs, 'best_test_pass@1', '.3f')} | {joined(runs, 'k3_kl_mean', '.2e')} | "
+            f"{joined(runs, 'icepop_masked_fraction_mean', '.1e')} | {joined(runs, 'router_agreement_mean', '.4f')} | "
+            f"{reward} | {joined(runs, 'grad_norm_spikes', 'd')} | {' / '.join(str(r['collapsed']) for r in runs)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def plots(cells: list[dict], out: Path) -> None:
+    # heavy: matplotlib, imported on first use
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for key, ylabel, log in (("reward", "reward/mean", False), ("k3_kl", "mismatch/k3_kl", True)):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for c in cells:
+            ax.plot(range(1, len(c["curves"][key]) + 1), c["curves"][key], label=f"{c['name']} s{c['seed']}", lw=1)
+        ax.set(xlabel="step", ylabel=ylabel, yscale="log" if log else "linear")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / f"{key}.png", dpi=120)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for c in cells:
+        val = {int(s): v for s, v in c["val_pass@1"].items()}
+        ax.plot(list(val), list(val.values()), marker="o", label=f"{c['name']} s{c['seed']}", lw=1)
+    ax.set(xlabel="step", ylabel="val/pass@1 (greedy, 200 problems)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "val_pass1.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 cells (no replay + no correction, IcePop alone, "
+                        "R3 + IcePop; bf16 engine, fp32 actor), one seed")  # fmt: skip
+    parser.add_argument("--sft", type=Path, help="the SFT model (an HF folder); default: build it (the recipe's SFT)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/stability"), help="where runs, plots and JSON go")
+    parser.add_argument("--steps", type=int, default=30, help="RL steps per run (30: the full matrix fits 90 min)")
+    parser.add_argument("--val-every", type=int, default=10, help="validation (and checkpoint) interval")
+    parser.add_argument("--seeds", type=int, nargs="+", help="default: 1 (--quick) or 1 2")
+    a = parser.parse_args(argv)
+    if a.steps % a.val_every:
+        parser.error(f"--steps {a.steps} must be a multiple of --val-every {a.val_every} (the last step is scored)")
+    if a.sft is not None and not (a.sft / "config.json").is_file():
+        parser.error(f"--sft {a.sft}: no config.json there (an HF folder, e.g. the recipe's OUT_DIR/sft/hf)")
+    a.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    sft = a.sft.resolve() if a.sft else build_sft(a.out.resolve())
+    cells, seeds = (QUICK, a.seeds or [1]) if a.quick else (MATRIX, a.seeds or [1, 2])
+    results = []
+    for i, (cell, seed) in enumerate((c, s) for c in cells for s in seeds):
+        r = run_cell(cell, seed, sft, a.out.resolve(), a.steps, a.val_every)
+        results.append(r)
+        print(f"[stability] {i + 1}/{len(cells) * len(seeds)} {r['name']} seed {seed}: test pass@1 "
+              f"{r['test_pass@1']:.3f} (best-val step {r['best_step']}: {r['best_test_pass@1']:.3f}), k3 "
+              f"{r['k3_kl_mean']}, {r['minutes']} min", file=sys.stderr, flush=True)  # fmt: skip
+    settings = {"sft": str(sft), "steps": a.steps, "val_every": a.val_every, "seeds": seeds, "quick": a.quick}
+    settings["minutes"] = round((time.perf_counter() - start) / 60, 1)
+    report = {"cells": results, "settings": settings}
+    (a.out / "stability.json").write_text(json.dumps(report, indent=1) + "\n")
+    (a.out / "table.md").write_text(table(results))
+    plots(results, a.out)
+    print(json.dumps({"cells": [{k: v for k, v in r.items() if k != "curves"} for r in results], "settings": settings}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

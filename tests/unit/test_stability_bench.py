@@ -1,0 +1,50 @@
+"""bench/stability.py (the stability lab): every cell of its matrix is a setting the trainer accepts (composed from
+conf/arithmetic_rl.yaml and validated as launch/train_moe.py would, so no cell fails minutes into the lab), and its
+grad-norm spike count and collapse flag say what its docstring says."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from moe_rl.config import register_configs, validate
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("stability", REPO / "bench" / "stability.py")
+lab = importlib.util.module_from_spec(_spec)
+sys.modules["stability"] = lab  # dataclasses look their module up while the class is made
+_spec.loader.exec_module(lab)
+
+
+@pytest.mark.parametrize("cell", lab.MATRIX, ids=lambda c: c.name)
+def test_every_cell_is_a_valid_training_config(cell):
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="arithmetic_rl", overrides=cell.overrides()))
+    validate(cfg, world_size=2)
+    assert cfg.actor.router_replay == cell.replay and cfg.rollout.dtype == cell.engine_dtype
+    assert cfg.model.dtype == cell.actor_dtype and cfg.trainer.true_on_policy == cell.true_on_policy
+    assert (cfg.actor.mini_batches, cfg.trainer.max_staleness) == ((4, 1) if cell.off_policy else (2, 0))
+
+
+def test_quick_cells_are_in_the_matrix_and_names_are_unique():
+    assert set(lab.QUICK) <= set(lab.MATRIX)
+    assert len({c.name for c in lab.MATRIX}) == len(lab.MATRIX) == 11
+
+
+def test_spikes_count_steps_far_above_the_running_median():
+    norms = [1.0, 1.2, 0.9, 1.1, 1.0, 30.0, 1.0, 9.0, 12.0]
+    assert lab.spikes(norms) == 2  # 30 and 12 are above 10x the median before them (1.0 ... 1.05); 9 is not
+
+
+def test_collapse_flag():
+    steady = [0.5] * 20
+    assert not lab.collapsed({0: 0.4, 10: 0.5, 20: 0.45}, steady)
+    assert lab.collapsed({0: 0.4, 10: 0.55, 20: 0.44}, steady)  # ends 0.11 below its best
+    assert not lab.collapsed({0: 0.4, 10: 0.55, 20: 0.3, 30: 0.5}, steady)  # came back within 0.10
+    assert lab.collapsed({0: 0.4}, [0.6] * 10 + [0.2] * 10)  # the reward's 5-step mean fell below half its best
