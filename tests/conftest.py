@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,35 @@ def job_env() -> dict[str, str]:
     # A world-1 fixture in this process set MASTER_ADDR/PORT; a child must pick its own port.
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     return dict(inherited, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
+
+
+def preempt(cmd: list[str], run_dir: Path, log: Path, *, to_group: bool, timeout: int = 600) -> tuple[str, int]:
+    """Start `cmd` (a real launch from the repo root, in its own session, output in `log`), wait until the run
+    logged its first record (run_dir/metrics.jsonl), send SIGTERM (to the whole process group as Slurm's scancel
+    does, or to the launcher alone, which forwards it) and wait for the exit; whatever is left is killed. Returns
+    the output and the step of the checkpoint the run saved when the signal stopped it."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=job_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.time() + timeout
+            while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+            assert proc.poll() is None, log.read_text()[-5000:]
+            if to_group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = log.read_text()
+    assert "stopped by a signal after saving a checkpoint" in text, text[-5000:]
+    return text, int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
 
 
 _WARM: list[warm_torchrun.Server] = []

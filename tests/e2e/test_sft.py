@@ -7,17 +7,14 @@ file and line before the model is built."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, job_env, run_job, untimed
+from tests.conftest import REPO, job_env, preempt, run_job, untimed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -120,30 +117,8 @@ def test_sigterm_checkpoints_and_the_resumed_run_continues_exactly(run, tmp_path
     _, records = run
     run_dir, log = tmp_path / "preempted", tmp_path / "preempted.log"
     overrides = ["trainer.steps=20", "trainer.val_every=10", "trainer.checkpoint_every=0"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [*SFT, f"hydra.run.dir={run_dir}", *COMMON, *overrides],
-            cwd=REPO,
-            env=job_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.time() + 300
-            while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline and proc.poll() is None:
-                time.sleep(0.1)  # the step-0 validation is logged: training starts now
-            assert proc.poll() is None, log.read_text()[-5000:]
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=300)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    text = log.read_text()
-    assert "stopped by a signal after saving a checkpoint" in text, text[-5000:]
-    stopped_at = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    # to the group: the step-0 validation is logged, so training starts now
+    _, stopped_at = preempt([*SFT, f"hydra.run.dir={run_dir}", *COMMON, *overrides], run_dir, log, to_group=True)
     assert 1 <= stopped_at < 20, stopped_at
     again = _sft(SFT, run_dir, overrides)
     last = {r["step"]: untimed(r) for r in again}  # the last record of each step

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ONE_ENGINE, REPO, run_job, untimed
+from tests.conftest import ONE_ENGINE, REPO, preempt, run_job, untimed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
@@ -143,31 +140,9 @@ def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, defa
     reference = default_run[1][:4]
 
     run_dir = tmp_path / "preempted"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
-    log = (tmp_path / "preempted.log").open("w")
-    proc = subprocess.Popen(
-        [*TRAIN, f"hydra.run.dir={run_dir}", *steps],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 600
-        while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.5)
-        assert proc.poll() is None, (tmp_path / "preempted.log").read_text()[-5000:]
-        os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards SIGTERM to the workers' process groups
-        proc.wait(timeout=300)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    text = (tmp_path / "preempted.log").read_text()
-    assert "stopped by a signal after saving a checkpoint" in text, text[-5000:]
-    stopped_at = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    # to torchrun alone: it forwards SIGTERM to the workers' process groups
+    cmd = [*TRAIN, f"hydra.run.dir={run_dir}", *steps]
+    text, stopped_at = preempt(cmd, run_dir, tmp_path / "preempted.log", to_group=False)
     assert 1 <= stopped_at < 4
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == stopped_at
 
