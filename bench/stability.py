@@ -12,6 +12,7 @@ best, or a 5-step mean reward falls below half of the best one before it).
   python bench/stability.py --quick --sft OUT/sft/hf            # 3 cells, one seed (bf16 engine + fp32 actor)
   python bench/stability.py --sft OUT/sft/hf --out /tmp/lab      # the whole matrix, 2 seeds
   python bench/stability.py --quick                              # builds the SFT model first (the recipe's stage)
+  python bench/stability.py --report --out /tmp/lab              # the table and curves again from its JSON
 
 Prints one JSON line {"cells": [...], "settings": {...}}; OUT holds it (stability.json), each run's folder and log,
 the curves (reward.png, k3_kl.png, val_pass1.png) and the table (table.md) that docs/stability.md shows.
@@ -43,11 +44,13 @@ class Cell:
     actor_dtype: str = "float32"
     true_on_policy: bool = False
     off_policy: bool = False
+    head_dtype: str = "model"  # rollout.head_dtype: model | float32
 
     @property
     def name(self) -> str:
         parts = [f"{self.replay}+{self.correction}", f"engine-{self.engine_dtype}", f"actor-{self.actor_dtype}"]
         parts += ["true-on-policy"] * self.true_on_policy + ["off-policy"] * self.off_policy
+        parts += [f"head-{self.head_dtype}"] * (self.head_dtype != "model")
         return "_".join(parts)
 
     def overrides(self) -> list[str]:
@@ -56,6 +59,7 @@ class Cell:
             f"algorithm/correction={self.correction}",
             f"rollout.dtype={self.engine_dtype}",
             f"model.dtype={self.actor_dtype}",
+            f"rollout.head_dtype={self.head_dtype}",
         ]
         if self.true_on_policy:
             out.append("trainer.true_on_policy=true")
@@ -72,6 +76,7 @@ MATRIX = [
     Cell("off", "icepop"),
     Cell("r3", "icepop"),  # the defaults
     Cell("r3", "tis"),
+    Cell("r3", "icepop", head_dtype="float32"),
     Cell("off", "none", **BF16),
     Cell("r3", "icepop", **BF16),
     Cell("off", "none", **BF16, true_on_policy=True),
@@ -170,7 +175,7 @@ def run_cell(cell: Cell, seed: int, sft: Path, out: Path, steps: int, val_every:
         "seed": seed,
         "steps": steps,
         "minutes": round(minutes, 1),
-        "k3_kl_mean": statistics.fmean(k3) if k3 else None,
+        **k3_stats(k3),
         "icepop_masked_fraction_mean": statistics.fmean(masked) if masked else None,
         "router_agreement_mean": statistics.fmean(agreement) if agreement else None,
         "ppo_kl_mean": statistics.fmean(ppo_kl) if ppo_kl else None,
@@ -186,12 +191,21 @@ def run_cell(cell: Cell, seed: int, sft: Path, out: Path, steps: int, val_every:
     }
 
 
+def k3_stats(k3: list[float]) -> dict[str, float | None]:
+    """Mean, median and largest per-step mismatch/k3_kl of a run: the mean follows the rare steps where a sample's
+    log-probs part far (a flipped expert), the median the typical step."""
+    if not k3:
+        return {"k3_kl_mean": None, "k3_kl_median": None, "k3_kl_max": None}
+    return {"k3_kl_mean": statistics.fmean(k3), "k3_kl_median": statistics.median(k3), "k3_kl_max": max(k3)}
+
+
 def table(cells: list[dict]) -> str:
     """The Markdown table: one row per setting, the seeds' values side by side."""
     rows = [
         "| replay | correction | engine / actor | mode | test pass@1 (last) | test pass@1 (best val step) | "
-        "k3 KL (mean) | IcePop masked | router agreement | reward first 5 → last 5 | spikes | collapsed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "k3 KL mean | k3 KL median | k3 KL max | IcePop masked | router agreement | reward first 5 → last 5 | "
+        "spikes | collapsed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_name: dict[str, list[dict]] = {}
     for c in cells:
@@ -203,12 +217,14 @@ def table(cells: list[dict]) -> str:
     for runs in by_name.values():
         c = runs[0]
         mode = "true on-policy" if c["true_on_policy"] else "off-policy" if c["off_policy"] else "on-policy"
-        dtypes = f"{c['engine_dtype'].replace('bfloat16', 'bf16').replace('float32', 'fp32')} / "
+        dtypes = c["engine_dtype"].replace("bfloat16", "bf16").replace("float32", "fp32")
+        dtypes += " (fp32 head) / " if c.get("head_dtype") == "float32" else " / "
         dtypes += c["actor_dtype"].replace("bfloat16", "bf16").replace("float32", "fp32")
         reward = " / ".join(f"{r['reward_first5']:.2f} → {r['reward_last5']:.2f}" for r in runs)
         rows.append(
             f"| {c['replay']} | {c['correction']} | {dtypes} | {mode} | {joined(runs, 'test_pass@1', '.3f')} | "
             f"{joined(runs, 'best_test_pass@1', '.3f')} | {joined(runs, 'k3_kl_mean', '.2e')} | "
+            f"{joined(runs, 'k3_kl_median', '.2e')} | {joined(runs, 'k3_kl_max', '.2e')} | "
             f"{joined(runs, 'icepop_masked_fraction_mean', '.1e')} | {joined(runs, 'router_agreement_mean', '.4f')} | "
             f"{reward} | {joined(runs, 'grad_norm_spikes', 'd')} | {' / '.join(str(r['collapsed']) for r in runs)} |"
         )
@@ -251,7 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="RL steps per run (30: the full matrix fits 90 min)")
     parser.add_argument("--val-every", type=int, default=10, help="validation (and checkpoint) interval")
     parser.add_argument("--seeds", type=int, nargs="+", help="default: 1 (--quick) or 1 2")
+    parser.add_argument("--report", action="store_true", help="run nothing: the table and curves again from "
+                        "--out's stability.json")  # fmt: skip
     a = parser.parse_args(argv)
+    if a.report:
+        report = json.loads((a.out / "stability.json").read_text())
+        for cell in report["cells"]:
+            cell.update(k3_stats(cell["curves"]["k3_kl"]))
+        return write_report(report, a.out)
     if a.steps % a.val_every:
         parser.error(f"--steps {a.steps} must be a multiple of --val-every {a.val_every} (the last step is scored)")
     if a.sft is not None and not (a.sft / "config.json").is_file():
@@ -269,11 +292,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['k3_kl_mean']}, {r['minutes']} min", file=sys.stderr, flush=True)  # fmt: skip
     settings = {"sft": str(sft), "steps": a.steps, "val_every": a.val_every, "seeds": seeds, "quick": a.quick}
     settings["minutes"] = round((time.perf_counter() - start) / 60, 1)
-    report = {"cells": results, "settings": settings}
-    (a.out / "stability.json").write_text(json.dumps(report, indent=1) + "\n")
-    (a.out / "table.md").write_text(table(results))
-    plots(results, a.out)
-    print(json.dumps({"cells": [{k: v for k, v in r.items() if k != "curves"} for r in results], "settings": settings}))
+    return write_report({"cells": results, "settings": settings}, a.out)
+
+
+def write_report(report: dict, out: Path) -> int:
+    """stability.json, table.md and the curves in `out`; the JSON line (without the curves) on stdout."""
+    (out / "stability.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "table.md").write_text(table(report["cells"]))
+    plots(report["cells"], out)
+    cells = [{k: v for k, v in r.items() if k != "curves"} for r in report["cells"]]
+    print(json.dumps({"cells": cells, "settings": report["settings"]}))
     return 0
 
 

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum, StrEnum
 from typing import Any
 
-import torch
-
 from moe_rl.actor.model import Recompute
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.common.errors import ConfigError, refuse
+from moe_rl.common.platform import has_cuda
 from moe_rl.data.prompts import Overlong
 from moe_rl.data.rewards import load_reward
 from moe_rl.data.tasks import ArithmeticConfig, check_count
@@ -113,7 +112,7 @@ class ModelConfig:
 
     def check(self) -> None:
         """This section's own rules (validate: before anything is built)."""
-        if self.transformer_engine and not _has_cuda():
+        if self.transformer_engine and not has_cuda():
             refuse("model.transformer_engine", "true needs CUDA (Transformer Engine); no CUDA here: set it false")
 
 
@@ -231,7 +230,7 @@ class ActorConfig:
         ):
             if getattr(self, key) < 1:
                 refuse(f"actor.{key}", f"{getattr(self, key)}: must be >= 1" + (f" {what}" if what else ""))
-        if self.distributed_optimizer and not _has_cuda():
+        if self.distributed_optimizer and not has_cuda():
             refuse("actor.distributed_optimizer", "true needs CUDA (megatron's DDP buffers, NCCL); set it false on CPU")
 
 
@@ -322,6 +321,10 @@ class TrainerConfig:
     """Warn when |mean(log pi_theta - log pi_old)| on the first mini-batch exceeds this (a broken weight sync or
     replay: pi_old was computed from the same weights). Not checked with algorithm.prox_logp=loglinear, whose pi_prox
     is interpolated from mu, not recomputed."""
+    preflight: bool = True
+    """Before the model is built, the planner (moe-rl-plan, docs/guides/planning.md) sizes this run on this machine:
+    on CUDA a layout whose fullest GPU would not fit stops with the plan's tables; on CPU one line gives the trainer
+    rank's estimate. false: skip it."""
     mode: Mode = Mode.train
     """train | rollout_only (rollout + old log-probs + a dump each step, no update) | from_dump
     (train on the dumps in dump_dir, cycling through its steps; no engine)."""
@@ -673,7 +676,7 @@ def validate_sft(cfg: SFTConfig, world_size: int) -> None:
         refuse("actor.router_replay", f"{cfg.actor.router_replay}: SFT has no rollout routes to replay; set off")
     if cfg.actor.mini_batches != 1:
         refuse("actor.mini_batches", f"{cfg.actor.mini_batches}: SFT takes one optimizer step per data.batch_size")
-    if cfg.actor.packing and _has_cuda() and not cfg.model.transformer_engine:
+    if cfg.actor.packing and has_cuda() and not cfg.model.transformer_engine:
         refuse("actor.packing", "on GPU packed rows run as THD sequences: set model.transformer_engine=true")
     try:
         dp = cfg.parallel.data_parallel_size(world_size)
@@ -734,13 +737,16 @@ def _validate_true_on_policy(cfg: TrainConfig) -> None:
         "products in another order than the TP=1 actor)": cfg.rollout.tensor_parallel_size != 1,
         f"model.dtype={cfg.model.dtype} with rollout.dtype={cfg.rollout.dtype} (the engine-op pass computes in "
         "the engine's dtype; set both the same)": cfg.model.dtype != cfg.rollout.dtype,
+        "rollout.head_dtype=float32 (the engine-op pass computes the lm_head in the engine's dtype)": (
+            cfg.rollout.head_dtype != "model"
+        ),
         "trainer.mode other than train (dumps were sampled by other weights)": t.mode != "train",
         "trainer.max_staleness >= 1 (a stale sample's mu comes from older weights than pi_old)": t.max_staleness > 0,
         "buffer.enable=true (replayed samples come from older weights)": cfg.buffer.enable,
         "algorithm.prox_logp=loglinear (no old-log-prob pass to make exact)": cfg.algorithm.prox_logp == "loglinear",
         "rollout.multi_turn.env (multi-turn trajectories are not covered yet)": cfg.rollout.multi_turn.env != "none",
         "model.transformer_engine=false on GPU (megatron's batch_invariant_mode needs Transformer Engine "
-        "FlashAttention)": _has_cuda() and not cfg.model.transformer_engine,
+        "FlashAttention)": has_cuda() and not cfg.model.transformer_engine,
         f"rollout.logprobs_mode={cfg.rollout.logprobs_mode} (the actor reproduces raw_logprobs: the model's "
         "distribution before temperature and top-p)": cfg.rollout.logprobs_mode != "raw_logprobs",
     }
@@ -790,7 +796,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"{cfg.sampling.temperature}: training needs sampling (> 0); greedy decoding gives identical "
             "samples (zero advantages) and no behaviour log-probabilities for the importance ratio",
         )
-    if cfg.actor.packing and _has_cuda() and not cfg.model.transformer_engine:
+    if cfg.actor.packing and has_cuda() and not cfg.model.transformer_engine:
         refuse(
             "actor.packing",
             "on GPU packed rows run as THD sequences through Transformer Engine (megatron's fused softmax "
@@ -851,10 +857,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             "rollout.sleep_while_training",
             f"true with trainer.max_staleness={t.max_staleness} (the engine samples as the actor trains)",
         )
-
-
-def _has_cuda() -> bool:
-    return torch.cuda.is_available()
 
 
 GROUPS = {"algorithm/loss": POLICY_LOSSES, "algorithm/correction": CORRECTIONS}

@@ -33,3 +33,14 @@ class ProbeExtension(MoeRLWorkerExtension):
     def moe_rl_signal_handler(self, name: str) -> str:
         """This process's handler of signal `name` (e.g. "SIGUSR1"): a forked engine does not keep the trainer's."""
         return str(signal.getsignal(getattr(signal, name)))
+
+    def moe_rl_head_logits(self, seed: int) -> tuple[str, float, float]:
+        """The model's logits for random hidden states (in the engine's dtype), against the same product summed and
+        kept in fp32: (logits dtype, max |logits - fp32 product|, max |fp32 product|)."""
+        model = self.model_runner.model
+        weight = model.lm_head.weight
+        g = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(8, weight.shape[1], generator=g).to(weight.dtype)
+        logits = model.compute_logits(hidden)
+        exact = hidden.float() @ weight.float().T
+        return str(logits.dtype), (logits.float() - exact).abs().max().item(), exact.abs().max().item()

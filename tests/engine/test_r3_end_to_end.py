@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_rl.rollout.engine import SamplingConfig
+from tests.engine.conftest import start_engine
 
 pytestmark = pytest.mark.engine
 
@@ -72,3 +73,16 @@ def test_r3_brings_megatron_logprobs_closer_to_vllm(engines, tiny_models, world1
     # s * B + b (tried), k3 KL 2.42 (ratio 118) and max |log-prob diff| 12.
     assert ratio < 0.3, ratio
     assert token_diff(r3) < 1.0, token_diff(r3)
+
+
+def test_fp32_head_keeps_a_bf16_engines_logits_in_fp32(engines, tiny_models):
+    """rollout.head_dtype=float32 (vLLM's hf_overrides head_dtype): the bf16 engine's lm_head sums and returns its
+    logits in fp32 (the trainer's are fp32), where the default rounds them to bf16 (by up to half a bf16 step: 0.06
+    for a logit of 30)."""
+    seed = int(torch.randint(1 << 30, (1,)))
+    default = engines("qwen3_moe", "bfloat16").llm.collective_rpc("moe_rl_head_logits", args=(seed,))[0]
+    with start_engine(tiny_models["qwen3_moe"], "bfloat16", head_dtype="float32") as eng:
+        fp32 = eng.llm.collective_rpc("moe_rl_head_logits", args=(seed,))[0]
+    print(f"\nlogits (dtype, max error against the fp32 product, max |logit|): default {default}, fp32 head {fp32}")
+    assert default[0] == "torch.bfloat16" and default[1] > 0
+    assert fp32[0] == "torch.float32" and fp32[1] <= 1e-5 * fp32[2]

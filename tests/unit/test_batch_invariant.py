@@ -41,9 +41,11 @@ def test_the_actor_config_asks_megatron_for_batch_invariant_mode(tiny_models):
     assert not off.batch_invariant_mode and off.attention_backend != AttnBackend.flash
 
 
-def test_on_gpu_the_mode_needs_transformer_engine(monkeypatch):
-    monkeypatch.setattr("moe_rl.config._has_cuda", lambda: True)
-    with pytest.raises(ValueError, match="model.transformer_engine=false on GPU") as e:
-        validate(_cfg(["trainer.true_on_policy=true", "actor.packing=false"]), 2)
-    assert "config trainer.true_on_policy: cannot be exact" in str(e.value)
-    validate(_cfg(["trainer.true_on_policy=true", "model.transformer_engine=true"]), 2)  # nothing else refused
+def test_on_gpu_the_mode_needs_transformer_engine():
+    from moe_rl.common.platform import as_on_cuda
+
+    with as_on_cuda():
+        with pytest.raises(ValueError, match="model.transformer_engine=false on GPU") as e:
+            validate(_cfg(["trainer.true_on_policy=true", "actor.packing=false"]), 2)
+        assert "config trainer.true_on_policy: cannot be exact" in str(e.value)
+        validate(_cfg(["trainer.true_on_policy=true", "model.transformer_engine=true"]), 2)  # nothing else refused

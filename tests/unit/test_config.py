@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from moe_rl.common.platform import as_on_cuda
 from moe_rl.config import (
     AlgorithmConfig,
     ConfigError,
@@ -358,15 +358,17 @@ def test_the_loss_is_chosen_by_its_group_only():
         check_overrides(["algorithm.policy_loss=ppo"])
 
 
-def test_gpu_only_transport_choices_are_checked_as_on_a_gpu(monkeypatch):
-    """What a GPU machine would be told (validated here with CUDA pretended present): cuda_ipc serves a colocated
-    engine of one worker only."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+def test_gpu_only_transport_choices_are_checked_as_on_a_gpu():
+    """What a GPU machine would be told (validated here as on one, moe_rl.common.platform.as_on_cuda): cuda_ipc serves
+    a colocated engine of one worker only."""
     gpu = ["actor.packing=false"]  # packing on GPU needs Transformer Engine (another check)
-    validate(OmegaConf.to_object(_compose([*gpu, "rollout.weight_transport=cuda_ipc"])), world_size=2)
-    tp_engine = [*gpu, "rollout.weight_transport=cuda_ipc", "rollout.tensor_parallel_size=2", "parallel.tp=2"]
-    with pytest.raises(ValueError, match="rollout.weight_transport: cuda_ipc maps the bucket on the leader's GPU"):
-        validate(OmegaConf.to_object(_compose(tp_engine)), world_size=2)
+    with as_on_cuda():
+        validate(OmegaConf.to_object(_compose([*gpu, "rollout.weight_transport=cuda_ipc"])), world_size=2)
+        tp_engine = [*gpu, "rollout.weight_transport=cuda_ipc", "rollout.tensor_parallel_size=2", "parallel.tp=2"]
+        with pytest.raises(ValueError, match="rollout.weight_transport: cuda_ipc maps the bucket on the leader's GPU"):
+            validate(OmegaConf.to_object(_compose(tp_engine)), world_size=2)
+    with pytest.raises(ValueError, match="needs CUDA"):  # and this machine's own answer outside it
+        validate(OmegaConf.to_object(_compose([*gpu, "rollout.weight_transport=cuda_ipc"])), world_size=2)
 
 
 @pytest.mark.parametrize(

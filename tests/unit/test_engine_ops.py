@@ -126,6 +126,7 @@ def _cfg(overrides: list[str]):
         (["buffer.enable=true"], "buffer.enable"),
         (["algorithm.prox_logp=loglinear"], "loglinear"),
         (["rollout.logprobs_mode=processed_logprobs"], "rollout.logprobs_mode=processed_logprobs"),
+        (["rollout.head_dtype=float32"], "rollout.head_dtype=float32"),
     ],
 )
 def test_settings_that_cannot_be_exact_are_refused(override, words):

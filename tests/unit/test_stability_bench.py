@@ -29,12 +29,13 @@ def test_every_cell_is_a_valid_training_config(cell):
     validate(cfg, world_size=2)
     assert cfg.actor.router_replay == cell.replay and cfg.rollout.dtype == cell.engine_dtype
     assert cfg.model.dtype == cell.actor_dtype and cfg.trainer.true_on_policy == cell.true_on_policy
+    assert cfg.rollout.head_dtype == cell.head_dtype
     assert (cfg.actor.mini_batches, cfg.trainer.max_staleness) == ((4, 1) if cell.off_policy else (2, 0))
 
 
 def test_quick_cells_are_in_the_matrix_and_names_are_unique():
     assert set(lab.QUICK) <= set(lab.MATRIX)
-    assert len({c.name for c in lab.MATRIX}) == len(lab.MATRIX) == 11
+    assert len({c.name for c in lab.MATRIX}) == len(lab.MATRIX) == 12
 
 
 def test_spikes_count_steps_far_above_the_running_median():
@@ -48,3 +49,10 @@ def test_collapse_flag():
     assert lab.collapsed({0: 0.4, 10: 0.55, 20: 0.44}, steady)  # ends 0.11 below its best
     assert not lab.collapsed({0: 0.4, 10: 0.55, 20: 0.3, 30: 0.5}, steady)  # came back within 0.10
     assert lab.collapsed({0: 0.4}, [0.6] * 10 + [0.2] * 10)  # the reward's 5-step mean fell below half its best
+
+
+def test_k3_stats_separate_the_typical_step_from_the_rare_one():
+    stats = lab.k3_stats([1e-4, 1.2e-4, 0.9e-4, 2.5e-3, 1.1e-4])  # one step where a sample's log-probs part far
+    assert stats["k3_kl_median"] == 1.1e-4 and stats["k3_kl_max"] == 2.5e-3
+    assert stats["k3_kl_mean"] > 5 * stats["k3_kl_median"]
+    assert lab.k3_stats([]) == {"k3_kl_mean": None, "k3_kl_median": None, "k3_kl_max": None}
