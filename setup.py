@@ -18,6 +18,7 @@ setup(
     packages=find_packages(include=["moe_rl", "moe_rl.*"]) + ["moe_rl.kernels"],
     # The top-level kernels/ folder is installed as moe_rl.kernels.
     package_dir={"moe_rl.kernels": "kernels"},
+    package_data={"moe_rl.plan": ["presets/*.json"]},  # moe-rl-plan's model presets
     install_requires=[
         "torch==2.13.0",
         "megatron-core>=0.16.1,<0.20",
@@ -47,6 +48,7 @@ setup(
             "moe-rl-tiny-model=moe_rl.tools.tiny_model:main",
             "moe-rl-diagnose=moe_rl.diagnostics.cli:main",
             "moe-rl-export-hf=moe_rl.tools.export_hf:main",
+            "moe-rl-plan=moe_rl.plan.cli:main",
         ],
         # loaded by vLLM in its engine core and worker processes (moe_rl/compat/vllm_plugin.py)
         "vllm.general_plugins": ["moe_rl = moe_rl.compat.vllm_plugin:register"],

@@ -32,6 +32,7 @@ from moe_rl.diagnostics.step_hooks import StepDiagnostics
 from moe_rl.models.tiny import built_in_model
 from moe_rl.objectives import Objective
 from moe_rl.objectives.proximal import loglinear_alpha
+from moe_rl.plan.preflight import preflight
 from moe_rl.rollout import dump, placement
 from moe_rl.rollout.ahead import AheadSource
 from moe_rl.rollout.balance import balance_rollout
@@ -91,6 +92,11 @@ class Trainer:
             say(f"[moe-rl] {line}")
         for note in notes if self.rank == 0 else []:
             say(f"[moe-rl] {note}")
+        if t.preflight:  # the planner's sizing of this run, before the model is built
+            gpu = torch.cuda.get_device_properties(torch.cuda.current_device()) if torch.cuda.is_available() else None
+            line = preflight(cfg, self.model_path, world, gpu and gpu.total_memory)
+            if self.rank == 0:
+                say(f"[moe-rl] {line}")
         self.actor = Actor(
             cfg.actor,
             cfg.model,

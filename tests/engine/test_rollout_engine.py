@@ -133,6 +133,19 @@ def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core(engines):
     assert eng.rpc("moe_rl_busy_loop_s") == [[]]
 
 
+def test_the_planners_kv_bytes_per_token_size_the_engines_cache(engines, tiny_models):
+    """moe-rl-plan's KV bytes per token (moe_rl/plan/kv.py) times the block size divide the CPU engine's KV cache
+    (rollout.kv_cache_gib) into the number of blocks the engine reports."""
+    from moe_rl.plan.kv import kv_bytes_per_token
+    from moe_rl.plan.spec import load_spec
+
+    eng = engines("qwen3_moe")
+    cache = eng.llm.llm_engine.vllm_config.cache_config
+    per_token = kv_bytes_per_token(load_spec(str(tiny_models["qwen3_moe"])), 1, "float32")
+    print(f"\nengine: {cache.num_gpu_blocks} blocks of {cache.block_size} tokens; plan: {per_token} B per token")
+    assert cache.num_gpu_blocks == eng.cfg.kv_cache_gib * 2**30 // (cache.block_size * per_token)
+
+
 def test_cpu_engine_processes_run_the_sampler_eagerly_and_the_trainer_keeps_torch_compile(engines):
     """moe-rl's plugin turns torch.compile off in a CPU engine's processes (vLLM's sampler rank count: its compile
     was 1.4 s of the first rollout) and nowhere else: the process that started the engine still compiles."""

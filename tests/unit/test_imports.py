@@ -97,6 +97,7 @@ LAYERS = [
     {"actor", "rollout"},  # the Megatron actor; the vLLM engines and rollout sources (neither knows the other)
     {"weight_sync", "critic", "diagnostics"},  # actor -> engines; the value model; step hooks and the CLI
     {"config"},  # composes every part's config section and checks them together
+    {"plan"},  # sizes a run from its config (moe-rl-plan, the trainer's preflight); builds nothing
     {"trainer"},  # the loop: builds the parts from the config
     {"tools"},  # command lines
 ]

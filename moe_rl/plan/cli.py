@@ -1,0 +1,108 @@
+"""moe-rl-plan: will this model and layout fit, before any GPU is spent.
+
+Examples:
+  moe-rl-plan --model qwen3-30b-a3b --gpus 1 --gpu-memory-gib 80 model.dtype=bfloat16 model.transformer_engine=true
+  moe-rl-plan --model qwen3-30b-a3b --gpu-memory-gib 80 --search model.dtype=bfloat16 model.transformer_engine=true \\
+      actor.distributed_optimizer=true rollout.dtype=bfloat16 data.max_prompt_tokens=1024 sampling.max_tokens=4096
+  moe-rl-plan --model deepseek-v3 --gpus 8 --gpu-memory-gib 80 parallel.ep=8 model.dtype=bfloat16 --json
+  moe-rl-plan --model /models/GLM-4.5-Air --gpus 16 --gpu-memory-gib 80 --search parallel.tp=4
+
+--model: a preset (published configurations, no weights), an HF folder or a config.json. The overrides are the
+trainer's (launch/train_moe.py's keys, `python launch/train_moe.py --keys` lists them), checked as the trainer checks
+them on GPUs. Exact rows: parameters, gradients, optimizer states, KV bytes per token, route records; estimates:
+activations and the engine's workspace (docs/guides/planning.md gives every formula and its source).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moe_rl.common.errors import ConfigError
+from moe_rl.plan.memory import GIB
+from moe_rl.plan.planner import make_plan, render
+from moe_rl.plan.search import KEYS, engine_never_fits, search, smallest, stderr
+from moe_rl.plan.spec import load_spec, preset_names
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moe-rl-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", required=True, help=f"preset ({', '.join(preset_names())}), HF folder or config.json")
+    p.add_argument("--gpus", type=int, help="GPUs of the run (world size); may be left out with --search")
+    p.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU in GiB, e.g. 80")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="list the layouts that fit, best first (without --gpus: "
+        "the smallest multiple of 8 GPUs on which one does)",
+    )
+    p.add_argument("--top", type=int, default=5, help="--search: layouts shown (default 5)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    p.add_argument("overrides", nargs="*", help="training config overrides, key=value (parallel.tp=2 model.dtype=...)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.gpus is None and not a.search:
+        p.error("--gpus is required without --search")
+    bad = [o for o in a.overrides if "=" not in o]
+    if bad:
+        p.error(f"overrides are key=value; not {bad[0]!r}")
+    try:
+        sys.exit(_run(a))
+    except ConfigError as e:
+        print(f"moe-rl-plan: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _run(a: argparse.Namespace) -> int:
+    # heavy: the training config (torch) for the overrides; imported after argparse so --help is instant
+    from moe_rl.plan.layout import build_config
+
+    spec = load_spec(a.model)
+    cfg = build_config(a.overrides)
+    gpu_bytes = int(a.gpu_memory_gib * GIB)
+    if not a.search:
+        plan = make_plan(spec, cfg, a.gpus, gpu_bytes)
+        print(json.dumps(plan.as_dict(), indent=1) if a.json else render(plan, cfg))
+        return 0 if plan.fits else 1
+    fixed = {k: int(o.split("=", 1)[1]) for o in a.overrides for k in KEYS if o.startswith(k + "=")}
+    progress = None if a.json else stderr
+    if why := engine_never_fits(spec, cfg, gpu_bytes, fixed):
+        if a.json:
+            print(json.dumps({"fits": False, "min_gpus": None, "layout": None, "reason": why}, indent=1))
+        else:
+            print(f"no layout fits: {why}")
+        return 1
+    if a.gpus:
+        plans = search(spec, cfg, a.gpus, gpu_bytes, fixed, progress)
+    else:
+        plans = smallest(spec, cfg, gpu_bytes, fixed, progress=progress)
+    if a.json:
+        out = {"fits": bool(plans), "layouts": [pl.as_dict() for pl in plans[: a.top]]}
+        if not a.gpus:
+            out["min_gpus"] = plans[0].layout.gpus if plans else None
+        out["layout"] = plans[0].layout.as_dict() if plans else None
+        print(json.dumps(out, indent=1))
+        return 0 if plans else 1
+    if not plans:
+        where = f"{a.gpus} GPUs" if a.gpus else "any multiple of 8 GPUs up to 1024"
+        print(f"no layout the trainer accepts fits on {where} of {a.gpu_memory_gib:g} GiB")
+        return 1
+    if not a.gpus:
+        print(f"smallest GPU count that fits: {plans[0].layout.gpus}")
+    print("best first: fewest tp*pp*cp, then ep*etp, then engine TP, then largest margin")
+    for pl in plans[: a.top]:
+        print(f"  {pl.layout.describe()}: fullest GPU {pl.peak / GIB:.1f} GiB, margin {pl.margin / GIB:+.1f} GiB")
+    print()
+    print(render(plans[0], cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

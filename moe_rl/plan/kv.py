@@ -1,0 +1,27 @@
+"""KV-cache bytes per token of a vLLM engine worker, from the config alone.
+
+vLLM sizes one KV block of a layer as its attention spec's `page_size_bytes` (vllm/v1/kv_cache_interface.py):
+  FullAttentionSpec (GQA):  2 (K and V) x block_size x num_kv_heads x head_size x dtype bytes, with
+                            num_kv_heads = max(1, total KV heads // TP) (ModelConfig.get_num_kv_heads);
+  MLAAttentionSpec (MLA):   block_size x 1 x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, the same on
+                            every TP rank (one latent per token; get_num_kv_heads is 1 under MLA).
+Per token and worker: page_size_bytes / block_size summed over the attention layers (every decoder layer; the MTP
+layers get no cache without speculative decoding). The cache dtype is the engine dtype (kv_cache_dtype=auto).
+tests/unit/test_plan.py compares this with vLLM's own ModelConfig and spec classes for every preset.
+"""
+
+from __future__ import annotations
+
+from moe_rl.plan.spec import ModelSpec
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(spec: ModelSpec, tensor_parallel_size: int, dtype: str) -> int:
+    """KV-cache bytes one token takes on one engine worker (all layers)."""
+    size = DTYPE_BYTES[dtype]
+    if spec.mla:
+        per_layer = (spec.kv_lora_rank + spec.qk_rope_head_dim) * size
+    else:
+        per_layer = 2 * max(1, spec.num_kv_heads // tensor_parallel_size) * spec.head_dim * size
+    return per_layer * spec.num_layers

@@ -1,0 +1,127 @@
+"""The training config the plan is for: the trainer's own TrainConfig with the command line's overrides, refused
+by the trainer's own checks (moe_rl.config.check_overrides and validate) and by the model-dependent ones
+(moe_rl.actor.model.check_divisibility, restated here on the ModelSpec with the same messages)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moe_rl.common.errors import ConfigError
+from moe_rl.common.platform import as_on_cuda
+from moe_rl.plan.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks go: the actor's layout on `gpus` GPUs and the rollout engines'."""
+
+    gpus: int
+    tp: int
+    pp: int
+    vpp: int | None
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    engines: int
+    engine_tp: int
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel size: the ranks an expert's parameters are replicated over (megatron: world /
+        (pp x ep x etp)); the distributed optimizer shards expert states over them."""
+        return self.gpus // (self.pp * self.ep * self.etp)
+
+    def describe(self) -> str:
+        vpp = f" vpp={self.vpp}" if self.vpp else ""
+        return (
+            f"{self.gpus} GPUs: tp={self.tp} pp={self.pp}{vpp} cp={self.cp} ep={self.ep} etp={self.etp} dp={self.dp}; "
+            f"{self.engines} engine(s) x tp={self.engine_tp}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"expert_dp": self.expert_dp}
+
+
+def build_config(overrides: list[str]) -> Any:
+    """The trainer's TrainConfig (its defaults, the Python default algorithm GSPO + IcePop) with Hydra-style
+    `key=value` overrides merged onto its OmegaConf structured schema (unknown keys and wrong types refused as
+    the trainer refuses them). `algorithm/loss=<name>` and `algorithm/correction=<name>` pick registered options."""
+    # heavy: the training config imports torch and every part's config section; hydra's override grammar
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from moe_rl.config import GROUPS, TrainConfig, check_overrides
+
+    check_overrides(overrides)
+    groups = [o for o in overrides if "/" in o.split("=", 1)[0]]
+    cfg = TrainConfig()
+    for item in groups:
+        group, name = item.split("=", 1)
+        if group not in GROUPS:
+            raise ConfigError(f"config: {group} is not a config group here; choose from {sorted(GROUPS)}")
+        options = GROUPS[group].configs()
+        if name not in options:
+            raise ConfigError(f"config {group}={name!r}: choose one of {sorted(options)}")
+        setattr(cfg.algorithm, group.split("/")[1], options[name]())
+    schema = OmegaConf.structured(cfg)
+    try:  # values as Hydra reads them on the trainer's command line (off is a string there, not YAML's false)
+        for o in OverridesParser.create().parse_overrides([o for o in overrides if o not in groups]):
+            OmegaConf.update(schema, o.key_or_group, o.value(), merge=True)
+        return OmegaConf.to_object(schema)
+    except (OmegaConfBaseException, HydraException) as e:
+        raise ConfigError(f"config: {e}".splitlines()[0]) from e
+
+
+def check_model_layout(spec: ModelSpec, parallel: Any, engine_tp: int) -> None:
+    """What moe_rl.actor.model.check_divisibility refuses (same messages), plus the engine's vLLM rules."""
+    problems = []
+    t = parallel.tp
+    if spec.num_heads % t:
+        problems.append(f"parallel.tp={t} does not divide num_attention_heads={spec.num_heads}")
+    if spec.num_kv_heads % t:
+        problems.append(f"parallel.tp={t} does not divide num_key_value_heads={spec.num_kv_heads}")
+    if spec.num_experts % parallel.ep:
+        problems.append(f"parallel.ep={parallel.ep} does not divide num_experts={spec.num_experts}")
+    if spec.moe_ffn % parallel.etp:
+        problems.append(f"parallel.etp={parallel.etp} does not divide the expert FFN size {spec.moe_ffn}")
+    stages = parallel.pp * (parallel.vpp or 1)
+    if spec.num_layers % stages:
+        problems.append(f"parallel.pp*vpp={stages} does not divide num_hidden_layers={spec.num_layers}")
+    if problems:
+        raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
+    if spec.num_heads % engine_tp:  # vLLM: "Total number of attention heads must be divisible by tensor parallel size"
+        raise ConfigError(
+            f"config rollout.tensor_parallel_size: {engine_tp} does not divide num_attention_heads={spec.num_heads}"
+        )
+
+
+def check(cfg: Any, spec: ModelSpec, gpus: int) -> Layout:
+    """The trainer's validation of `cfg` on `gpus` ranks (as on GPUs) and the model's divisibility; the Layout."""
+    # heavy: the training config imports torch and every part's config section
+    from moe_rl.config import validate
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: must be >= 1")
+    with as_on_cuda():
+        validate(cfg, gpus)
+    check_model_layout(spec, cfg.parallel, cfg.rollout.tensor_parallel_size)
+    return layout_of(cfg, gpus)
+
+
+def layout_of(cfg: Any, gpus: int) -> Layout:
+    """The Layout of an already validated `cfg` on `gpus` ranks."""
+    p, r = cfg.parallel, cfg.rollout
+    dp = p.data_parallel_size(gpus)
+    engines = r.engines or dp
+    spacing = gpus // (engines * p.pp)  # leaders: the first rank of each engine's data-parallel ranks, on PP stage 0
+    if r.tensor_parallel_size > spacing:
+        raise ConfigError(
+            f"config rollout.tensor_parallel_size: {r.tensor_parallel_size} GPUs per engine overlap the next engine: "
+            f"{engines} engine(s) lead every {spacing} GPU(s) of PP stage 0 (an engine's workers take its leader's GPU "
+            "and the ones after it); use fewer rollout.engines or a smaller engine TP"
+        )
+    return Layout(gpus, p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp, dp, engines, r.tensor_parallel_size)

@@ -1,0 +1,141 @@
+"""Search layouts: every TP, PP, CP, EP, ETP, engine TP and engine count the trainer accepts (the same checks as
+one plan) that fits on N GPUs; or the smallest multiple of 8 GPUs on which one fits.
+
+Best first: fewest model-parallel ranks (tp x pp x cp), then the fewest expert-parallel ranks (ep x etp), then the
+smallest engine TP, then the largest margin on the fullest GPU. Keys set on the command line stay fixed.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from moe_rl.common.errors import ConfigError
+from moe_rl.plan.kv import DTYPE_BYTES
+from moe_rl.plan.layout import check
+from moe_rl.plan.memory import GIB
+from moe_rl.plan.params import count, engine_rank_params
+from moe_rl.plan.planner import Plan, make_plan
+from moe_rl.plan.spec import ModelSpec
+
+KEYS = {
+    "parallel.tp": ("parallel", "tp"),
+    "parallel.pp": ("parallel", "pp"),
+    "parallel.cp": ("parallel", "cp"),
+    "parallel.ep": ("parallel", "ep"),
+    "parallel.etp": ("parallel", "etp"),
+    "rollout.tensor_parallel_size": ("rollout", "tensor_parallel_size"),
+    "rollout.engines": ("rollout", "engines"),
+}
+"""The keys the search varies (unless the command line sets them)."""
+
+POWERS = (1, 2, 4, 8)  # TP, CP, ETP and engine TP: within one 8-GPU node
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _choices(spec: ModelSpec, gpus: int, fixed: dict[str, int]) -> Iterator[dict[str, int]]:
+    def values(key: str, options: list[int]) -> list[int]:
+        return [fixed[key]] if key in fixed else [v for v in options if v <= gpus]
+
+    for tp in values("parallel.tp", list(POWERS)):
+        for pp in values("parallel.pp", _divisors(spec.num_layers, min(gpus // tp, 32))):
+            for cp in values("parallel.cp", [1, 2]):
+                if gpus % (tp * pp * cp):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                for ep in values("parallel.ep", _divisors(spec.num_experts, gpus)):
+                    for etp in values("parallel.etp", sorted({1, tp})):
+                        for engine_tp in values("rollout.tensor_parallel_size", list(POWERS)):
+                            for engines in values("rollout.engines", _divisors(dp, dp)):
+                                yield {
+                                    "parallel.tp": tp,
+                                    "parallel.pp": pp,
+                                    "parallel.cp": cp,
+                                    "parallel.ep": ep,
+                                    "parallel.etp": etp,
+                                    "rollout.tensor_parallel_size": engine_tp,
+                                    "rollout.engines": engines,
+                                }
+
+
+def engine_never_fits(spec: ModelSpec, base: Any, gpu_bytes: int, fixed: dict[str, int]) -> str | None:
+    """Why no layout can fit whatever the GPU count, when an engine worker's weights alone exceed what
+    rollout.gpu_memory_utilization gives it at every engine TP the search may use (an engine's workers share one
+    node: TP <= 8); else None."""
+    counts, r = count(spec), base.rollout
+    budget = r.gpu_memory_utilization * gpu_bytes
+    options = [fixed["rollout.tensor_parallel_size"]] if "rollout.tensor_parallel_size" in fixed else list(POWERS)
+    tp = max(options)
+    weights = engine_rank_params(spec, counts, tp) * DTYPE_BYTES[str(r.dtype)]
+    if weights <= budget:
+        return None
+    return (
+        f"an engine worker's {r.dtype} weights alone take {weights / GIB:.1f} GiB at "
+        f"rollout.tensor_parallel_size={tp}, "
+        f"more than rollout.gpu_memory_utilization={r.gpu_memory_utilization} x {gpu_bytes / GIB:g} GiB = "
+        f"{budget / GIB:.1f} GiB: no GPU count helps (engine TP stays within one 8-GPU node)"
+    )
+
+
+def rank_key(plan: Plan) -> tuple:
+    """Best first (the module docstring's rule)."""
+    lay = plan.layout
+    return (lay.tp * lay.pp * lay.cp, lay.ep * lay.etp, lay.engine_tp, -plan.margin)
+
+
+def search(
+    spec: ModelSpec,
+    base: Any,
+    gpus: int,
+    gpu_bytes: int,
+    fixed: dict[str, int],
+    progress: Callable[[str], None] | None = None,
+) -> list[Plan]:
+    """Every accepted layout on `gpus` GPUs that fits, best first."""
+    found, tried, start, said = [], 0, time.monotonic(), 0.0
+    for choice in _choices(spec, gpus, fixed):
+        tried += 1
+        cfg = copy.deepcopy(base)
+        for key, value in choice.items():
+            section, name = KEYS[key]
+            setattr(getattr(cfg, section), name, value)
+        try:
+            layout = check(cfg, spec, gpus)
+        except ConfigError:
+            continue
+        plan = make_plan(spec, cfg, gpus, gpu_bytes, layout)
+        if plan.fits:
+            found.append(plan)
+        elapsed = time.monotonic() - start
+        if progress and elapsed > 3 and elapsed - said > 2:
+            said = elapsed
+            progress(f"searching {gpus} GPUs: {tried} layouts tried, {len(found)} fit ({elapsed:.0f} s)")
+    return sorted(found, key=rank_key)
+
+
+def smallest(
+    spec: ModelSpec,
+    base: Any,
+    gpu_bytes: int,
+    fixed: dict[str, int],
+    max_gpus: int = 1024,
+    progress: Callable[[str], None] | None = None,
+) -> list[Plan]:
+    """The layouts that fit on the smallest multiple of 8 GPUs (up to max_gpus) on which any does; [] if none."""
+    for gpus in range(8, max_gpus + 1, 8):
+        if progress:
+            progress(f"trying {gpus} GPUs")
+        plans = search(spec, base, gpus, gpu_bytes, fixed, progress)
+        if plans:
+            return plans
+    return []
+
+
+def stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

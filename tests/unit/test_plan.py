@@ -1,0 +1,228 @@
+"""moe-rl-plan: counts equal transformers' own, KV bytes equal vLLM's own spec, the rows follow the optimizer's
+formulas, the trainer's refusals are the planner's, and the command line's output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_rl.common.errors import ConfigError
+from moe_rl.plan.cli import main
+from moe_rl.plan.kv import kv_bytes_per_token
+from moe_rl.plan.layout import build_config, check
+from moe_rl.plan.memory import GIB
+from moe_rl.plan.params import active, count, padded_vocab, trainer_rank_params
+from moe_rl.plan.planner import make_plan
+from moe_rl.plan.search import search
+from moe_rl.plan.spec import PRESETS_DIR, load_spec, preset_names, spec_from_config
+
+PRESETS = ["deepseek-v3", "glm-4.5", "glm-4.5-air", "qwen3-235b-a22b", "qwen3-30b-a3b"]
+TINY = {  # the tiny models of tests/conftest.py, and the small size
+    "qwen3_moe": ["--arch", "qwen3_moe", "--dense-layers", "1"],
+    "qwen3_moe_tied": ["--arch", "qwen3_moe", "--dense-layers", "1", "--tie-embeddings"],
+    "qwen3_moe_small": ["--arch", "qwen3_moe", "--size", "small"],
+    "mixtral": ["--arch", "mixtral"],
+    "olmoe": ["--arch", "olmoe"],
+    "glm4_moe": ["--arch", "glm4_moe"],
+    "deepseek_v3": ["--arch", "deepseek_v3", "--mtp-layers", "1"],
+}
+GPU_BASE = ["model.dtype=bfloat16", "model.transformer_engine=true", "rollout.dtype=bfloat16"]
+
+
+def _config(model: str) -> dict:
+    path = Path(model) / "config.json" if Path(model).is_dir() else PRESETS_DIR / f"{model}.json"
+    return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    from moe_rl.tools.tiny_model import main as build
+
+    root = tmp_path_factory.mktemp("plan_tiny")
+    for name, args in TINY.items():
+        build([*args, "--out", str(root / name)])
+    return {name: str(root / name) for name in TINY}
+
+
+def test_presets_are_listed():
+    assert preset_names() == PRESETS
+
+
+def _transformers_counts(raw: dict) -> tuple[int, int, int]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    return total, experts, len(model.model.layers)
+
+
+def _check_counts(model: str, raw: dict):
+    spec, total_ref_experts = load_spec(model), _transformers_counts(raw)
+    total, experts, layers = total_ref_experts
+    counts = count(spec)
+    assert layers == spec.num_layers  # transformers builds no MTP layer: their count is ours, MTP excluded
+    assert counts.total == total
+    assert counts.routed_experts == experts
+    assert active(counts, spec) == total - experts + experts * spec.topk // spec.num_experts
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_counts_equal_transformers(preset):
+    _check_counts(preset, _config(preset))
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_tiny_model_counts_equal_transformers(tiny, name):
+    _check_counts(tiny[name], _config(tiny[name]))
+
+
+def test_mtp_layers_are_counted_apart():
+    for preset, mtp in (("deepseek-v3", 11.61), ("glm-4.5", 3.99), ("glm-4.5-air", 2.38)):
+        assert round(count(load_spec(preset)).mtp / 1e9, 2) == mtp
+    assert count(load_spec("qwen3-30b-a3b")).mtp == 0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("tp", [1, 8])
+def test_kv_bytes_equal_vllm_spec(preset, tp, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from vllm.config import ModelConfig, ParallelConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    (tmp_path / "config.json").write_text(json.dumps(_config(preset)))
+    mc = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16")
+    pc = ParallelConfig(tensor_parallel_size=tp)
+    block = 16
+    kind = MLAAttentionSpec if mc.use_mla else FullAttentionSpec
+    page = kind(block_size=block, num_kv_heads=mc.get_num_kv_heads(pc), head_size=mc.get_head_size(), dtype=mc.dtype)
+    per_token = page.page_size_bytes // block * mc.get_num_layers_by_block_type(pc, "attention")
+    assert kv_bytes_per_token(load_spec(preset), tp, "bfloat16") == per_token
+
+
+def test_padded_vocab_and_divisibility_match_the_actor(tiny):
+    from moe_rl.actor.converters import get_converter
+    from moe_rl.actor.model import check_divisibility, load_hf_config, padded_vocab_size
+    from moe_rl.actor.parallel import ParallelConfig
+
+    assert all(padded_vocab(v, t) == padded_vocab_size(v, t) for v in (151936, 129280, 1000) for t in (1, 2, 8))
+    path = tiny["qwen3_moe"]
+    conv, spec = get_converter(load_hf_config(path)), load_spec(path)
+    for bad in (ParallelConfig(tp=3), ParallelConfig(ep=3), ParallelConfig(pp=5), ParallelConfig(etp=7)):
+        with pytest.raises(ConfigError) as theirs:
+            check_divisibility(conv, bad)
+        cfg = build_config([*GPU_BASE, *(f"parallel.{k}={getattr(bad, k)}" for k in ("tp", "pp", "ep", "etp"))])
+        with pytest.raises(ConfigError) as ours:
+            check(cfg, spec, 8 * 3 * 5 * 7)
+        assert str(ours.value) == str(theirs.value)
+
+
+def test_trainer_shares_add_up_to_the_model():
+    spec = load_spec("qwen3-30b-a3b")
+    counts = count(spec)
+    ranks = [trainer_rank_params(spec, counts, 2, 4, None, 8, 1, s) for s in range(4)]
+    vocab_pad = (padded_vocab(spec.vocab_size, 2) - spec.vocab_size) * spec.hidden * 2  # embedding and LM head
+    replicated = sum(layer.replicated for layer in counts.layers) + spec.hidden  # norms and routers: on both TP ranks
+    assert sum(r.experts for r in ranks) * 8 == counts.routed_experts
+    assert sum(r.dense for r in ranks) * 2 == counts.total - counts.routed_experts + vocab_pad + replicated
+
+
+def test_optimizer_rows_follow_the_optimizers():
+    spec = load_spec("qwen3-30b-a3b")
+    params = count(spec).total + (padded_vocab(spec.vocab_size, 1) - spec.vocab_size) * spec.hidden * 2
+    cpu = make_plan(spec, build_config(GPU_BASE), 1, 80 * GIB)
+    rows = {r.name: r.bytes for r in cpu.tables[0].rows}
+    assert cpu.tables[0].parameters_per_rank == params
+    # CPU-path optimizer: AdamW in the parameter dtype (bf16), no master weights
+    assert (rows["parameters"], rows["gradients"], rows["optimizer state"]) == (2 * params, 2 * params, 4 * params)
+    dist = make_plan(spec, build_config([*GPU_BASE, "actor.distributed_optimizer=true"]), 4, 80 * GIB)
+    rows = {r.name: r.bytes for r in dist.tables[0].rows}
+    assert (rows["parameters"], rows["gradients"]) == (2 * params, 4 * params)  # bf16 params, fp32 main grads
+    assert rows["optimizer state"] == pytest.approx(12 * params / 4, abs=12)  # fp32 master + 2 moments over dp=4
+
+
+def test_rows_follow_the_settings():
+    spec = load_spec("deepseek-v3")
+    base = make_plan(spec, build_config(GPU_BASE), 64, 80 * GIB, None).tables[0]
+    names = {r.name for r in base.rows}
+    assert "reference model" not in names and "critic parameters" not in names
+    routes = next(r for r in base.rows if r.name == "route records")
+    assert "x 1 B" in routes.note  # 256 experts: uint8 routes
+    more = make_plan(spec, build_config([*GPU_BASE, "algorithm.kl_coef=0.01", "actor.router_replay=off"]), 64, 80 * GIB)
+    names = {r.name for r in more.tables[0].rows}
+    assert "reference model" in names and "route records" not in names
+
+
+def test_refusals_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="qwen3-30b-a3b"):
+        load_spec("qwen3-31b")
+    raw = _config("qwen3-30b-a3b")
+    del raw["num_experts"]
+    with pytest.raises(ConfigError, match="num_experts/num_local_experts/n_routed_experts is missing"):
+        spec_from_config(raw)
+    spec = load_spec("qwen3-30b-a3b")
+    with pytest.raises(ConfigError, match="parallel.ep=3 does not divide num_experts=128"):
+        check(build_config([*GPU_BASE, "parallel.ep=3"]), spec, 3)
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by tp"):
+        check(build_config([*GPU_BASE, "parallel.tp=4"]), spec, 6)
+    with pytest.raises(ConfigError, match="actor.packing"):  # the trainer's GPU rule, refused here too
+        check(build_config(["model.dtype=bfloat16"]), spec, 1)
+    with pytest.raises(ConfigError, match="did you mean parallel.tp"):
+        build_config(["parallel.tpp=2"])
+
+
+def test_cli_json_and_verdicts(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--model", "qwen3-30b-a3b", "--gpus", "1", "--gpu-memory-gib", "80", "--json", *GPU_BASE])
+    out = json.loads(capsys.readouterr().out)
+    assert done.value.code == 1 and out["fits"] is False and out["peak_gib"] > 80
+    assert out["total_parameters"] == 30532122624 and out["active_parameters"] == 3353032704
+    assert {r["kind"] for r in out["ranks"]} == {"trainer", "engine"}
+    assert out["ranks"][0]["parameters_per_rank"] > 0 and out["layout"]["tp"] == 1
+    with pytest.raises(SystemExit) as done:
+        main(["--model", "qwen3-30b-a3b", "--gpu-memory-gib", "80"])
+    assert done.value.code == 2 and "--gpus is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["--model", "nope", "--gpus", "1", "--gpu-memory-gib", "80"])
+    assert done.value.code == 2 and "glm-4.5-air" in capsys.readouterr().err
+
+
+def test_search_returns_accepted_layouts_best_first():
+    spec = load_spec("qwen3-30b-a3b")
+    overrides = [
+        *GPU_BASE,
+        "actor.distributed_optimizer=true",
+        "data.max_prompt_tokens=1024",
+        "sampling.max_tokens=1024",
+    ]
+    plans = search(spec, build_config(overrides), 16, 80 * GIB, {})
+    assert plans and all(p.fits for p in plans)
+    keys = [(p.layout.tp * p.layout.pp * p.layout.cp, p.layout.ep * p.layout.etp) for p in plans]
+    assert keys == sorted(keys)
+    fixed = search(spec, build_config([*overrides, "parallel.tp=2"]), 16, 80 * GIB, {"parallel.tp": 2})
+    assert fixed and {p.layout.tp for p in fixed} == {2}  # a key set on the command line stays
+
+
+def test_preflight_stops_a_layout_that_does_not_fit_and_says_the_cpu_estimate(tiny):
+    """trainer.preflight: the trainer's line on CPU is the plan's fullest trainer rank; on a GPU that the plan does
+    not fit, the run stops before the model is built, with the plan's tables."""
+    from moe_rl.plan.layout import layout_of
+    from moe_rl.plan.preflight import preflight
+
+    model = tiny["qwen3_moe_small"]
+    cfg = build_config(["data.max_prompt_tokens=100", "sampling.max_tokens=28"])
+    trainer = make_plan(load_spec(model), cfg, 2, 1 << 40, layout_of(cfg, 2)).tables[0]
+    line = preflight(cfg, model, 2, None)
+    assert line.startswith(
+        f"preflight: a trainer rank holds about {trainer.total / GIB:.3f} GiB at samples of 100 + 28"
+    )
+    assert all(f"{r.name} {r.bytes / GIB:.3f}" in line for r in trainer.rows)
+    assert "fits; fullest GPU" in preflight(cfg, model, 2, 80 * GIB)
+    with pytest.raises(ConfigError, match="trainer.preflight: this layout does not fit") as e:
+        preflight(cfg, model, 2, trainer.total // 2)
+    assert "verdict: does NOT fit" in str(e.value) and "activations" in str(e.value)
