@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 
 from moe_rl.common.errors import ConfigError
 from moe_rl.plan.memory import GIB
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.gpus is None and not a.search:
         p.error("--gpus is required without --search")
+    if a.gpus is not None and a.gpus < 1:
+        p.error(f"--gpus {a.gpus}: must be >= 1")
+    if a.gpu_memory_gib <= 0:
+        p.error(f"--gpu-memory-gib {a.gpu_memory_gib:g}: must be > 0 (an 80 GB H100 has 79.6 GiB)")
     bad = [o for o in a.overrides if "=" not in o]
     if bad:
         p.error(f"overrides are key=value; not {bad[0]!r}")
@@ -79,10 +84,11 @@ def _run(a: argparse.Namespace) -> int:
         else:
             print(f"no layout fits: {why}")
         return 1
-    if a.gpus:
-        plans = search(spec, cfg, a.gpus, gpu_bytes, fixed, progress)
+    refused: list[str] = []
+    if a.gpus is not None:
+        plans = search(spec, cfg, a.gpus, gpu_bytes, fixed, progress, refused)
     else:
-        plans = smallest(spec, cfg, gpu_bytes, fixed, progress=progress)
+        plans = smallest(spec, cfg, gpu_bytes, fixed, progress=progress, refused=refused)
     if a.json:
         out = {"fits": bool(plans), "layouts": [pl.as_dict() for pl in plans[: a.top]]}
         if not a.gpus:
@@ -93,6 +99,9 @@ def _run(a: argparse.Namespace) -> int:
     if not plans:
         where = f"{a.gpus} GPUs" if a.gpus else "any multiple of 8 GPUs up to 1024"
         print(f"no layout the trainer accepts fits on {where} of {a.gpu_memory_gib:g} GiB")
+        if refused:  # e.g. a key given on the command line that no layout can satisfy
+            reason, n = Counter(refused).most_common(1)[0]
+            print(f"the trainer refused {len(refused)} of the layouts tried; the most common reason ({n}): {reason}")
         return 1
     if not a.gpus:
         print(f"smallest GPU count that fits: {plans[0].layout.gpus}")

@@ -12,14 +12,24 @@ tests/unit/test_plan.py compares this with vLLM's own ModelConfig and spec class
 
 from __future__ import annotations
 
+from moe_rl.common.errors import ConfigError
 from moe_rl.plan.spec import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+VLLM_DTYPES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}  # the names vLLM's dtype takes
+
+
+def engine_dtype_bytes(dtype: str) -> int:
+    """Bytes per element of the engine's rollout.dtype, by any name vLLM takes but `auto` (which the plan cannot
+    resolve without the weights' dtype)."""
+    if str(dtype) not in VLLM_DTYPES:
+        raise ConfigError(f"config rollout.dtype: {dtype!r}: name one of {sorted(VLLM_DTYPES)} to plan with")
+    return VLLM_DTYPES[str(dtype)]
 
 
 def kv_bytes_per_token(spec: ModelSpec, tensor_parallel_size: int, dtype: str) -> int:
     """KV-cache bytes one token takes on one engine worker (all layers)."""
-    size = DTYPE_BYTES[dtype]
+    size = engine_dtype_bytes(dtype)
     if spec.mla:
         per_layer = (spec.kv_lora_rank + spec.qk_rope_head_dim) * size
     else:

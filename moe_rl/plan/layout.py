@@ -109,6 +109,8 @@ def check(cfg: Any, spec: ModelSpec, gpus: int) -> Layout:
     with as_on_cuda():
         validate(cfg, gpus)
     check_model_layout(spec, cfg.parallel, cfg.rollout.tensor_parallel_size)
+    if cfg.algorithm.advantage == "gae" and spec.tie_embeddings:  # moe_rl.critic.Critic refuses it when built
+        raise ConfigError(f"{spec.name}: a critic of a model with tied embeddings is not supported yet")
     return layout_of(cfg, gpus)
 
 

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_rl.plan.kv import DTYPE_BYTES, kv_bytes_per_token
+from moe_rl.plan.kv import DTYPE_BYTES, engine_dtype_bytes, kv_bytes_per_token
 from moe_rl.plan.layout import Layout
 from moe_rl.plan.params import (
     ParamCounts,
@@ -54,8 +54,8 @@ from moe_rl.routing.records import route_dtype
 GIB = 2**30
 FUSED_LOGITS_CHUNK = GIB  # kernels/linear_logprob.py on GPU: token chunks of at most 1 GiB of logits
 ENGINE_OVERHEAD = GIB  # CUDA context, CUDA graphs, NCCL buffers of a vLLM worker: an assumption
-ENGINE_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens when rollout.max_num_batched_tokens is null (GPU)
-ENGINE_MAX_SEQS = 256  # vLLM's default max_num_seqs
+ENGINE_BATCHED_TOKENS = 8192  # vLLM's offline max_num_batched_tokens below 70 GiB (x2 at or above, A100s aside)
+ENGINE_MAX_SEQS = 256  # vLLM's offline max_num_seqs below 70 GiB (x4 at or above, A100s aside)
 
 
 @dataclass
@@ -63,6 +63,7 @@ class Row:
     name: str
     bytes: int
     note: str = ""
+    host: bool = False  # held in host memory (the route records): shown, not in the GPU's total
 
 
 @dataclass
@@ -78,7 +79,8 @@ class RankTable:
 
     @property
     def total(self) -> int:
-        return sum(r.bytes for r in self.rows)
+        """GPU bytes: the rows not in host memory."""
+        return sum(r.bytes for r in self.rows if not r.host)
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -167,18 +169,21 @@ def activations(spec: ModelSpec, cfg: Any, layout: Layout, layers: list[int], st
     return int(flight * sum(per))
 
 
-def _optimizer_rows(rp: RankParams, cfg: Any, layout: Layout, what: str) -> list[Row]:
+def _optimizer_rows(rp: RankParams, cfg: Any, layout: Layout, what: str, distributed: bool) -> list[Row]:
     pb = DTYPE_BYTES[str(cfg.model.dtype)]
-    if cfg.actor.distributed_optimizer:
+    if distributed:
         state = 12 if pb == 2 else 8  # fp32 master (16-bit params only) + exp_avg + exp_avg_sq
-        sharded = rp.dense * state // (layout.dp * layout.cp) + rp.experts * state // layout.expert_dp
+        # megatron marks expert parameters as expert-parallel only when EP > 1 (tensor_parallel/layers.py: allreduce
+        # = not expert_model_parallel_size > 1); with EP = 1 they sit in the dense buffer, sharded over dp*cp
+        expert_dp = layout.expert_dp if layout.ep > 1 else layout.dp * layout.cp
+        sharded = rp.dense * state // (layout.dp * layout.cp) + rp.experts * state // expert_dp
         return [
             Row(f"{what}gradients", rp.total * 4, "fp32 main grads (megatron DDP, grad_reduce_in_fp32)"),
             Row(
                 f"{what}optimizer state",
                 sharded,
                 f"fp32 {'master + ' if pb == 2 else ''}Adam moments, dense / (dp*cp)={layout.dp * layout.cp}, experts "
-                f"/ expert-dp={layout.expert_dp}",
+                f"/ {'expert-dp' if layout.ep > 1 else 'dp*cp (EP=1: in the dense buffer)'}={expert_dp}",
             ),
         ]
     return [
@@ -194,7 +199,7 @@ def trainer_table(spec: ModelSpec, counts: ParamCounts, cfg: Any, layout: Layout
     layers = stage_layers(spec.num_layers, layout.pp, layout.vpp, stage)
     seq = lengths(cfg, spec).sequence
     rows = [Row("parameters", rp.total * pb, f"{rp.total / 1e9:.2f}B x {cfg.model.dtype}")]
-    rows += _optimizer_rows(rp, cfg, layout, "")
+    rows += _optimizer_rows(rp, cfg, layout, "", cfg.actor.distributed_optimizer)
     if cfg.algorithm.kl_coef > 0:
         rows.append(Row("reference model", rp.total * pb, "algorithm.kl_coef > 0: a frozen copy, no grads"))
     if cfg.algorithm.advantage == "gae":
@@ -202,15 +207,16 @@ def trainer_table(spec: ModelSpec, counts: ParamCounts, cfg: Any, layout: Layout
         head = padded_vocab(spec.vocab_size, layout.tp) * spec.hidden // layout.tp if last else 0
         critic = RankParams(rp.dense - head + (spec.hidden if last else 0), rp.experts)
         rows.append(Row("critic parameters", critic.total * pb, "algorithm.advantage=gae: the actor's layout"))
-        rows += _optimizer_rows(critic, cfg, layout, "critic ")
+        rows += _optimizer_rows(critic, cfg, layout, "critic ", False)  # the critic's own FP32Optimizer, no DDP
     rows.append(
         Row("activations", activations(spec, cfg, layout, layers, stage, seq), f"{len(layers)} layers, estimate")
     )
     if stage == layout.pp - 1:
         t = _microbatch_tokens(cfg, seq) // layout.cp
         full = t * padded_vocab(spec.vocab_size, layout.tp) // layout.tp * 4
-        logits = min(full, FUSED_LOGITS_CHUNK) if cfg.actor.fused_logprob else 2 * full
-        how = "fused log-prob chunk" if cfg.actor.fused_logprob else "full [tokens, vocab/tp] fp32 logits + log-softmax"
+        fused = cfg.actor.fused_logprob and not cfg.trainer.true_on_policy  # true on-policy on GPU: full log_softmax
+        logits = min(full, FUSED_LOGITS_CHUNK) if fused else 2 * full
+        how = "fused log-prob chunk" if fused else "full [tokens, vocab/tp] fp32 logits + log-softmax"
         rows.append(Row("log-prob logits", logits, how))
     if cfg.actor.router_replay != "off":
         moe_here = sum(spec.is_moe(i) for i in layers)
@@ -220,7 +226,9 @@ def trainer_table(spec: ModelSpec, counts: ParamCounts, cfg: Any, layout: Layout
             Row(
                 "route records",
                 samples * seq * moe_here * spec.topk * size,
-                f"{samples} samples x {seq} tokens x {moe_here} MoE layers x top-{spec.topk} x {size} B",
+                f"host memory, not in the total: {samples} samples x {seq} tokens x {moe_here} MoE layers x "
+                f"top-{spec.topk} x {size} B",
+                host=True,
             )
         )
     rows.append(Row("weight-sync bucket", cfg.rollout.weight_sync_bucket_mb * 2**20, "rollout.weight_sync_bucket_mb"))
@@ -232,13 +240,17 @@ def engine_table(spec: ModelSpec, counts: ParamCounts, cfg: Any, layout: Layout,
     """The rows of one engine GPU (one vLLM worker): weights, workspace, and the KV cache that
     rollout.gpu_memory_utilization leaves; `extra` holds what the step's samples need."""
     r = cfg.rollout
-    size = DTYPE_BYTES[str(r.dtype)]
+    size = engine_dtype_bytes(r.dtype)
     tp = layout.engine_tp
     weights = engine_rank_params(spec, counts, tp) * size
-    batched = r.max_num_batched_tokens or ENGINE_BATCHED_TOKENS
+    # vLLM's offline defaults (engine/arg_utils.py): 16384 batched tokens and 1024 sequences on GPUs of >= 70 GiB
+    # (an 80 GiB A100 keeps the smaller ones; the plan does not know the GPU's name)
+    big = gpu_bytes >= 70 * GIB
+    batched = r.max_num_batched_tokens or (2 if big else 1) * ENGINE_BATCHED_TOKENS
+    seqs = (4 if big else 1) * ENGINE_MAX_SEQS
     h = spec.hidden
     workspace = int(batched * (4 * h + 2 * spec.topk * h + 4 * spec.topk * spec.moe_ffn / tp) * size)
-    workspace += ENGINE_MAX_SEQS * spec.vocab_size // tp * 4 + ENGINE_OVERHEAD
+    workspace += seqs * spec.vocab_size * 4 + ENGINE_OVERHEAD  # logits all-gathered to the whole vocabulary
     budget = int(r.gpu_memory_utilization * gpu_bytes)
     kv = budget - weights - workspace
     per_token = kv_bytes_per_token(spec, tp, str(r.dtype))
@@ -263,7 +275,7 @@ def engine_table(spec: ModelSpec, counts: ParamCounts, cfg: Any, layout: Layout,
 
 def static_bytes(table: RankTable) -> int:
     """What a trainer rank holds between its passes (everything but activations and logits)."""
-    return sum(r.bytes for r in table.rows if r.name not in ("activations", "log-prob logits"))
+    return sum(r.bytes for r in table.rows if r.name not in ("activations", "log-prob logits") and not r.host)
 
 
 def verdicts(

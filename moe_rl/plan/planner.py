@@ -95,7 +95,7 @@ def render(plan: Plan, cfg: Any) -> str:
     out.append("")
     for g in plan.gpus:
         mark = "ok  " if g.fits else "OVER"
-        out.append(f"{mark} {g.label} x{g.count}: {g.peak / GIB:.2f} of {plan.gpu_bytes / GIB:.0f} GiB")
+        out.append(f"{mark} {g.label} x{g.count}: {g.peak / GIB:.2f} of {plan.gpu_bytes / GIB:.1f} GiB")
         out += [f"     - {n}" for n in g.notes]
     verdict = "fits" if plan.fits else "does NOT fit"
     out.append(

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from moe_rl.common.errors import ConfigError
-from moe_rl.plan.kv import DTYPE_BYTES
+from moe_rl.plan.kv import engine_dtype_bytes
 from moe_rl.plan.layout import check
 from moe_rl.plan.memory import GIB
 from moe_rl.plan.params import count, engine_rank_params
@@ -72,7 +72,7 @@ def engine_never_fits(spec: ModelSpec, base: Any, gpu_bytes: int, fixed: dict[st
     budget = r.gpu_memory_utilization * gpu_bytes
     options = [fixed["rollout.tensor_parallel_size"]] if "rollout.tensor_parallel_size" in fixed else list(POWERS)
     tp = max(options)
-    weights = engine_rank_params(spec, counts, tp) * DTYPE_BYTES[str(r.dtype)]
+    weights = engine_rank_params(spec, counts, tp) * engine_dtype_bytes(r.dtype)
     if weights <= budget:
         return None
     return (
@@ -96,8 +96,10 @@ def search(
     gpu_bytes: int,
     fixed: dict[str, int],
     progress: Callable[[str], None] | None = None,
+    refused: list[str] | None = None,
 ) -> list[Plan]:
-    """Every accepted layout on `gpus` GPUs that fits, best first."""
+    """Every accepted layout on `gpus` GPUs that fits, best first. `refused`: collects why each layout that the
+    trainer refuses was refused (to say so when the keys given leave none)."""
     found, tried, start, said = [], 0, time.monotonic(), 0.0
     for choice in _choices(spec, gpus, fixed):
         tried += 1
@@ -107,7 +109,9 @@ def search(
             setattr(getattr(cfg, section), name, value)
         try:
             layout = check(cfg, spec, gpus)
-        except ConfigError:
+        except ConfigError as e:
+            if refused is not None:
+                refused.append(str(e))
             continue
         plan = make_plan(spec, cfg, gpus, gpu_bytes, layout)
         if plan.fits:
@@ -116,6 +120,9 @@ def search(
         if progress and elapsed > 3 and elapsed - said > 2:
             said = elapsed
             progress(f"searching {gpus} GPUs: {tried} layouts tried, {len(found)} fit ({elapsed:.0f} s)")
+    if not tried:
+        given = " ".join(f"{k}={v}" for k, v in fixed.items())
+        raise ConfigError(f"no layout on {gpus} GPUs has {given}: tp x pp x cp must divide the GPU count")
     return sorted(found, key=rank_key)
 
 
@@ -126,12 +133,16 @@ def smallest(
     fixed: dict[str, int],
     max_gpus: int = 1024,
     progress: Callable[[str], None] | None = None,
+    refused: list[str] | None = None,
 ) -> list[Plan]:
     """The layouts that fit on the smallest multiple of 8 GPUs (up to max_gpus) on which any does; [] if none."""
     for gpus in range(8, max_gpus + 1, 8):
         if progress:
             progress(f"trying {gpus} GPUs")
-        plans = search(spec, base, gpus, gpu_bytes, fixed, progress)
+        try:
+            plans = search(spec, base, gpus, gpu_bytes, fixed, progress, refused)
+        except ConfigError:  # the keys given leave no layout on this count; a larger one may have some
+            continue
         if plans:
             return plans
     return []

@@ -226,3 +226,41 @@ def test_preflight_stops_a_layout_that_does_not_fit_and_says_the_cpu_estimate(ti
     with pytest.raises(ConfigError, match="trainer.preflight: this layout does not fit") as e:
         preflight(cfg, model, 2, trainer.total // 2)
     assert "verdict: does NOT fit" in str(e.value) and "activations" in str(e.value)
+
+
+def test_what_megatron_and_the_trainer_hold_where_the_rules_differ():
+    """EP=1 under the distributed optimizer: megatron keeps the experts in the dense buffer, sharded over dp*cp (not
+    over the expert-data-parallel ranks); the critic has its own non-distributed optimizer; route records live in host
+    memory; true on-policy turns the fused log-prob op off."""
+    spec = load_spec("qwen3-30b-a3b")
+    cfg = build_config(
+        [
+            *GPU_BASE,
+            "actor.distributed_optimizer=true",
+            "parallel.tp=2",
+            "algorithm.advantage=gae",
+            "algorithm/loss=ppo",
+        ]
+    )
+    layout = check(cfg, spec, 8)
+    rows = {r.name: r for r in make_plan(spec, cfg, 8, 80 * GIB, layout).tables[0].rows}
+    rp = trainer_rank_params(spec, count(spec), 2, 1, None, 1, 1, 0)
+    assert rows["optimizer state"].bytes == rp.dense * 12 // 4 + rp.experts * 12 // 4  # dp*cp = 4, not 8
+    assert rows["critic gradients"].bytes == rows["critic parameters"].bytes  # bf16 grads, no fp32 main grads
+    assert rows["critic optimizer state"].bytes == 2 * rows["critic parameters"].bytes
+    table = make_plan(spec, cfg, 8, 80 * GIB, layout).tables[0]
+    assert rows["route records"].host and table.total == sum(r.bytes for r in table.rows if r.name != "route records")
+    exact = build_config([*GPU_BASE, "trainer.true_on_policy=true"])
+    logits = {r.name: r for r in make_plan(spec, exact, 8, 80 * GIB).tables[0].rows}["log-prob logits"]
+    assert "full" in logits.note and logits.bytes > GIB
+    half = make_plan(spec, build_config([*GPU_BASE, "rollout.dtype=half"]), 8, 80 * GIB)  # vLLM's name for float16
+    assert half.tables[-1].rows[0].note.startswith("half")
+    with pytest.raises(ConfigError, match="rollout.dtype: 'auto'"):
+        make_plan(spec, build_config([*GPU_BASE, "rollout.dtype=auto"]), 8, 80 * GIB)
+
+
+def test_the_command_line_refuses_counts_that_cannot_be(capsys):
+    for flags in (["--gpus", "0"], ["--gpus", "-8", "--search"], ["--gpus", "8", "--gpu-memory-gib", "0"]):
+        with pytest.raises(SystemExit) as done:
+            main(["--model", "qwen3-30b-a3b", "--gpu-memory-gib", "80", *flags])
+        assert done.value.code == 2 and "must be" in capsys.readouterr().err
