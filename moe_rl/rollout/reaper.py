@@ -2,7 +2,8 @@
 
 vLLM's engine core does not watch the process that started it: after a SIGKILL of a training
 rank it lives on (reparented to init) with its worker, its shared-memory ring buffers
-(`/dev/shm/psm_*`), multiprocessing semaphores (`/dev/shm/sem.mp-*`) and its ZMQ socket files
+(`/dev/shm/psm_*`), multiprocessing semaphores (`/dev/shm/sem.mp-*`), its tensor-parallel workers' shared-memory
+communicator (`/dev/shm/vllm_dist_*-cpushm_*`) and its ZMQ socket files
 in the temp folder; even a clean shutdown leaves the socket files behind. The reaper is a tiny
 process in its own session that ignores the signals aimed at the job (torchrun or Slurm killing
 the job does not kill it first):
@@ -43,7 +44,9 @@ import time
 POLL_S = 0.5
 LINGER_S = 10.0  # after a clean close: how long to wait for the owner's exit before a last look at held files
 SHM = "/dev/shm"
-SHM_KINDS = re.compile(r"^(psm_|sem\.mp-)")  # multiprocessing.shared_memory, multiprocessing semaphores
+# multiprocessing.shared_memory, multiprocessing semaphores, and the shared-memory communicator of a tensor-parallel
+# vLLM-CPU engine's workers (vllm_dist_<id>-tp:0-[0-1]-cpushm_<rank>: CI found them left after such engines)
+SHM_KINDS = re.compile(r"^(psm_|sem\.mp-|vllm_dist_[0-9a-f]{32}-)")
 SOCKET_NAME = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")  # vLLM's ZMQ ipc paths
 
 

@@ -104,3 +104,21 @@ def test_under_torchruns_restarts_kill9_of_a_rank_resumes_the_newest_checkpoint(
     assert superseded[0]["reward/mean"] == r.metrics()[2]["reward/mean"]  # step 3 sampled again alike
     latest = checkpoint.latest(r.run_dir / "checkpoints")
     assert latest.name == "step_000005" and checkpoint.problems(latest) == []
+
+
+def test_an_engine_with_tensor_parallelism_leaves_no_shared_memory_after_a_clean_exit_or_a_kill9_of_its_rank(run):
+    """rollout.tensor_parallel_size=2: the engine's two workers talk through vLLM-CPU's shared-memory communicator
+    (/dev/shm/vllm_dist_<id>-tp:0-[0-1]-cpushm_*). Neither a finished run nor a kill -9 of the engine's rank leaves
+    one behind (or any other file or process)."""
+    tp = ["rollout.tensor_parallel_size=2", "rollout.engines=1"]
+    r = run(overrides=["trainer.steps=1", *tp])
+    assert r.proc.wait(timeout=300) == 0, r.output()[-4000:]
+    r.wait_gone(timeout=60)
+    assert r.new_leftovers(within=30) == set(), r.output()[-3000:]
+    r = run(overrides=tp)
+    r.wait_for_steps(1)
+    engine = {p.pid for p in r.engines()}
+    assert len(engine) >= 3, r.output()[-3000:]  # the engine core and its two workers
+    leader = next(p for p in r.ranks() if engine & {c.pid for c in p.children(recursive=True)})
+    seconds = _kill_and_wait(r, leader, timeout=60)
+    print(f"\nkill -9 of the rank that leads a TP=2 engine: every process and file gone {seconds:.1f} s later")
