@@ -2,10 +2,11 @@
 
 Every cell is the arithmetic recipe's RL stage (conf/arithmetic_rl.yaml: GSPO, 512 samples a step, actor.lr=2e-4)
 started from one SFT model, with one setting changed: the replay (R3, R2, none), the correction (IcePop, TIS,
-none), the engine and actor dtypes, true on-policy, or off-policy updates (4 mini-batches and one step of staleness,
-so pi_theta drifts from pi_old and mu). Per run: validation pass@1 (greedy, 200 val problems) every --val-every
-steps with a checkpoint there, test pass@1 (greedy, 500 test problems) of the last step and of the step that
-validation picks, the reward curve, mismatch/k3_kl, icepop/masked_fraction, router/agreement, grad-norm spikes
+none), the engine and actor dtypes, the engine's lm_head dtype, true on-policy, or off-policy updates (4
+mini-batches and one step of staleness, so pi_theta drifts from pi_old and mu). Per run: validation pass@1 (greedy,
+200 val problems) every --val-every steps with a checkpoint there, test pass@1 (greedy, 500 test problems) of the
+last step and of the step that validation picks, the reward curve, mismatch/k3_kl (mean, median, largest step),
+icepop/masked_fraction, router/agreement, grad-norm spikes
 (a step above 10x the median of the steps before it) and a collapse flag (validation pass@1 ends >= 0.10 below its
 best, or a 5-step mean reward falls below half of the best one before it).
 
@@ -232,30 +233,43 @@ def table(cells: list[dict]) -> str:
 
 
 def plots(cells: list[dict], out: Path) -> None:
+    """reward.png, k3_kl.png, val_pass1.png: one line per setting, the mean over its seeds (per step)."""
     # heavy: matplotlib, imported on first use
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for key, ylabel, log in (("reward", "reward/mean", False), ("k3_kl", "mismatch/k3_kl", True)):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for c in cells:
-            ax.plot(range(1, len(c["curves"][key]) + 1), c["curves"][key], label=f"{c['name']} s{c['seed']}", lw=1)
-        ax.set(xlabel="step", ylabel=ylabel, yscale="log" if log else "linear")
-        ax.legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(out / f"{key}.png", dpi=120)
-        plt.close(fig)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    by_name: dict[str, list[dict]] = {}
     for c in cells:
-        val = {int(s): v for s, v in c["val_pass@1"].items()}
-        ax.plot(list(val), list(val.values()), marker="o", label=f"{c['name']} s{c['seed']}", lw=1)
-    ax.set(xlabel="step", ylabel="val/pass@1 (greedy, 200 problems)")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / "val_pass1.png", dpi=120)
-    plt.close(fig)
+        by_name.setdefault(c["name"], []).append(c)
+
+    def mean(series: list[list[float]]) -> list[float]:
+        return [statistics.fmean(values) for values in zip(*series, strict=False)]
+
+    def figure(name: str, ylabel: str, lines: dict[str, tuple[list[int], list[float]]], log: bool = False) -> None:
+        fig, ax = plt.subplots(figsize=(11, 4.5))
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # a colour per setting (12 > the default cycle's 10)
+        for label, (x, y) in lines.items():
+            ax.plot(x, y, label=label, lw=1, marker="o" if len(x) < 8 else None)
+        ax.set(xlabel="step", ylabel=ylabel, yscale="log" if log else "linear")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+
+    for key, ylabel, log in (("reward", "reward/mean", False), ("k3_kl", "mismatch/k3_kl", True)):
+        lines = {}
+        for name, runs in by_name.items():
+            y = mean([r["curves"][key] for r in runs])
+            if not (log and max(y, default=0) <= 0):  # true on-policy's k3 is 0: nothing to draw on a log scale
+                lines[name] = (list(range(1, len(y) + 1)), y)
+        figure(f"{key}.png", f"{ylabel} (mean of {len(next(iter(by_name.values())))} seeds)", lines, log)
+    lines = {}
+    for name, runs in by_name.items():
+        steps = sorted({int(s) for r in runs for s in r["val_pass@1"]})
+        lines[name] = (steps, [statistics.fmean(r["val_pass@1"][str(s)] for r in runs) for s in steps])
+    figure("val_pass1.png", "val/pass@1 (greedy, 200 problems)", lines)
 
 
 def main(argv: list[str] | None = None) -> int:
