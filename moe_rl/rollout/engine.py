@@ -395,7 +395,7 @@ class RolloutEngine:
 
             kwargs["distributed_executor_backend"] = UniProcExecutor
         if cfg.head_dtype != "model":
-            kwargs["hf_overrides"] = {"head_dtype": cfg.head_dtype}
+            kwargs["hf_overrides"] = {"head_dtype": str(cfg.head_dtype)}
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
         if cfg.max_num_batched_tokens is not None:
