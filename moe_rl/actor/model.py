@@ -73,6 +73,14 @@ def load_hf_config(hf_dir: str | Path) -> Any:
 
 def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
     """Refuse parallel sizes that do not divide the model, naming the key."""
+    check_sizes_divide(
+        parallel, conv.num_heads, conv.num_kv, conv.num_experts, conv.moe_ffn_hidden_size, conv.num_layers
+    )
+
+
+def check_sizes_divide(parallel, num_heads: int, num_kv: int, num_experts: int, moe_ffn: int, num_layers: int) -> None:
+    """check_divisibility on the model's sizes alone (the planner has no converter): one ConfigError naming every
+    parallel.* key that does not divide its size."""
     problems = []
 
     def need(ok: bool, msg: str):
@@ -80,17 +88,12 @@ def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
             problems.append(msg)
 
     t = parallel.tp
-    need(conv.num_heads % t == 0, f"parallel.tp={t} does not divide num_attention_heads={conv.num_heads}")
-    need(conv.num_kv % t == 0, f"parallel.tp={t} does not divide num_key_value_heads={conv.num_kv}")
-    need(
-        conv.num_experts % parallel.ep == 0, f"parallel.ep={parallel.ep} does not divide num_experts={conv.num_experts}"
-    )
-    need(
-        conv.moe_ffn_hidden_size % parallel.etp == 0,
-        f"parallel.etp={parallel.etp} does not divide the expert FFN size {conv.moe_ffn_hidden_size}",
-    )
+    need(num_heads % t == 0, f"parallel.tp={t} does not divide num_attention_heads={num_heads}")
+    need(num_kv % t == 0, f"parallel.tp={t} does not divide num_key_value_heads={num_kv}")
+    need(num_experts % parallel.ep == 0, f"parallel.ep={parallel.ep} does not divide num_experts={num_experts}")
+    need(moe_ffn % parallel.etp == 0, f"parallel.etp={parallel.etp} does not divide the expert FFN size {moe_ffn}")
     stages = parallel.pp * (parallel.vpp or 1)
-    need(conv.num_layers % stages == 0, f"parallel.pp*vpp={stages} does not divide num_hidden_layers={conv.num_layers}")
+    need(num_layers % stages == 0, f"parallel.pp*vpp={stages} does not divide num_hidden_layers={num_layers}")
     if problems:
         raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
 

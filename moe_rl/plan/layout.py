@@ -1,6 +1,6 @@
 """The training config the plan is for: the trainer's own TrainConfig with the command line's overrides, refused
 by the trainer's own checks (moe_rl.config.check_overrides and validate) and by the model-dependent ones
-(moe_rl.actor.model.check_divisibility, restated here on the ModelSpec with the same messages)."""
+(moe_rl.actor.model.check_sizes_divide, on the ModelSpec's sizes)."""
 
 from __future__ import annotations
 
@@ -77,22 +77,12 @@ def build_config(overrides: list[str]) -> Any:
 
 
 def check_model_layout(spec: ModelSpec, parallel: Any, engine_tp: int) -> None:
-    """What moe_rl.actor.model.check_divisibility refuses (same messages), plus the engine's vLLM rules."""
-    problems = []
-    t = parallel.tp
-    if spec.num_heads % t:
-        problems.append(f"parallel.tp={t} does not divide num_attention_heads={spec.num_heads}")
-    if spec.num_kv_heads % t:
-        problems.append(f"parallel.tp={t} does not divide num_key_value_heads={spec.num_kv_heads}")
-    if spec.num_experts % parallel.ep:
-        problems.append(f"parallel.ep={parallel.ep} does not divide num_experts={spec.num_experts}")
-    if spec.moe_ffn % parallel.etp:
-        problems.append(f"parallel.etp={parallel.etp} does not divide the expert FFN size {spec.moe_ffn}")
-    stages = parallel.pp * (parallel.vpp or 1)
-    if spec.num_layers % stages:
-        problems.append(f"parallel.pp*vpp={stages} does not divide num_hidden_layers={spec.num_layers}")
-    if problems:
-        raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
+    """What the trainer's moe_rl.actor.model.check_divisibility refuses, plus the engine's vLLM rule."""
+    # heavy: the actor's model module (torch, megatron-core), imported on first use
+    from moe_rl.actor.model import check_sizes_divide
+
+    s = spec
+    check_sizes_divide(parallel, s.num_heads, s.num_kv_heads, s.num_experts, s.moe_ffn, s.num_layers)
     if spec.num_heads % engine_tp:  # vLLM: "Total number of attention heads must be divisible by tensor parallel size"
         raise ConfigError(
             f"config rollout.tensor_parallel_size: {engine_tp} does not divide num_attention_heads={spec.num_heads}"

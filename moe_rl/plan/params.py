@@ -16,9 +16,6 @@ from dataclasses import dataclass
 
 from moe_rl.plan.spec import ModelSpec
 
-VOCAB_MULTIPLE = 128
-"""megatron pads the vocabulary to a multiple of 128 x TP (moe_rl.actor.model.padded_vocab_size)."""
-
 
 @dataclass(frozen=True)
 class LayerParams:
@@ -115,9 +112,11 @@ def active(counts: ParamCounts, spec: ModelSpec) -> int:
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
-    """megatron's padded vocabulary (moe_rl.actor.model.padded_vocab_size, which the tests compare with)."""
-    m = VOCAB_MULTIPLE * tp
-    return -(-vocab_size // m) * m
+    """megatron's padded vocabulary, as the actor pads it."""
+    # heavy: the actor's model module (torch, megatron-core), imported on first use
+    from moe_rl.actor.model import padded_vocab_size
+
+    return padded_vocab_size(vocab_size, tp)
 
 
 def stage_layers(num_layers: int, pp: int, vpp: int | None, stage: int) -> list[int]:
