@@ -20,7 +20,7 @@ from enum import Enum, StrEnum
 from typing import Any
 
 from moe_rl.actor.model import Recompute
-from moe_rl.actor.parallel import ParallelConfig
+from moe_rl.actor.parallel import COLLECTIVE_TIMEOUT_S, ParallelConfig
 from moe_rl.common.errors import ConfigError, refuse
 from moe_rl.common.platform import has_cuda
 from moe_rl.data.prompts import Overlong
@@ -259,6 +259,11 @@ class DataConfig:
     """Reward plugin `module:function(responses, answers, response_ids) -> list[float]`; empty: the task's own
     (toy and file: moe_rl.data.rewards:toy_low_token_reward; arithmetic: moe_rl.data.rewards:numeric_answer_reward,
     1 when the last integer of the response is the answer)."""
+    reward_timeout_s: float = 0.0
+    """Seconds the reward plugin may take for one step's samples (and for validation's); a plugin that has not
+    returned by then stops the run, naming it and the samples still pending (a judge or sandbox that stopped
+    answering). 0: no limit of its own; trainer.hang_timeout_s still ends a run whose reward makes no progress
+    (a @per_sample plugin progresses with each sample, a batched one only when it returns)."""
     prompts_per_step: int = 4
     """Prompts per step on each data-parallel rank (samples = prompts * rollout.n)."""
     overlong_prompts: Overlong = Overlong.error
@@ -289,6 +294,8 @@ class DataConfig:
             load_reward(self.reward_spec)
         except ValueError as e:
             refuse("data.reward", str(e))
+        if self.reward_timeout_s < 0:
+            refuse("data.reward_timeout_s", f"{self.reward_timeout_s:g}: must be >= 0 (0: no limit)")
         if self.task == "arithmetic":
             _check_problems(self)
         if self.val_path and not os.path.exists(self.val_path):
@@ -371,6 +378,14 @@ class TrainerConfig:
     true_on_policy_strict: bool = False
     """With true_on_policy: a step where some response token's pi_old != mu stops the run with an error naming
     the first such sample and position (false: a warning)."""
+    hang_timeout_s: float = 300.0
+    """The hang watchdog: when no rank has made progress for this many seconds (an engine step, a micro-batch's
+    forward, a reward sample, a weight-sync bucket, a checkpoint file), every rank stops with a report naming the
+    rank that stopped answering (its host, pid, phase and line) or the engine process that did, and exit code 75
+    (retryable: torchrun --max-restarts or a Slurm requeue resumes the newest checkpoint). Armed from the first
+    step; below the 600 s collective timeout, which would end a hang with torch's message naming nothing. At scale
+    keep it above the slowest single piece of work (a batched reward plugin's call, one checkpoint write).
+    0: off."""
 
     def check(self) -> None:
         """This section's own rules."""
@@ -381,6 +396,12 @@ class TrainerConfig:
         for key in ("steps", "checkpoint_every", "checkpoint_keep", "dump_every", "val_every"):
             if getattr(self, key) < 0:
                 refuse(f"trainer.{key}", "must be >= 0")
+        if not 0 <= self.hang_timeout_s < COLLECTIVE_TIMEOUT_S:
+            refuse(
+                "trainer.hang_timeout_s",
+                f"{self.hang_timeout_s:g}: choose 0 (off) or fewer seconds than the {COLLECTIVE_TIMEOUT_S} s "
+                "collective timeout (a hang would end there first, with torch's message naming no rank)",
+            )
         if self.max_skipped_steps < 1:
             refuse("trainer.max_skipped_steps", f"{self.max_skipped_steps}: must be >= 1 (1 = stop at the first skip)")
         if self.max_staleness not in (0, 1):

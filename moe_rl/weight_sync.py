@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from moe_rl.actor.weights import ExportProducer, export_plan
+from moe_rl.common import progress
 from moe_rl.common.distributed import all_gather_objects, buckets, tensor_nbytes
 from moe_rl.rollout.engine import DEVICE_TRANSPORTS, RolloutEngineError, WeightTransport
 from moe_rl.rollout.weight_receiver import bucket_tensors, map_shared
@@ -115,6 +116,7 @@ class WeightSync:
                 stats["bytes"] += offset
                 stats["tensors"] += len(manifest)
                 stats["buckets"] += 1
+                progress.mark()
             stats |= engine_call(lambda: update.finish(stats["tensors"])) or {}
         engine_call(self.engine and self.engine.reset_prefix_cache)  # (multi-turn) no KV of the old weights
         if failed is not None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from moe_rl.actor.context_parallel import cp_size, gather_sequence, seq_multiple, slice_sequence
 from moe_rl.actor.packing import Pack, PackPlan, pack_bin, sample_positions, thd_params, unpack
+from moe_rl.common import progress
 
 # step_fn(logits [b, s, V/TP], micro_batch) -> (loss scalar, outputs dict of [b, s] tensors)
 StepFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -112,6 +113,7 @@ def run_schedule(
     local = slice_sequence if cp_size() > 1 else lambda x: x
 
     def forward_step(data_iterator, model):
+        progress.mark()  # the hang watchdog's sign of life in a long update
         mb: MicroBatch = next(data_iterator)
         ids = mb.input_ids.to(device)
         if mb.pack is None:

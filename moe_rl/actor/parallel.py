@@ -55,6 +55,9 @@ class ParallelConfig:
         return dp
 
 
+COLLECTIVE_TIMEOUT_S = 600  # a collective that waits longer fails (torch's message names no rank)
+
+
 def torchrun_store(timeout: timedelta):
     """A client of the store torchrun's agent keeps for the job (it outlives the ranks of an attempt); None when the
     ranks were not started by torchrun's agent."""
@@ -76,7 +79,7 @@ def _attempt_store(timeout: timedelta):
     return dist.PrefixStore(f"moe_rl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int = 600) -> None:
+def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int = COLLECTIVE_TIMEOUT_S) -> None:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU) and megatron-core's groups.
 
     Works under `torchrun` (reads RANK/WORLD_SIZE/MASTER_ADDR) and standalone (world of 1).

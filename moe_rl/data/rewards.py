@@ -13,8 +13,12 @@ import inspect
 import math
 import numbers
 import re
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from moe_rl.common import progress
 
 RewardFn = Callable[[list[str], list, list[list[int]]], list[float]]
 
@@ -119,21 +123,69 @@ async def _gather(awaitables: list[Awaitable]) -> list:
     return await asyncio.gather(*awaitables, return_exceptions=True)
 
 
-def _per_sample_rewards(fn: Callable, responses: list[str], answers: list, response_ids: list[list[int]]) -> list:
-    """One call per sample, in order; the awaitables async plugins return then run concurrently."""
+async def _scored(i: int, awaitable: Awaitable, done: set[int]):
+    value = await awaitable
+    done.add(i)
+    progress.mark()
+    return value
+
+
+def _per_sample_rewards(
+    fn: Callable, responses: list[str], answers: list, response_ids: list[list[int]], done: set[int]
+) -> list:
+    """One call per sample, in order; the awaitables async plugins return then run concurrently. `done` collects
+    the samples scored so far (named when the plugin times out)."""
     out = []
     for i, args in enumerate(zip(responses, answers, response_ids, strict=True)):
         try:
             out.append(fn(*args))
         except Exception as e:
             raise _SampleFailed(i) from e
+        if not inspect.isawaitable(out[-1]):
+            done.add(i)
+            progress.mark()
     pending = [i for i, r in enumerate(out) if inspect.isawaitable(r)]
     if pending:
-        for i, r in zip(pending, _run(_gather([out[i] for i in pending])), strict=True):
+        scored = _run(_gather([_scored(i, out[i], done) for i in pending]))
+        for i, r in zip(pending, scored, strict=True):
             if isinstance(r, BaseException):
                 raise _SampleFailed(i) from r
             out[i] = r
     return out
+
+
+class _TimedOut(Exception):
+    """The plugin did not return within its time."""
+
+
+def _within(timeout_s: float, fn: Callable[[], Any]) -> Any:
+    """fn() on a daemon thread, waited for at most `timeout_s` seconds (0: no limit, on this thread). A daemon
+    thread: a plugin that never returns must not keep the interpreter from exiting when the run stops."""
+    if timeout_s <= 0:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised on the calling thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="moe-rl-reward", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _TimedOut
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _call(fn: Callable, responses: list[str], answers: list, response_ids: list[list[int]], done: set[int]):
+    if getattr(fn, "reward_per_sample", False):
+        return _per_sample_rewards(fn, responses, answers, response_ids, done)
+    rewards = fn(responses, answers, response_ids)
+    return _run(rewards) if inspect.isawaitable(rewards) else rewards
 
 
 def score(
@@ -145,22 +197,30 @@ def score(
     step: int,
     rank: int | None = None,
     phase: str = "",
+    timeout_s: float = 0.0,
 ) -> list[float]:
     """Call the reward plugin (batched or `@per_sample`, sync or async) and check its output: one
     finite real number per sample. `phase` names what was scored in errors (e.g. "validation").
 
     A bad value stops the run with the step, the sample index, the prompt's start and the value:
-    a NaN reward would otherwise turn every weight into NaN a step later.
+    a NaN reward would otherwise turn every weight into NaN a step later. `timeout_s` > 0: a plugin
+    that has not returned by then stops the run naming it and the samples still pending
+    (data.reward_timeout_s).
     """
     name = getattr(fn, "__qualname__", repr(fn))
     where = f"step {step}" + (f" {phase}" if phase else "") + (f" (rank {rank})" if rank is not None else "")
+    done: set[int] = set()  # the samples a per-sample plugin has scored
     try:
-        if getattr(fn, "reward_per_sample", False):
-            rewards = _per_sample_rewards(fn, responses, answers, response_ids)
-        else:
-            rewards = fn(responses, answers, response_ids)
-            if inspect.isawaitable(rewards):
-                rewards = _run(rewards)
+        rewards = _within(timeout_s, lambda: _call(fn, responses, answers, response_ids, done))
+    except _TimedOut:
+        pending = [i for i in range(len(responses)) if i not in done]
+        shown = ", ".join(map(str, pending[:10])) + (", ..." if len(pending) > 10 else "")
+        first = f"; the first's prompt {prompts[pending[0]][:60]!r}" if pending else ""
+        raise RewardError(
+            f"{where}: reward function {name} did not return within data.reward_timeout_s={timeout_s:g} s; "
+            f"{len(pending)} of {len(responses)} samples pending (samples {shown}{first}). A judge or sandbox that "
+            "stopped answering? Raise data.reward_timeout_s if the plugin is only slow"
+        ) from None
     except _SampleFailed as e:  # the plugin's own traceback is chained below
         cause, i = e.__cause__, e.index
         raise RewardError(

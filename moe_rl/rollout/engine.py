@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_rl.common import progress
 from moe_rl.common.batch import RolloutBatch
 from moe_rl.common.errors import refuse
 from moe_rl.common.platform import has_cuda
@@ -436,6 +437,20 @@ class RolloutEngine:
         self._reaper.own([f for f in self._rpc("moe_rl_store_file") if f])
         if self.capture is not None:
             self.capture.install(self.llm)
+        self._mark_engine_steps()
+
+    def _mark_engine_steps(self) -> None:
+        """Every engine step (one decode step of the batch) is progress for the hang watchdog: a long rollout
+        moves, an engine that stopped answering does not."""
+        engine = self.llm.llm_engine
+        step = engine.step
+
+        def marked_step(*args, **kwargs):
+            out = step(*args, **kwargs)
+            progress.mark()
+            return out
+
+        engine.step = marked_step
 
     def _make_capture(self, mode: str) -> RouteCapture | None:
         if mode == "auto":
@@ -493,6 +508,11 @@ class RolloutEngine:
             del self.llm
             gc.collect()
             self._reaper.close()  # the engine's shared-memory segments and socket files
+
+    @property
+    def processes(self) -> list:
+        """The engine core and its workers (psutil.Process)."""
+        return list(self._procs)
 
     def _require_alive(self, what: str) -> None:
         if not getattr(self, "_alive", False):

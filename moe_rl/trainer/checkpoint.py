@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.common import progress
 from moe_rl.common.distributed import all_gather_objects
 from moe_rl.compat.megatron_checkpoint import results_in_this_process
 from moe_rl.trainer.logger import say
@@ -80,10 +81,10 @@ def write_manifest(path: Path) -> None:
     """Collective: every file's size and CRC-32 (files split over the ranks), written by rank 0."""
     rank, world = _rank_world()
     files = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name != MANIFEST)
-    mine = {
-        name: {"size": (path / name).stat().st_size, "crc32": _crc32(path / name)}
-        for name in _my_share(files, rank, world)
-    }
+    mine = {}
+    for name in _my_share(files, rank, world):
+        mine[name] = {"size": (path / name).stat().st_size, "crc32": _crc32(path / name)}
+        progress.mark()
     entries = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
     if rank == 0:
         (path / MANIFEST).write_text(json.dumps({"version": 1, "checksum": "crc32", "files": entries}, indent=1))
@@ -201,7 +202,9 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
         dist.barrier()
     results_in_this_process()
     dist_checkpointing.save({**model_sharded_state_dict(chunks), "rng_state": _rng_object()}, str(partial / "model"))
+    progress.mark()
     _save_optimizer(partial / "optimizer", chunks, optimizer)
+    progress.mark()
     if rank == 0:
         (partial / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
     if extra is not None:

@@ -22,6 +22,7 @@ from moe_rl.actor.converters import get_converter
 from moe_rl.actor.model import check_divisibility, load_hf_config
 from moe_rl.actor.parallel import init_distributed
 from moe_rl.actor.replay import holds_routes
+from moe_rl.common import progress
 from moe_rl.common.batch import ProxPolicy
 from moe_rl.common.distributed import all_gather_objects
 from moe_rl.config import TrainConfig, validate
@@ -51,6 +52,7 @@ from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
 from moe_rl.trainer.run_dir import check_same_run_dir
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 from moe_rl.trainer.validation import Validator
+from moe_rl.trainer.watchdog import Watchdog
 from moe_rl.weight_sync import WeightSync, sync_metrics
 
 
@@ -139,6 +141,7 @@ class Trainer:
             if not gpu and (note := engine_ops.vllm_version_warning()) and self.rank == 0:
                 say(f"[moe-rl] WARNING: {note}")
         self.source, engine = self._build_source()
+        self.engine = engine  # this rank's, or None
         self.weight_sync = None
         if cfg.trainer.mode != "from_dump":  # every rank takes part in the sync's gathers; leaders load
             r = cfg.rollout
@@ -316,7 +319,7 @@ class Trainer:
             say(f"[moe-rl] validation: {len(prompts)} prompts of {d.val_path or 'the arithmetic val split'}{dropped}")
         groups = self.source.groups
         args = (self.tokenizer, self.reward_fn, cfg.val, cfg.sampling, self._engine_may_stop)
-        return Validator(prompts, groups, engine, *args)
+        return Validator(prompts, groups, engine, *args, reward_timeout_s=d.reward_timeout_s)
 
     def _resume(self) -> dict | None:
         """Restore the checkpoint chosen (and verified) at start; None for a fresh run."""
@@ -372,6 +375,7 @@ class Trainer:
         return notes
 
     def save_checkpoint(self) -> Path:
+        progress.mark("checkpoint")
         if not self.actor.weights_finite():
             raise checkpoint.CheckpointError(
                 f"refusing to save step {self.step_index}: the actor's weights are not finite on some rank"
@@ -395,6 +399,7 @@ class Trainer:
     # ---- one RL step: one line per phase ------------------------------------------------
     def step(self) -> dict[str, float]:
         start = time.perf_counter()
+        progress.begin_step(self.step_index + 1)
         timer = Timer()
         self.memory.reset()
         self.diagnostics.begin_step()
@@ -454,6 +459,7 @@ class Trainer:
         if self.validator is not None and every and (self.step_index + 1) % every == 0:
             with timer("validation"):
                 val = self.validator(self.step_index + 1)
+        progress.mark("metrics")  # the step's reductions and its log line
         peaks = timer.times | self.memory.read() | self._idle_times(timer, time.perf_counter() - start) | synced
         metrics = global_metrics(rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, peaks)
         metrics |= val | balance | self._staleness(rollout)
@@ -526,7 +532,16 @@ class Trainer:
         sources = [rollout.prompts[i].text for i in rollout.prompt_index]
         rank = self.rank if dist.get_world_size() > 1 else None
         ids = rollout.response_ids
-        rewards = score(self.reward_fn, texts, answers, ids, sources, self.step_index + 1, rank)
+        rewards = score(
+            self.reward_fn,
+            texts,
+            answers,
+            ids,
+            sources,
+            self.step_index + 1,
+            rank,
+            timeout_s=self.cfg.data.reward_timeout_s,
+        )
         return torch.tensor(rewards, dtype=torch.float32)
 
     def _on_skip(self, skipped: bool, mini_batch: int) -> bool:
@@ -559,7 +574,11 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     t = cfg.trainer
     saves = t.mode != "rollout_only"
     history = []
+    engine = trainer.engine
+    watchdog = Watchdog.for_job(t.hang_timeout_s, lambda: engine.processes if engine is not None else [])
     try:
+        if watchdog is not None:
+            watchdog.start()
         if t.val_before_train and trainer.step_index == 0 and (val := trainer.validator(0)):
             trainer.logger.log(0, val)
         while trainer.step_index < t.steps:
@@ -576,7 +595,13 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
                 trainer.step_index == t.steps or (t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0)
             ):
                 trainer.save_checkpoint()
+    except Exception:
+        if watchdog is not None and watchdog.reported():  # a peer ended on a hang and broke this rank's collective
+            watchdog.finish(time.time())  # says so and exits with EXIT_HUNG, not this error
+        raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         trainer.close()
     return history
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from moe_rl.common import progress
 from moe_rl.objectives.metrics import mismatch_from_sums, mismatch_sums
 
 
@@ -21,6 +22,7 @@ class Timer:
 
     @contextmanager
     def __call__(self, phase: str):
+        progress.mark(phase)
         t0 = time.perf_counter()
         yield
         self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - t0

@@ -13,16 +13,21 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from moe_rl.common import progress
 from moe_rl.data.rewards import score
 
 VAL_SUMS = ("prompts", "samples", "reward", "length", "passed", "correct", "stopped")
 
 
 class Validator:
-    def __init__(self, prompts: list, groups, engine, tokenizer, reward_fn, val_cfg, sampling, may_stop):
+    def __init__(
+        self, prompts: list, groups, engine, tokenizer, reward_fn, val_cfg, sampling, may_stop, reward_timeout_s=0.0
+    ):
         """`prompts`: every validation Prompt (with token ids), the same list on every rank; `groups`:
         EngineGroups; `engine`: this rank's engine (leaders) or None; `val_cfg`: config.ValConfig;
-        `sampling`: the training SamplingConfig (its stop strings are kept); `may_stop`: as EngineSource's."""
+        `sampling`: the training SamplingConfig (its stop strings are kept); `may_stop`: as EngineSource's;
+        `reward_timeout_s`: data.reward_timeout_s."""
+        self.reward_timeout_s = reward_timeout_s
         e, engines = groups.leaders.index(groups.leader), len(groups.leaders)
         self.first = e * len(prompts) // engines
         share = prompts[self.first : (e + 1) * len(prompts) // engines]
@@ -41,6 +46,7 @@ class Validator:
     def __call__(self, step: int) -> dict[str, float]:
         """val/* metrics over every engine's prompts (collective: every rank calls it); {} when a stop
         signal took an engine."""
+        progress.mark("validation")
         sums = torch.zeros(len(VAL_SUMS), dtype=torch.float64)
         if self.share:
             sums += self._score(step)
@@ -67,7 +73,8 @@ class Validator:
         prompts = [self.share[i] for i in batch.prompt_index]
         answers, sources = [p.answer for p in prompts], [p.text for p in prompts]
         rank = dist.get_rank() if dist.get_world_size() > 1 else None
-        rewards = score(self.reward_fn, texts, answers, batch.response_ids, sources, step, rank, phase="validation")
+        ids, limit = batch.response_ids, self.reward_timeout_s
+        rewards = score(self.reward_fn, texts, answers, ids, sources, step, rank, phase="validation", timeout_s=limit)
         r = torch.tensor(rewards, dtype=torch.float64)
         correct = (r >= self.cfg.pass_threshold).double()
         passed = torch.zeros(len(self.share), dtype=torch.float64).index_add_(

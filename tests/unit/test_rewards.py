@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -169,3 +170,52 @@ def test_per_sample_nan_names_the_sample(is_async):
 
     with pytest.raises(RewardError, match=r"step 3: .* returned nan for sample 1 \(prompt 'prompt number 1'\)"):
         _score(per_sample(async_body if is_async else body))
+
+
+@pytest.mark.parametrize("form", ["per_sample", "async_per_sample", "batched"])
+def test_a_plugin_that_never_returns_is_named_with_the_samples_pending(form):
+    """data.reward_timeout_s: a judge that stops answering on sample 2 ends the step within the limit, naming the
+    plugin and the samples not scored (per-sample forms: 2 and 3; a batched plugin: all of them)."""
+    release = threading.Event()  # never set while the test waits: the plugin hangs
+
+    def judge(response, answer, ids):
+        if response == "c":
+            release.wait(30)
+        return 1.0
+
+    async def async_judge(response, answer, ids):
+        if response == "c":
+            await asyncio.sleep(30)
+        return 1.0
+
+    def batched_judge(responses, answers, ids):
+        release.wait(30)
+        return [1.0] * len(responses)
+
+    fn = {"per_sample": per_sample(judge), "async_per_sample": per_sample(async_judge), "batched": batched_judge}[form]
+    t0 = time.perf_counter()
+    with pytest.raises(RewardError) as e:
+        score(fn, ["a", "b", "c", "d"], [None] * 4, [[1]] * 4, ["p0", "p1", "p2", "p3"], 7, rank=1, timeout_s=0.5)
+    assert time.perf_counter() - t0 < 2.0
+    message = str(e.value)
+    assert "step 7 (rank 1)" in message and fn.__qualname__ in message and "data.reward_timeout_s=0.5 s" in message
+    if form == "batched":
+        assert "4 of 4 samples pending (samples 0, 1, 2, 3; the first's prompt 'p0')" in message
+    elif form == "per_sample":  # the sync plugin is called in order: it hangs on 2, so 3 is never called
+        assert "2 of 4 samples pending (samples 2, 3; the first's prompt 'p2')" in message
+    else:  # the async calls run concurrently: only 2 is left
+        assert "1 of 4 samples pending (samples 2; the first's prompt 'p2')" in message
+    release.set()
+
+
+def test_a_plugin_within_its_time_is_scored_as_without_a_limit():
+    for fn in (sync_per_sample, async_per_sample, async_batched):
+        assert score(fn, RESPONSES, list(range(4)), [[1]] * 4, PROMPTS, 1, timeout_s=30) == score(
+            fn, RESPONSES, list(range(4)), [[1]] * 4, PROMPTS, 1
+        )
+    with pytest.raises(RewardError, match="raised ValueError for sample 0"):  # an error in the thread comes through
+        score(per_sample(_raises), RESPONSES, [None] * 4, [[1]] * 4, PROMPTS, 1, timeout_s=30)
+
+
+def _raises(response, answer, ids):
+    raise ValueError("bad")
