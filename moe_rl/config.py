@@ -76,6 +76,13 @@ TASK_REWARDS = {
 """The reward a task is scored with when data.reward is empty."""
 
 
+class SaveFailure(StrEnum):
+    """What a failed checkpoint save does (trainer.on_save_failure)."""
+
+    stop = "stop"  # the run stops with the error
+    retry = "retry"  # warn, train on, save again at the next interval
+
+
 class Mode(StrEnum):
     """What a run does (trainer.mode)."""
 
@@ -341,6 +348,12 @@ class TrainerConfig:
     """Empty: <run dir>/checkpoints."""
     checkpoint_keep: int = 3
     """Keep the newest N checkpoints, delete older ones; 0 = keep all."""
+    on_save_failure: SaveFailure = SaveFailure.stop
+    """A save that fails (a full disk, an I/O error) fails on every rank alike, names the folder, the error and the
+    free space, and removes its partial files; the previous checkpoint stays the one `latest` names. stop: the run
+    stops (exit code 1; free space, then resume with trainer.resume=auto) | retry: a warning, training goes on and
+    the save is tried again at the next checkpoint_every step (the last step's save, and a stop signal's, still
+    stop the run when they fail)."""
     resume: str = "auto"
     """auto (newest checkpoint in checkpoint_dir, else a fresh start) | auto_skip_damaged (as auto, but a
     checkpoint that fails its manifest check is skipped for the newest older one that passes, with a

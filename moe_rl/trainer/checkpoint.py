@@ -42,6 +42,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed as a whole."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """A save that failed (a full disk, an I/O error), raised on every rank alike; the partial save is removed and
+    the previous checkpoint stays what `latest` names."""
+
+
 def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
@@ -200,27 +205,92 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
         (partial / "optimizer").mkdir()
     if dist.is_initialized():
         dist.barrier()
-    results_in_this_process()
-    dist_checkpointing.save({**model_sharded_state_dict(chunks), "rng_state": _rng_object()}, str(partial / "model"))
-    progress.mark()
-    _save_optimizer(partial / "optimizer", chunks, optimizer)
-    progress.mark()
-    if rank == 0:
-        (partial / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
-    if extra is not None:
-        extra(partial)
-    if dist.is_initialized():
-        dist.barrier()
-    write_manifest(partial)  # after every rank's files, before `latest`
-    if rank == 0:
+
+    def write() -> None:  # every rank's files (megatron's writes are collective: a failure raises on every rank)
+        results_in_this_process()
+        state = {**model_sharded_state_dict(chunks), "rng_state": _rng_object()}
+        dist_checkpointing.save(state, str(partial / "model"))
+        progress.mark()
+        _save_optimizer(partial / "optimizer", chunks, optimizer)
+        progress.mark()
+        if rank == 0:
+            (partial / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
+        if extra is not None:
+            extra(partial)
+
+    def commit() -> None:
         with _signals_held():
             _commit(root, path, partial)
+
+    _agreed(write, root, step, partial)
+    _agreed(lambda: write_manifest(partial), root, step, partial)  # after every rank's files, before `latest`
+    _agreed(commit if rank == 0 else lambda: None, root, step, partial)
+    if rank == 0:
         older = sorted(p for p in Path(root).glob("step_*") if p.is_dir() and p != path)
         for old in older[: max(0, len(older) - keep + 1)] if keep > 0 else []:
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()  # no rank returns before the checkpoint has its final name
     return path
+
+
+def _agreed(fn, root: Path, step: int, partial: Path) -> None:
+    """Collective: run `fn` on every rank; if it raised on any, every rank raises CheckpointSaveError naming the
+    rank, the error and the free space (rank 0 first removes the partial save), rather than the others waiting for
+    the failed rank in the next collective."""
+    rank, _ = _rank_world()
+    try:
+        fn()
+        error = None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # an OSError (ENOSPC, EIO), or torch's CheckpointException (a BaseException)
+        error = f"rank {rank}: {_cause(e)}"
+    free = shutil.disk_usage(root).free if error is not None else None  # before the partial save is removed
+    found = [(e, f) for e, f in all_gather_objects((error, free)) if e is not None]
+    if not found:
+        return
+    errors = [e for e, _ in found if not e.endswith(OTHER_RANK)] or [e for e, _ in found]  # where it happened
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    raise CheckpointSaveError(save_failure(root, step, errors, min(f for _, f in found)))
+
+
+OTHER_RANK = "the save failed on another rank"
+
+
+def _cause(e: BaseException) -> str:
+    """The error's text, with torch's CheckpointException unwrapped to each failed rank's own error."""
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception or (exception, traceback)}
+    if not isinstance(failures, dict):
+        return f"{type(e).__name__}: {e}"
+    own = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return "; ".join(f"{type(f).__name__}: {f}" for f in own) or OTHER_RANK
+
+
+def save_failure(root: Path, step: int, errors: list[str], free: int) -> str:
+    """The message of a failed save: where, what, the free space (`free` bytes when it failed) beside the last
+    complete checkpoint's size, and what stays resumable."""
+    root = Path(root)
+    usage = shutil.disk_usage(root)
+    try:
+        last = latest(root)
+    except CheckpointError:
+        last = None
+    mib = 2**20
+    if last is not None:
+        size = sum(f.stat().st_size for f in last.rglob("*") if f.is_file())
+        kept = (
+            f"{last.name}, {size / mib:.1f} MiB, is intact and stays the one `latest` names: resume from it with "
+            "trainer.resume=auto once there is room"
+        )
+    else:
+        kept = "no earlier checkpoint exists"
+    return (
+        f"checkpoint step {step}: saving to {root} failed ({'; '.join(errors)[:600]}). {root} has "
+        f"{free / mib:.1f} MiB free of {usage.total / mib:.1f} MiB (a full disk?); the partial save was "
+        f"removed; {kept}"
+    )
 
 
 def _commit(root: str | Path, path: Path, partial: Path) -> None:

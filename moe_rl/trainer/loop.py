@@ -45,7 +45,7 @@ from moe_rl.rollout.multi_turn.loop import AgentLoop
 from moe_rl.rollout.source import DumpSource, EngineSource, StepAbandoned
 from moe_rl.routing.records import filler_row, route_dtype
 from moe_rl.trainer import checkpoint
-from moe_rl.trainer.checkpoint import CheckpointError
+from moe_rl.trainer.checkpoint import CheckpointError, CheckpointSaveError
 from moe_rl.trainer.health import HealthMonitor, SkipCounter
 from moe_rl.trainer.logger import RunLogger, run_header, say
 from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
@@ -591,10 +591,18 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
                     trainer.save_checkpoint()
                 trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
                 break
-            if saves and (
-                trainer.step_index == t.steps or (t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0)
-            ):
-                trainer.save_checkpoint()
+            last = trainer.step_index == t.steps
+            if saves and (last or (t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0)):
+                try:
+                    trainer.save_checkpoint()
+                except CheckpointSaveError as e:  # raised on every rank alike: all go on, or all stop
+                    if t.on_save_failure != "retry" or last:
+                        raise
+                    trainer.logger.warn(
+                        trainer.step_index,
+                        f"{e}. Training goes on (trainer.on_save_failure=retry): the next save is "
+                        f"at step {trainer.step_index + t.checkpoint_every}",
+                    )
     except Exception:
         if watchdog is not None and watchdog.reported():  # a peer ended on a hang and broke this rank's collective
             watchdog.finish(time.time())  # says so and exits with EXIT_HUNG, not this error

@@ -1,10 +1,13 @@
 """Checkpoint faults end to end: a truncated model file is named at resume with the older
-checkpoint to use; SIGTERM twice during a save never leaves a checkpoint that resume would trust."""
+checkpoint to use; SIGTERM twice during a save never leaves a checkpoint that resume would trust; a full disk during
+a save stops the run naming the space, or (trainer.on_save_failure=retry) trains on until a save succeeds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -88,3 +91,58 @@ def test_sigterm_twice_during_a_save_never_leaves_a_trusted_partial_checkpoint(t
     again = Run(run_dir, 2, ["trainer.steps=3"])
     assert _finish(again) == 0, again.output()[-4000:]
     assert [m["step"] for m in again.metrics()][-1] == 3
+
+
+@contextlib.contextmanager
+def _small_disk(path, mib: int):
+    """A tmpfs of `mib` MiB at `path` (mounting needs root, as CI has: skipped elsewhere)."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_disk_during_a_save_stops_cleanly_and_the_previous_checkpoint_resumes_or_retries(tmp_path):
+    """20 MiB hold one checkpoint of the tiny model (13.6 MiB), not two: step 2's save fails. The run ends within 60 s
+    naming the folder and the free space, leaves no partial save and nothing else behind, and step 1's checkpoint
+    resumes. With trainer.on_save_failure=retry the resumed run warns, trains on, and saves once there is room."""
+    run_dir = tmp_path / "run"
+    with _small_disk(tmp_path / "disk", 20) as disk:
+        first = Run(run_dir, 2, ["trainer.steps=4", "trainer.checkpoint_every=1", f"trainer.checkpoint_dir={disk}"])
+        try:
+            first.wait_for_steps(2)  # step 2's save starts now
+            t0 = time.time()
+            code = first.proc.wait(timeout=60)
+            first.wait_gone(timeout=60 - (time.time() - t0))
+            assert first.new_leftovers(within=60 - (time.time() - t0)) == set()
+        finally:
+            first.kill_all()
+        print(f"\nfull disk: the run ended {time.time() - t0:.1f} s after step 2's save began")
+        out = first.output()
+        assert code != 0
+        assert f"CheckpointSaveError: checkpoint step 2: saving to {disk} failed (rank " in out, out[-4000:]
+        assert "MiB free of 20.0 MiB (a full disk?); the partial save was removed; step_000001, 13" in out
+        assert sorted(os.listdir(disk)) == ["latest", "step_000001"]  # no partial save stays
+        assert checkpoint.resolve_resume(disk, "auto") == (disk / "step_000001", [])
+
+        retry = ["trainer.on_save_failure=retry", "trainer.checkpoint_every=2", f"trainer.checkpoint_dir={disk}"]
+        again = Run(run_dir, 2, ["trainer.steps=8", *retry])
+        try:
+            deadline = time.time() + 300
+            while "Training goes on (trainer.on_save_failure=retry)" not in again.output():
+                assert time.time() < deadline and again.proc.poll() is None, again.output()[-4000:]
+                time.sleep(0.05)
+            subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # the user makes room
+            assert _finish(again) == 0, again.output()[-4000:]
+        finally:
+            again.kill_all()
+        out = again.output()
+        assert f"resumed from {disk / 'step_000001'} at step 1" in out
+        assert "step 2 warning: checkpoint step 2: saving to" in out, out[-4000:]
+        assert [m["step"] for m in again.metrics()][-7:] == [2, 3, 4, 5, 6, 7, 8]
+        assert checkpoint.latest(disk) == disk / "step_000008" and checkpoint.problems(disk / "step_000008") == []
+        assert not [p for p in os.listdir(disk) if p.startswith(".")]
