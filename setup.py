@@ -49,6 +49,7 @@ setup(
             "moe-rl-diagnose=moe_rl.diagnostics.cli:main",
             "moe-rl-export-hf=moe_rl.tools.export_hf:main",
             "moe-rl-plan=moe_rl.plan.cli:main",
+            "moe-rl-chaos=moe_rl.tools.chaos:main",
         ],
         # loaded by vLLM in its engine core and worker processes (moe_rl/compat/vllm_plugin.py)
         "vllm.general_plugins": ["moe_rl = moe_rl.compat.vllm_plugin:register"],

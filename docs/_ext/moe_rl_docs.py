@@ -42,6 +42,7 @@ CLI_MODULES: dict[str, list[str]] = {
     "moe-rl-tiny-model": ["moe_rl.tools.tiny_model", "--help"],
     "moe-rl-export-hf": ["moe_rl.tools.export_hf", "--help"],
     "moe-rl-plan": ["moe_rl.plan.cli", "--help"],
+    "moe-rl-chaos": ["moe_rl.tools.chaos", "--help"],
     "logprobs": ["moe_rl.tools.logprobs", "--help"],
     "tasks": ["moe_rl.data.tasks", "--help"],
     "evaluate": ["moe_rl.tools.evaluate", "--help"],

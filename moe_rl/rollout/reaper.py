@@ -3,7 +3,8 @@
 vLLM's engine core does not watch the process that started it: after a SIGKILL of a training
 rank it lives on (reparented to init) with its worker, its shared-memory ring buffers
 (`/dev/shm/psm_*`), multiprocessing semaphores (`/dev/shm/sem.mp-*`), its tensor-parallel workers' shared-memory
-communicator (`/dev/shm/vllm_dist_*-cpushm_*`) and its ZMQ socket files
+communicator (`/dev/shm/vllm_dist_*-cpushm_*`), the weight sync's bucket buffer it maps
+(`/dev/shm/moe-rl-weights-*`, which the killed rank created) and its ZMQ socket files
 in the temp folder; even a clean shutdown leaves the socket files behind. The reaper is a tiny
 process in its own session that ignores the signals aimed at the job (torchrun or Slurm killing
 the job does not kill it first):
@@ -44,9 +45,10 @@ import time
 POLL_S = 0.5
 LINGER_S = 10.0  # after a clean close: how long to wait for the owner's exit before a last look at held files
 SHM = "/dev/shm"
-# multiprocessing.shared_memory, multiprocessing semaphores, and the shared-memory communicator of a tensor-parallel
-# vLLM-CPU engine's workers (vllm_dist_<id>-tp:0-[0-1]-cpushm_<rank>: CI found them left after such engines)
-SHM_KINDS = re.compile(r"^(psm_|sem\.mp-|vllm_dist_[0-9a-f]{32}-)")
+# multiprocessing.shared_memory, multiprocessing semaphores, the shared-memory communicator of a tensor-parallel
+# vLLM-CPU engine's workers (vllm_dist_<id>-tp:0-[0-1]-cpushm_<rank>: CI found them left after such engines), and
+# the weight sync's bucket buffer (moe-rl-weights-*: the chaos test found one left by a kill -9 during a sync)
+SHM_KINDS = re.compile(r"^(psm_|sem\.mp-|vllm_dist_[0-9a-f]{32}-|moe-rl-weights-)")
 SOCKET_NAME = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")  # vLLM's ZMQ ipc paths
 
 
@@ -165,7 +167,10 @@ class _Watch:
         # heavy: psutil, imported on first use
         import psutil
 
-        self.owner = psutil.Process(owner_pid)
+        try:
+            self.owner = psutil.Process(owner_pid)
+        except psutil.NoSuchProcess:  # it died while this process started: clean up after it all the same
+            self.owner = None
         self.engine: dict[int, psutil.Process] = {}  # Process objects keep identity across pid reuse
         self.descendants: dict[int, psutil.Process] = {}
         self.before: set[str] = set()  # engine-kind files that existed before the engine started
@@ -178,7 +183,7 @@ class _Watch:
         import psutil
 
         try:
-            return self.owner.is_running() and self.owner.status() != psutil.STATUS_ZOMBIE
+            return self.owner is not None and self.owner.is_running() and self.owner.status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
 
@@ -196,7 +201,8 @@ class _Watch:
         # heavy: psutil, imported on first use
         import psutil
 
-        for root, into in [(self.owner, self.descendants), *((p, self.engine) for p in list(self.engine.values()))]:
+        owner = [(self.owner, self.descendants)] if self.owner is not None else []
+        for root, into in [*owner, *((p, self.engine) for p in list(self.engine.values()))]:
             try:
                 for child in root.children(recursive=True):
                     if child.pid != os.getpid() and not _is_reaper(child):  # other engines' reapers do their own

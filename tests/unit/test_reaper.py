@@ -76,3 +76,30 @@ def test_a_file_held_at_a_clean_close_is_removed_once_the_owner_has_exited():
     except psutil.NoSuchProcess:
         pass
     assert not os.path.exists(path), f"{path} left behind"
+
+
+KILLED_IN_A_SYNC = r"""
+import time
+from moe_rl.rollout.reaper import Reaper
+from moe_rl.weight_sync import _BucketBuffer
+
+reaper = Reaper()
+reaper.watch([])
+buffer = _BucketBuffer(4096).__enter__()  # a weight sync under way: its /dev/shm bucket buffer exists
+print(reaper.proc.pid, buffer.path, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_rank_killed_during_a_weight_sync_leaves_no_bucket_buffer():
+    """kill -9 of a leader rank mid-sync: nothing runs its buffer's __exit__; its reaper removes the file."""
+    owner = subprocess.Popen([sys.executable, "-c", KILLED_IN_A_SYNC], stdout=subprocess.PIPE, text=True)
+    reaper_pid, path = owner.stdout.readline().split()
+    assert os.path.exists(path) and "/moe-rl-weights-" in path
+    owner.kill()
+    owner.wait()
+    try:
+        psutil.Process(int(reaper_pid)).wait(timeout=30)
+    except psutil.NoSuchProcess:
+        pass
+    assert not os.path.exists(path), f"{path} left behind"
