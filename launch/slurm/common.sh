@@ -26,14 +26,31 @@ signal_steps() {
   done
 }
 
+#
+# A job that hung (the trainer's hang watchdog wrote $RUN_DIR/hang_report.txt during this attempt, and every rank
+# exited) is requeued too, while it has been requeued fewer than MOE_RL_HANG_REQUEUES (default 3) times: the next
+# attempt resumes from the newest checkpoint, most likely on other nodes.
 run_and_requeue() {
+  local started
+  started=$(mktemp)
   "$@" &
   local step=$! status=0
   trap 'if [[ "${STOPPING:-0}" != 1 ]]; then echo "[moe-rl] stop signal: checkpoint, then requeue"; STOPPING=1; signal_steps; fi' TERM USR1
   wait "$step" || status=$?
   while kill -0 "$step" 2>/dev/null; do wait "$step" || status=$?; done  # `wait` returns early on a trap
-  if [[ "${STOPPING:-0}" == 1 && "${MOE_RL_NO_REQUEUE:-0}" != 1 ]]; then
+  local report="${RUN_DIR:-}/hang_report.txt" restarts="${SLURM_RESTART_COUNT:-0}"
+  if [[ "${MOE_RL_NO_REQUEUE:-0}" == 1 ]]; then
+    :
+  elif [[ "${STOPPING:-0}" == 1 ]]; then
     scontrol requeue "$SLURM_JOB_ID"
+  elif [[ "$status" != 0 && -n "${RUN_DIR:-}" && "$report" -nt "$started" ]]; then
+    if ((restarts < ${MOE_RL_HANG_REQUEUES:-3})); then
+      echo "[moe-rl] the job hung ($report): requeue, restart $((restarts + 1)) of at most ${MOE_RL_HANG_REQUEUES:-3}"
+      scontrol requeue "$SLURM_JOB_ID"
+    else
+      echo "[moe-rl] the job hung ($report) after $restarts restarts (MOE_RL_HANG_REQUEUES=${MOE_RL_HANG_REQUEUES:-3}): not requeued"
+    fi
   fi
+  rm -f "$started"
   return "$status"
 }

@@ -575,7 +575,8 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     saves = t.mode != "rollout_only"
     history = []
     engine = trainer.engine
-    watchdog = Watchdog.for_job(t.hang_timeout_s, lambda: engine.processes if engine is not None else [])
+    engines = (lambda: engine.processes) if engine is not None else list
+    watchdog = Watchdog.for_job(t.hang_timeout_s, engines, run_dir / "hang_report.txt")
     try:
         if watchdog is not None:
             watchdog.start()

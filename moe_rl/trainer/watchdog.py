@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -126,8 +127,9 @@ class Watchdog:
         rank: int = 0,
         world: int = 1,
         end: Callable[[int], None] = os._exit,
+        report_file: Path | None = None,
     ):
-        self.timeout_s, self.rank, self.world = timeout_s, rank, world
+        self.timeout_s, self.rank, self.world, self.report_file = timeout_s, rank, world, report_file
         self.beat_s = min(max(timeout_s / 10, 0.5), 10.0)
         self.stale_s = 3 * self.beat_s  # a rank whose latest beat is older than this stopped answering
         self.engine_processes, self.store, self.end = engine_processes, store, end
@@ -141,12 +143,13 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="moe-rl-watchdog", daemon=True)
 
     @classmethod
-    def for_job(cls, timeout_s: float, engine_processes: Callable[[], list] = list) -> Watchdog | None:
-        """This rank's watchdog over torch.distributed's store; None when trainer.hang_timeout_s is 0."""
+    def for_job(cls, timeout_s: float, engine_processes: Callable[[], list], report_file: Path) -> Watchdog | None:
+        """This rank's watchdog over torch.distributed's store, its report also written to `report_file` (the
+        Slurm templates requeue a job that left one); None when trainer.hang_timeout_s is 0."""
         if timeout_s <= 0:
             return None
         store = dist.distributed_c10d._get_default_store()
-        return cls(timeout_s, engine_processes, store, dist.get_rank(), dist.get_world_size())
+        return cls(timeout_s, engine_processes, store, dist.get_rank(), dist.get_world_size(), report_file=report_file)
 
     def publish(self, now: float) -> None:
         """This rank's first record, and its count among the started ones (a rank that freezes before the thread's
@@ -208,8 +211,11 @@ class Watchdog:
         frozen = {r for r, rec in records.items() if now - rec["beat_at"] > self.stale_s and r != self.rank}
         reporter = int(self.store.compare_set(REPORTER, "", str(self.rank)))
         if self.rank == reporter:
-            for line in hang_report(records, now, self.timeout_s, self.stale_s):
+            lines = hang_report(records, now, self.timeout_s, self.stale_s)
+            for line in lines:
                 say(f"[moe-rl] {line}")
+            if self.report_file is not None:
+                self.report_file.write_text("\n".join(lines) + "\n")
         else:
             say(f"[moe-rl] rank {self.rank}: ending on the hang watchdog (rank {reporter} prints the report)")
         for rank in sorted(frozen):

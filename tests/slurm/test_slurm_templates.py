@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -72,7 +73,14 @@ def requeued(slurm, tmp_path_factory) -> dict:
         time.sleep(1)
     assert _metrics(run_dir), _job_log(log_dir, job)
     subprocess.run(["scancel", "--batch", "--signal=TERM", str(job)], env=slurm.env, check=True)
-    # Requeued: pending again, then running with a restart count, then complete.
+    state, restarts = _requeued_then_done(slurm, job, deadline)
+    text, metrics = _job_log(log_dir, job), _metrics(run_dir)
+    return dict(job=job, state=state, restarts=restarts, text=text, story=_story(text, run_dir), metrics=metrics)
+
+
+def _requeued_then_done(slurm, job: int, deadline: float) -> tuple[str, str]:
+    """Wait for the job to be requeued (pending again, then running with a restart count) and to end; returns its
+    last state and `scontrol show job`."""
     state, hurried, restarts = "RUNNING", False, ""
     while time.time() < deadline:
         state = slurm.job_state(job)
@@ -92,8 +100,7 @@ def requeued(slurm, tmp_path_factory) -> dict:
         if state in ("FAILED", "CANCELLED", "TIMEOUT") or (state == "COMPLETED" and "Restarts=0" in restarts):
             break
         time.sleep(2)
-    text, metrics = _job_log(log_dir, job), _metrics(run_dir)
-    return dict(job=job, state=state, restarts=restarts, text=text, story=_story(text, run_dir), metrics=metrics)
+    return state, restarts
 
 
 def test_stop_signal_checkpoints_requeues_and_resumes(slurm, requeued):
@@ -106,6 +113,38 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, requeued):
     assert f"[moe-rl] job {job} on" in text
     steps = [m["step"] for m in requeued["metrics"]]
     assert steps[-1] == 5 and sorted(set(steps)) == [1, 2, 3, 4, 5], steps
+
+
+def test_a_hung_rank_ends_the_job_which_requeues_itself_and_resumes(slurm, tmp_path):
+    """trainer.hang_timeout_s=20 and rank 1 stopped (SIGSTOP) after step 2: the hang watchdog ends the job and writes
+    hang_report.txt naming the rank, the template requeues the job, and the second attempt resumes to the end."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    overrides = ["trainer.steps=4", "trainer.checkpoint_every=1", "trainer.hang_timeout_s=20", *COMMON[1:]]
+    args = [f"--output={tmp_path / 'job-%j.out'}", "launch/slurm/single_node.sbatch", *overrides]
+    job = slurm.sbatch(args, cwd=REPO, env=_job_env(run_dir, 2))
+    deadline = time.time() + 600
+    while len(_metrics(run_dir)) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+    assert len(_metrics(run_dir)) >= 2, _job_log(tmp_path, job)
+    rank1 = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if f"hydra.run.dir={run_dir}" in (p.info["cmdline"] or []) and p.environ().get("RANK") == "1"
+    ]
+    assert len(rank1) == 1, rank1
+    rank1[0].send_signal(signal.SIGSTOP)
+    state, restarts = _requeued_then_done(slurm, job, deadline)
+    text = _job_log(tmp_path, job)
+    story = _story(text, run_dir)
+    assert state == "COMPLETED" and "Restarts=1" in restarts, f"{state}\n{restarts}\n{story}\n{slurm.log_tails()}"
+    assert (
+        f"rank 1 (host {socket.gethostname()}, pid {rank1[0].pid}) STOPPED ANSWERING"
+        in (run_dir / "hang_report.txt").read_text()
+    )
+    assert "[moe-rl] the job hung" in text and "requeue, restart 1 of at most 3" in text, story
+    assert "resumed from" in text and [m["step"] for m in _metrics(run_dir)][-1] == 4, story
 
 
 def test_multi_node_template_runs_an_agent_per_node_and_trains_what_one_node_does(slurm, requeued, tmp_path):
