@@ -11,7 +11,10 @@ bitwise equal. Prints the seed and the schedule first, each fault as it lands, a
 code 0 when both are equal, 1 when not (naming the first difference), 2 when a launch failed on its own.
 
 The job is `launch/train_moe.py` with the overrides given after `--` (a user's own config runs as it is; every rank
-must see one run directory, which this command sets with hydra.run.dir).
+must see one run directory, which this command sets with hydra.run.dir). With --slurm TEMPLATE both runs are jobs of
+that sbatch template instead (its RUN_DIR set): a fault on a rank, an engine or torchrun lands on the job's first
+node through `srun --overlap` and fails the job, which is submitted again; SIGTERM is `scancel --batch
+--signal=TERM`, the time-limit signal, after which the template checkpoints and requeues the job.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,6 +38,7 @@ MACHINE = ("time/", "perf/", "memory/", "weight_sync/seconds", "weight_sync/gb_p
 
 EXAMPLES = """examples:
   moe-rl-chaos --seed 7                                  # the default job, 10 steps, 3 faults of 3 kinds
+  moe-rl-chaos --seed 7 --slurm launch/slurm/single_node.sbatch --sbatch-args "-p debug"   # as Slurm jobs
   moe-rl-chaos --seed 7 --faults 4 --steps 20 --checkpoint-every 4 --out /scratch/chaos -- rollout.engines=1
   moe-rl-chaos --seed 7 --reference /scratch/chaos/reference   # reuse an undisturbed run of the same settings
 """
@@ -65,8 +70,62 @@ def schedule(seed: int, faults: int, steps: int, nproc: int, kinds: tuple[str, .
     ]
 
 
+def local_processes(run_dir: Path) -> tuple[list[psutil.Process], dict[int, psutil.Process], list[psutil.Process]]:
+    """This host's processes of the run in `run_dir`: its torchrun agents, its ranks by RANK (the newest process of
+    each: torchrun restarts them) and its engine cores, found by the hydra.run.dir argument they carry."""
+    tag = f"hydra.run.dir={run_dir}"
+    agents, others, ranks, engines = [], [], {}, []
+    for p in psutil.process_iter(["cmdline", "ppid"]):
+        cmd = p.info["cmdline"] or []
+        if tag not in cmd or os.path.basename(cmd[0]) == "srun":
+            continue
+        if "torch.distributed.run" in cmd or any(os.path.basename(c) == "torchrun" for c in cmd[:2]):
+            agents.append(p)
+        else:
+            others.append(p)
+    for p in others:  # a rank is a child of an agent (the processes a rank forks carry its command line too)
+        try:
+            rank = int(p.environ().get("RANK", -1))
+            if p.info["ppid"] in {a.pid for a in agents} and rank >= 0:
+                if rank not in ranks or p.create_time() > ranks[rank].create_time():
+                    ranks[rank] = p
+        except psutil.Error:
+            pass
+    for p in ranks.values():
+        try:
+            engines += [c for c in p.children(recursive=True) if "EngineCore" in c.name()]
+        except psutil.Error:
+            pass
+    return agents, ranks, sorted(engines, key=lambda p: p.pid)
+
+
+def inject_here(kind: str, run_dir: Path, victim: int, nproc: int) -> str | None:
+    """Inject a fault of `kind` into the run's processes on this host; what was done, or None when its victim is
+    not there (yet)."""
+    agents, ranks, engines = local_processes(run_dir)
+    if kind == "agent" and agents:
+        for p in agents:
+            p.send_signal(signal.SIGKILL)
+        return f"kill -9 of torchrun (pid {', '.join(str(p.pid) for p in agents)})"
+    if kind in ("rank", "sigterm") and set(ranks) >= set(range(nproc)):
+        if kind == "sigterm":
+            for p in ranks.values():
+                p.send_signal(signal.SIGTERM)
+            return f"SIGTERM of every rank (pids {sorted(p.pid for p in ranks.values())})"
+        ranks[victim % nproc].send_signal(signal.SIGKILL)
+        return f"kill -9 of rank {victim % nproc} (pid {ranks[victim % nproc].pid})"
+    if kind == "engine" and engines:
+        p = engines[victim % len(engines)]
+        p.send_signal(signal.SIGKILL)
+        return f"kill -9 of engine core {victim % len(engines)} (pid {p.pid})"
+    return None
+
+
 class Job:
-    """One run directory's launches of torchrun; each launch in a session of its own, its processes found by it."""
+    """One run directory's launches of torchrun on this host, each in a session of its own."""
+
+    poll_s = 0.05
+    ends_on = {"agent"}  # faults after which the launch ends (torchrun restarts its ranks after the others)
 
     def __init__(self, run_dir: Path, nproc: int, script: str, overrides: list[str], max_restarts: int, log):
         self.run_dir, self.nproc, self.script, self.overrides = run_dir, nproc, script, overrides
@@ -85,8 +144,27 @@ class Job:
         self.log.flush()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def ended(self) -> int | None:
+        """The launch's exit code; None while it runs."""
+        return self.proc.poll()
+
+    def inject(self, fault: Fault, deadline: float) -> str:
+        """Wait for the fault's victim, then inject it; returns what was done."""
+        while time.time() < deadline and self.proc.poll() is None:
+            if fault.kind == "agent":
+                self.proc.send_signal(signal.SIGKILL)
+                return f"kill -9 of torchrun (pid {self.proc.pid})"
+            if (done := inject_here(fault.kind, self.run_dir, fault.victim, self.nproc)) is not None:
+                return done
+            time.sleep(0.1)
+        raise RuntimeError(f"no {fault.kind} to inject the fault into: the launch ended first")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
     def processes(self) -> list[psutil.Process]:
-        """Every live process this job has started (torchrun, the ranks, the engines, the reapers), remembered as
+        """Every live process this launch started (torchrun, the ranks, the engines, the reapers), remembered as
         they appear: a rank whose launcher was killed is no longer its descendant, and torchrun starts each rank in
         a session of its own."""
         try:
@@ -103,35 +181,84 @@ class Job:
                 pass
         return [p for p in self.seen.values() if _alive(p)]
 
-    def ranks(self) -> dict[int, psutil.Process]:
-        """The current launch's ranks by RANK, the newest process of each (torchrun restarts them)."""
-        found: dict[int, psutil.Process] = {}
-        for p in self.processes():
-            try:
-                if p.ppid() == self.proc.pid and self.script in " ".join(p.cmdline()):
-                    rank = int(p.environ().get("RANK", -1))
-                    if rank not in found or p.create_time() > found[rank].create_time():
-                        found[rank] = p
-            except psutil.Error:
-                pass
-        return found
-
-    def engines(self) -> list[psutil.Process]:
-        out = []
-        for p in self.processes():
-            try:
-                if "EngineCore" in p.name():
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return sorted(out, key=lambda p: p.pid)
-
     def wait_gone(self, timeout: float = 180) -> None:
         deadline = time.time() + timeout
         while self.processes():
             if time.time() > deadline:
                 raise RuntimeError(f"the processes of launch {self.launches} still run {timeout:.0f} s after it ended")
             time.sleep(0.2)
+
+
+class SlurmJob:
+    """One run directory's jobs of an sbatch template (launch/slurm/*.sbatch), whose RUN_DIR it sets. Faults land
+    on the job's first node through `srun --overlap` (this command with --inject), SIGTERM through `scancel --batch
+    --signal=TERM` (the time-limit signal, after which the template checkpoints and requeues). A job that failed is
+    submitted again, as a user would; a requeued one is started 5 s after its nodes are free, not Slurm's 2 minutes
+    later."""
+
+    poll_s = 1.0
+    ends_on = {"agent", "rank", "engine"}  # the templates run torchrun without restarts: the job fails
+
+    def __init__(self, run_dir: Path, nproc: int, template: str, overrides: list[str], sbatch_args: list[str], log):
+        self.run_dir, self.nproc, self.template, self.overrides = run_dir, nproc, template, overrides
+        self.sbatch_args, self.log = sbatch_args, log
+        self.job: int | None = None
+        self.launches = 0
+        self.hurried = 0  # the restart count whose start was brought forward
+
+    def launch(self) -> None:
+        out = self.run_dir.parent / f"{self.run_dir.name}-slurm-%j.out"
+        cmd = ["sbatch", "--parsable", f"--output={out}", *self.sbatch_args, self.template, *self.overrides]
+        env = {**os.environ, "RUN_DIR": str(self.run_dir), "NPROC": str(self.nproc)}
+        self.launches += 1
+        submitted = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if submitted.returncode:
+            raise RuntimeError(f"sbatch failed: {submitted.stderr.strip()}")
+        self.job = int(submitted.stdout.strip().split(";")[0])
+        self.hurried = 0
+        self.log.write(f"\n[moe-rl-chaos] launch {self.launches}: job {self.job}: {' '.join(cmd)}\n")
+        self.log.flush()
+
+    def show(self) -> dict[str, str]:
+        shown = subprocess.run(["scontrol", "-o", "show", "job", str(self.job)], capture_output=True, text=True)
+        return dict(kv.split("=", 1) for kv in shown.stdout.split() if "=" in kv)
+
+    def ended(self) -> int | None:
+        info = self.show()
+        state, restarts = info.get("JobState", "UNKNOWN"), int(info.get("Restarts", "0"))
+        if state == "PENDING" and restarts > self.hurried and info.get("Reason") == "BeginTime":
+            update = ["scontrol", "update", f"JobId={self.job}", "StartTime=now+5"]
+            if subprocess.run(update, capture_output=True).returncode == 0:
+                self.hurried = restarts
+        if state == "COMPLETED":
+            return 0
+        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"):
+            return int(info.get("ExitCode", "1:0").split(":")[0]) or 1
+        return None
+
+    def inject(self, fault: Fault, deadline: float) -> str:
+        while time.time() < deadline and self.ended() is None:
+            if self.show().get("JobState") != "RUNNING":
+                time.sleep(1)
+                continue
+            if fault.kind == "sigterm":
+                subprocess.run(["scancel", "--batch", "--signal=TERM", str(self.job)], check=True)
+                return f"scancel --batch --signal=TERM {self.job} (the time-limit signal: checkpoint, requeue)"
+            here = [sys.executable, "-m", "moe_rl.tools.chaos", "--inject", fault.kind, "--run-dir", str(self.run_dir)]
+            here += ["--victim", str(fault.victim), "--nproc", str(self.nproc)]
+            cmd = ["srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1", *here]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode == 0:
+                return f"{done.stdout.strip()} on job {self.job}'s first node"
+            time.sleep(1)
+        raise RuntimeError(f"no {fault.kind} to inject the fault into: job {self.job} ended first")
+
+    def stop(self) -> None:
+        if self.job is not None:
+            subprocess.run(["scancel", str(self.job)], check=False)
+
+    def wait_gone(self, timeout: float = 180) -> None:
+        """Slurm ends a job's processes before it reports the job ended."""
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -155,31 +282,7 @@ def last_records(run_dir: Path) -> dict[int, dict]:
     return out
 
 
-def inject(job: Job, fault: Fault, deadline: float) -> str:
-    """Wait for the fault's victim to exist, then inject it; returns what was done."""
-    while time.time() < deadline and job.proc.poll() is None:
-        if fault.kind == "agent":
-            job.proc.send_signal(signal.SIGKILL)
-            return f"kill -9 of torchrun (pid {job.proc.pid})"
-        ranks = job.ranks()
-        everyone = set(ranks) >= set(range(job.nproc))
-        if fault.kind == "sigterm" and everyone:
-            for p in ranks.values():
-                p.send_signal(signal.SIGTERM)
-            return f"SIGTERM of every rank (pids {sorted(p.pid for p in ranks.values())})"
-        if fault.kind == "rank" and everyone:
-            rank = fault.victim % job.nproc
-            ranks[rank].send_signal(signal.SIGKILL)
-            return f"kill -9 of rank {rank} (pid {ranks[rank].pid})"
-        if fault.kind == "engine" and (engines := job.engines()):
-            p = engines[fault.victim % len(engines)]
-            p.send_signal(signal.SIGKILL)
-            return f"kill -9 of engine core {fault.victim % len(engines)} (pid {p.pid})"
-        time.sleep(0.1)
-    raise RuntimeError(f"no {fault.kind} to inject the fault into: the launch ended first")
-
-
-def run_chaos(job: Job, plan: list[Fault], steps: int, timeout: float, say) -> list[str]:
+def run_chaos(job: Job | SlurmJob, plan: list[Fault], steps: int, timeout: float, say) -> list[str]:
     """Launch, inject each fault when due, launch again whenever the job ended before its last step; returns what
     was injected."""
     deadline = time.time() + timeout
@@ -191,7 +294,7 @@ def run_chaos(job: Job, plan: list[Fault], steps: int, timeout: float, say) -> l
     while True:
         if time.time() > deadline:
             raise TimeoutError(f"the chaos run did not finish within {timeout:.0f} s")
-        code = job.proc.poll()
+        code = job.ended()
         if code is not None:
             job.wait_gone()
             reached = max(last_records(job.run_dir), default=0)
@@ -211,12 +314,12 @@ def run_chaos(job: Job, plan: list[Fault], steps: int, timeout: float, say) -> l
             if new and max(new) >= pending[0].after_step:
                 fault = pending.pop(0)
                 time.sleep(fault.delay_s)
-                what = inject(job, fault, deadline)
-                launcher_killed = fault.kind == "agent"
+                what = job.inject(fault, deadline)
+                launcher_killed = fault.kind in job.ends_on
                 seen_at_injection = set(metrics(job.run_dir))
                 done.append(f"after step {fault.after_step} +{fault.delay_s:.2f} s: {what}")
                 say(f"[moe-rl-chaos] {done[-1]}")
-        time.sleep(0.05)
+        time.sleep(job.poll_s)
 
 
 def compare_metrics(reference: Path, chaos: Path, steps: int) -> str | None:
@@ -287,13 +390,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", type=Path, help="an undisturbed run of the same settings to compare with")
     parser.add_argument("--script", default="launch/train_moe.py", help="the training script (default: the RL loop)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each run may take (default 1800)")
+    parser.add_argument(
+        "--slurm",
+        metavar="TEMPLATE",
+        help="run both as jobs of this sbatch template (launch/slurm/single_node.sbatch) instead of torchrun here",
+    )
+    parser.add_argument("--sbatch-args", default="", help="more sbatch arguments with --slurm, e.g. '-p debug'")
+    parser.add_argument("--inject", choices=KINDS, help=argparse.SUPPRESS)  # on a job's node, through srun
+    parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--victim", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="after --: the job's key=value overrides")
     args = parser.parse_args(argv)
+    if args.inject:  # the fault itself, on the node `srun --overlap` chose: 0 done, 3 no victim here yet
+        done = inject_here(args.inject, args.run_dir.resolve(), args.victim, args.nproc)
+        print(done or f"no {args.inject} of {args.run_dir} on this node")
+        return 0 if done else 3
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if bad := [k for k in kinds if k not in KINDS]:
         parser.error(f"--kinds: {', '.join(bad)} not among {', '.join(KINDS)}")
     if not Path(args.script).is_file():
         parser.error(f"--script {args.script} does not exist here: run from the repository root")
+    if args.slurm and not Path(args.slurm).is_file():
+        parser.error(f"--slurm {args.slurm} does not exist here: run from the repository root")
     if any(o.startswith(("hydra.run.dir=", "trainer.steps=", "trainer.checkpoint_every=")) for o in args.overrides):
         parser.error(
             "hydra.run.dir, trainer.steps and trainer.checkpoint_every are this command's (--out, --steps, "
@@ -318,23 +436,33 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     with (out / "chaos.log").open("a") as log:
         reference = args.reference.resolve() if args.reference else out / "reference"
+        sbatch_args = shlex.split(args.sbatch_args)
+
+        def job_for(run_dir: Path, restarts: int) -> Job | SlurmJob:
+            if args.slurm:
+                return SlurmJob(run_dir, args.nproc, args.slurm, overrides, sbatch_args, log)
+            return Job(run_dir, args.nproc, args.script, overrides, restarts, log)
+
         if args.reference is None:
             print(f"[moe-rl-chaos] the reference run (undisturbed): {reference}", flush=True)
-            ref = Job(reference, args.nproc, args.script, overrides, 0, log)
+            ref = job_for(reference, 0)
             ref.launch()
-            if ref.proc.wait(timeout=args.timeout) != 0:
-                print(f"[moe-rl-chaos] the reference run failed; see {out / 'chaos.log'}", file=sys.stderr)
+            deadline = time.time() + args.timeout
+            while (code := ref.ended()) is None and time.time() < deadline:
+                time.sleep(ref.poll_s)
+            if code != 0:
+                print(f"[moe-rl-chaos] the reference run failed ({code}); see {out}", file=sys.stderr)
+                ref.stop()
                 return 2
             ref.wait_gone()
         chaos_dir = out / "chaos_run"
         print(f"[moe-rl-chaos] the chaos run: {chaos_dir}", flush=True)
-        job = Job(chaos_dir, args.nproc, args.script, overrides, len(plan), log)
+        job = job_for(chaos_dir, len(plan))
         try:
             done = run_chaos(job, plan, args.steps, args.timeout, lambda line: print(line, flush=True))
         except (RuntimeError, TimeoutError) as e:
             print(f"[moe-rl-chaos] {e}; see {out / 'chaos.log'}", file=sys.stderr)
-            if job.proc is not None and job.proc.poll() is None:
-                os.killpg(job.proc.pid, signal.SIGKILL)
+            job.stop()
             return 2
     metric_diff = compare_metrics(reference, chaos_dir, args.steps)
     weight_diff = compare_weights(reference, chaos_dir, out)

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -169,3 +170,23 @@ def test_multi_node_template_runs_an_agent_per_node_and_trains_what_one_node_doe
         assert got[0][k] == ref[k], f"{k}: two nodes {got[0][k]} vs one node {ref[k]}"
     for k in CLOSE:
         assert got[0][k] == pytest.approx(ref[k], rel=1e-5), f"{k}: two nodes {got[0][k]} vs one node {ref[k]}"
+
+
+@pytest.mark.skipif(
+    os.environ.get("MOE_RL_TEST_SLURM_CHAOS") != "1",
+    reason="the Slurm variant of moe-rl-chaos is for users to run (2 to 8 min here): MOE_RL_TEST_SLURM_CHAOS=1; "
+    "CI runs the torchrun variant (tests/faults/test_chaos.py)",
+)
+def test_chaos_through_the_single_node_template_ends_as_an_undisturbed_job_ends(slurm, tmp_path):
+    """moe-rl-chaos --slurm: kill -9 of a rank (the job fails and is submitted again), the time-limit signal (the
+    template checkpoints and requeues) and kill -9 of torchrun, against an undisturbed job of the same template."""
+    env = {**os.environ, **slurm.env, "OMP_NUM_THREADS": "1", "VLLM_CONFIGURE_LOGGING": "0"}
+    command = [sys.executable, "-m", "moe_rl.tools.chaos", "--seed", "2", "--steps", "8"]
+    command += ["--out", str(tmp_path / "out"), "--slurm", "launch/slurm/single_node.sbatch"]
+    command += ["--", "rollout.engines=1", *COMMON[1:]]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert summary["metrics_equal"] and summary["weights_equal"] and summary["launches"] >= 2
+    assert len([x for x in summary["injected"] if x.startswith("after step")]) == 3
