@@ -164,22 +164,8 @@ class Job:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     def processes(self) -> list[psutil.Process]:
-        """Every live process this launch started (torchrun, the ranks, the engines, the reapers), remembered as
-        they appear: a rank whose launcher was killed is no longer its descendant, and torchrun starts each rank in
-        a session of its own."""
-        try:
-            root = psutil.Process(self.proc.pid)
-            for p in [root, *root.children(recursive=True)]:
-                self.seen.setdefault(p.pid, p)
-        except psutil.NoSuchProcess:
-            pass
-        for p in list(self.seen.values()):
-            try:
-                for c in p.children(recursive=True):
-                    self.seen.setdefault(c.pid, c)
-            except psutil.NoSuchProcess:
-                pass
-        return [p for p in self.seen.values() if _alive(p)]
+        """Every live process this launch started (torchrun, the ranks, the engines, the reapers)."""
+        return remember(self.proc.pid, self.seen)
 
     def wait_gone(self, timeout: float = 180) -> None:
         deadline = time.time() + timeout
@@ -261,11 +247,25 @@ class SlurmJob:
         """Slurm ends a job's processes before it reports the job ended."""
 
 
-def _alive(p: psutil.Process) -> bool:
+def alive(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def remember(root_pid: int, seen: dict[int, psutil.Process]) -> list[psutil.Process]:
+    """Add the descendants of `root_pid` and of every process in `seen` to `seen` (by pid), and return the live ones:
+    remembered as they appear, a rank whose launcher was killed stays known (it is no longer a descendant), and so
+    do the processes of a rank that torchrun started in a session of its own."""
+    for root in [root_pid, *list(seen)]:
+        try:
+            p = psutil.Process(root) if root not in seen else seen[root]
+            for q in [p, *p.children(recursive=True)]:
+                seen.setdefault(q.pid, q)
+        except psutil.NoSuchProcess:
+            pass
+    return [p for p in seen.values() if alive(p)]
 
 
 def metrics(run_dir: Path) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 
+from moe_rl.tools.chaos import alive, remember
 from tests.conftest import REPO
 
 TRAIN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "launch/train_moe.py"]
@@ -69,12 +70,7 @@ class Run:
 
     def track(self) -> None:
         """Remember every process of the run (torchrun, ranks, engines, reapers)."""
-        try:
-            root = psutil.Process(self.proc.pid)
-            for p in [root, *root.children(recursive=True)]:
-                self.seen.setdefault(p.pid, p)
-        except psutil.NoSuchProcess:
-            pass
+        remember(self.proc.pid, self.seen)
         for p in psutil.process_iter(["cmdline"]):  # reapers live in their own session
             cmd = p.info["cmdline"] or []
             if "moe_rl.rollout.reaper" in cmd and any(str(q) in cmd for q in self.seen):
@@ -86,14 +82,14 @@ class Run:
             (
                 p
                 for p in self.seen.values()
-                if _alive(p) and "launch/train_moe.py" in " ".join(p.cmdline()) and p.pid != self.proc.pid
+                if alive(p) and "launch/train_moe.py" in " ".join(p.cmdline()) and p.pid != self.proc.pid
             ),
             key=lambda p: p.pid,
         )
 
     def engines(self) -> list[psutil.Process]:
         self.track()
-        return [p for p in self.seen.values() if _alive(p) and any("EngineCore" in x or "VLLM" in x for x in _name(p))]
+        return [p for p in self.seen.values() if alive(p) and any("EngineCore" in x or "VLLM" in x for x in _name(p))]
 
     def wait_for_steps(self, steps: int, timeout: float = 400) -> None:
         deadline = time.time() + timeout
@@ -114,10 +110,10 @@ class Run:
         t0 = time.time()
         while time.time() - t0 < timeout:
             self.track()
-            if not [p for p in self.seen.values() if _alive(p)]:
+            if not [p for p in self.seen.values() if alive(p)]:
                 return time.time() - t0
             time.sleep(0.2)
-        left = [f"{p.pid} {' '.join(_cmd(p))[:120]}" for p in self.seen.values() if _alive(p)]
+        left = [f"{p.pid} {' '.join(_cmd(p))[:120]}" for p in self.seen.values() if alive(p)]
         raise AssertionError(f"processes still running {timeout} s later:\n" + "\n".join(left))
 
     def new_leftovers(self, within: float = 0.0) -> set[str]:
@@ -144,13 +140,6 @@ class Run:
             pass
         self.proc.wait()
         self.log.close()
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _cmd(p: psutil.Process) -> list[str]:
