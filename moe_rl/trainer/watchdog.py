@@ -79,9 +79,9 @@ def engine_states(processes: list) -> list[list]:
     return out
 
 
-def hang_report(records: dict[int, dict], now: float, timeout_s: float, stale_s: float) -> list[str]:
-    """The report's lines: the ranks that stopped answering and the engine processes in a bad state first, then where
-    every rank was. `records`: every rank's latest record; `now`: the reporter's wall clock."""
+def hang_report(records: dict[int, dict], frozen: set[int], now: float, timeout_s: float) -> list[str]:
+    """The report's lines: the ranks that stopped answering (`frozen`) and the engine processes in a bad state first,
+    then where every rank was. `records`: every rank's latest record; `now`: the reporter's wall clock."""
     lines = [
         f"HANG: no rank made progress for {timeout_s:g} s (trainer.hang_timeout_s); every rank ends with exit code "
         f"{EXIT_HUNG} (retryable: torchrun --max-restarts or a Slurm requeue resumes the newest checkpoint)"
@@ -90,7 +90,7 @@ def hang_report(records: dict[int, dict], now: float, timeout_s: float, stale_s:
     for rank, r in sorted(records.items()):
         who = f"rank {rank} (host {r['host']}, pid {r['pid']})"
         at = f"step {r['step']}, phase '{r['phase']}', at {r['where']}"
-        if now - r["beat_at"] > stale_s:
+        if rank in frozen:
             culprits.append(
                 f"{who} STOPPED ANSWERING {now - r['beat_at']:.0f} s ago (a stopped or frozen process, or its host "
                 f"gone); last seen at {at}"
@@ -211,7 +211,7 @@ class Watchdog:
         frozen = {r for r, rec in records.items() if now - rec["beat_at"] > self.stale_s and r != self.rank}
         reporter = int(self.store.compare_set(REPORTER, "", str(self.rank)))
         if self.rank == reporter:
-            lines = hang_report(records, now, self.timeout_s, self.stale_s)
+            lines = hang_report(records, frozen, now, self.timeout_s)
             for line in lines:
                 say(f"[moe-rl] {line}")
             if self.report_file is not None:
