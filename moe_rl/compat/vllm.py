@@ -141,6 +141,36 @@ def shorten_busy_loop(seconds: float) -> bool:
     return True
 
 
+def trigger_shutdown_once() -> bool:
+    """vLLM 0.32 engine core: its SIGTERM/SIGINT handler (`run_engine_core`) calls `SignalCallback.trigger`, which
+    sets a threading.Event. A second signal that lands while the first handler is inside `Event.set`, holding the
+    Event's non-reentrant lock, runs the handler again on the same thread, which then waits for that lock for ever:
+    the engine core hangs, and its rank with it (the rank waits on the engine's answer). Under Slurm a stop reaches
+    an engine core twice within a millisecond: `scancel --signal` signals every process of the step, and torchrun
+    forwards the signal to each rank's process group. Makes `trigger` set the event once; a repeat returns at
+    once (the shutdown is already under way). False (nothing changed) where this vLLM has no such class. Delete
+    when vLLM's trigger is safe to re-enter."""
+    try:
+        # heavy: vLLM, imported on first use
+        from vllm.v1.engine.utils import SignalCallback
+    except ImportError:
+        return False
+    if not hasattr(SignalCallback, "trigger"):
+        return False
+    if getattr(SignalCallback.trigger, "once", False):
+        return True
+
+    def trigger(self) -> None:
+        if getattr(self, "_moe_rl_triggered", False):  # a repeat, maybe inside the first one's Event.set
+            return
+        self._moe_rl_triggered = True
+        self._event.set()
+
+    trigger.once = True
+    SignalCallback.trigger = trigger
+    return True
+
+
 def repack_cpu_experts(model) -> None:
     """vLLM 0.32 bug: on a weight update UnquantizedFusedMoEMethod._setup_kernel skips
     `fused_experts.process_weights_after_loading`, which is where the CPU experts

@@ -10,9 +10,15 @@ import sys
 
 BUSY_LOOP_ENV = "MOE_RL_VLLM_BUSY_LOOP_S"  # rollout.cpu_busy_loop_s
 CPU_ENGINE_ENV = "MOE_RL_VLLM_CPU_ENGINE"  # "1": a moe-rl RolloutEngine on CPU started this engine
+ENGINE_ENV = "MOE_RL_VLLM_ENGINE"  # "1": a moe-rl RolloutEngine started this engine (CPU or GPU)
 
 
 def register() -> None:
+    if os.environ.get(ENGINE_ENV) == "1" and multiprocessing.current_process().name.startswith("EngineCore"):
+        # vLLM loads this plugin in each of its processes: compat.vllm (an at-fork hook) only where asked
+        from moe_rl.compat.vllm import trigger_shutdown_once
+
+        trigger_shutdown_once()
     if os.environ.get(CPU_ENGINE_ENV) == "1" and multiprocessing.current_process().name.startswith(
         ("EngineCore", "VllmWorker")
     ):

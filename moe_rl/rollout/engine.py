@@ -26,7 +26,7 @@ from moe_rl.common import progress
 from moe_rl.common.batch import RolloutBatch
 from moe_rl.common.errors import refuse
 from moe_rl.common.platform import has_cuda
-from moe_rl.compat.vllm_plugin import BUSY_LOOP_ENV, CPU_ENGINE_ENV
+from moe_rl.compat.vllm_plugin import BUSY_LOOP_ENV, CPU_ENGINE_ENV, ENGINE_ENV
 from moe_rl.rollout.multi_turn.config import MultiTurnConfig
 from moe_rl.rollout.placement import Placement
 from moe_rl.rollout.reaper import Reaper
@@ -231,6 +231,7 @@ class RolloutConfig:
 def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
     os.environ.pop(BUSY_LOOP_ENV, None)
     os.environ.pop(CPU_ENGINE_ENV, None)
+    os.environ[ENGINE_ENV] = "1"  # read in the engine's processes by moe_rl.compat.vllm_plugin
     if torch.cuda.is_available():
         return
     os.environ[CPU_ENGINE_ENV] = "1"  # read in the engine's processes by moe_rl.compat.vllm_plugin

@@ -4,7 +4,10 @@ layer (and nothing else), puts its cache back untouched, and the filter drops ex
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -150,3 +153,78 @@ def test_an_engine_is_forked_only_from_a_process_with_one_openmp_thread(monkeypa
         assert CpuPlatform.__dict__["check_and_update_config"] is not original
     assert CpuPlatform.__dict__["check_and_update_config"] is original
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+class _SignalInside:
+    """An Event's lock that sends this process SIGUSR2 the first time the main thread takes it, so the handler runs
+    while the lock is held: a second stop signal landing inside the first handler's `Event.set`. A blocking take
+    that waits `wait_s` fails (TimeoutError) instead of waiting for ever."""
+
+    def __init__(self, wait_s: float):
+        self.lock, self.wait_s, self.sent = threading.Lock(), wait_s, False
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not blocking:
+            return self.lock.acquire(False)
+        if not self.lock.acquire(timeout=self.wait_s if timeout < 0 else timeout):
+            raise TimeoutError("waited for a lock this thread holds")
+        if not self.sent and threading.current_thread() is threading.main_thread():
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGUSR2)  # its handler runs here, the lock held
+        return True
+
+    def release(self) -> None:
+        self.lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _callback_with_signal_inside(wait_s: float):
+    """vLLM's SignalCallback (built as its __init__ does) whose Event's lock is a _SignalInside, and a count of the
+    times its callback ran."""
+    from vllm.v1.engine.utils import SignalCallback
+
+    ran: list[int] = []
+    callback = SignalCallback.__new__(SignalCallback)
+    callback._callback, callback._stopped = lambda: ran.append(1), False
+    callback._event = threading.Event()
+    callback._event._cond = threading.Condition(_SignalInside(wait_s))
+    callback._thread = threading.Thread(target=callback._run, daemon=True)
+    callback._thread.start()
+    return callback, ran
+
+
+def test_a_second_stop_signal_inside_the_first_does_not_hang_the_engine_core(monkeypatch):
+    """vLLM's engine core sets a SignalCallback's Event from its SIGTERM handler. Under Slurm a second SIGTERM lands
+    within a millisecond (scancel's and torchrun's): inside the first handler's Event.set, vLLM's own trigger waits
+    for the lock its thread holds, for ever (an engine core and its rank hung in CI). In an engine core of
+    moe-rl's (the plugin, MOE_RL_VLLM_ENGINE=1) the repeat returns, and the shutdown callback runs once."""
+    from vllm.v1.engine.utils import SignalCallback
+
+    from moe_rl.compat import vllm_plugin
+
+    monkeypatch.setattr(SignalCallback, "trigger", SignalCallback.trigger)  # vLLM's, put back after
+    handler = signal.getsignal(signal.SIGUSR2)
+    try:
+        callback, _ = _callback_with_signal_inside(wait_s=1.0)
+        signal.signal(signal.SIGUSR2, lambda signum, frame: callback.trigger())
+        with pytest.raises(TimeoutError):  # vLLM's own: the repeat waits on the first one's lock
+            callback.trigger()
+
+        monkeypatch.setenv(vllm_plugin.ENGINE_ENV, "1")
+        vllm_plugin.register()  # not in an engine core: vLLM's own trigger stays
+        assert not getattr(SignalCallback.trigger, "once", False)
+        monkeypatch.setattr(multiprocessing.current_process(), "name", "EngineCore_DP0")
+        vllm_plugin.register()
+        assert SignalCallback.trigger.once
+
+        callback, ran = _callback_with_signal_inside(wait_s=30.0)
+        signal.signal(signal.SIGUSR2, lambda signum, frame: callback.trigger())
+        callback.trigger()
+        callback._thread.join(timeout=5)
+        assert ran == [1] and callback._event._cond._lock.sent
+    finally:
+        signal.signal(signal.SIGUSR2, handler)
