@@ -1,0 +1,61 @@
+"""bench/vs_trl.py (moe-rl against TRL's GRPOTrainer): what the TRL side is given is what moe-rl trains with —
+its composed defaults plus MOE_RL_OVERRIDES, which the trainer accepts — the toy size is the trainer's own
+built-in model, and the large size has at least 100M parameters, as #54 asks."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from megatron.core.optimizer import OptimizerConfig
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
+
+from moe_rl.config import TrainConfig, register_configs, validate
+from moe_rl.data.prompts import PromptSource
+from moe_rl.models.tiny import SIZES, TinySpec, build_tokenizer, hf_config
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("vs_trl", REPO / "bench" / "vs_trl.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["vs_trl"] = bench
+_spec.loader.exec_module(bench)
+
+
+def test_the_trl_side_gets_the_settings_moe_rl_trains_with():
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="train_moe", overrides=bench.MOE_RL_OVERRIDES))
+    validate(cfg, world_size=2)
+    assert cfg.trainer.max_staleness == 0, "the comparison is synchronous on both sides"
+    settings = bench.moe_rl_settings()
+    default = TrainConfig()
+    assert settings["prompts_per_step"] * settings["samples_per_prompt"] == 64 == 2 * 4 * default.sampling.n
+    assert (settings["lr"], settings["grad_clip"], settings["mini_batches"]) == (
+        cfg.actor.lr,
+        cfg.actor.grad_clip,
+        cfg.actor.mini_batches,
+    )
+    assert (settings["clip_low"], settings["clip_high"]) == (cfg.algorithm.loss.clip_low, cfg.algorithm.loss.clip_high)
+    adam = OptimizerConfig()
+    assert settings["adam_betas"] == [adam.adam_beta1, adam.adam_beta2] and settings["adam_eps"] == adam.adam_eps
+    assert bench.toy_prompts(settings["seed"]) == [p.text for p in PromptSource("toy", seed=cfg.trainer.seed).items]
+
+
+def _parameters(spec: TinySpec) -> int:
+    tokenizer = build_tokenizer(spec.vocab_size)
+    config = hf_config(spec, max(spec.vocab_size, len(tokenizer)), {})
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def test_the_toy_size_is_the_built_in_model_and_the_large_one_has_over_100m_parameters():
+    toy = TinySpec(seed=1234, **bench.SIZES["toy"]["model"])
+    assert toy == TinySpec(arch=TrainConfig().model.tiny_arch, seed=1234, **SIZES[TrainConfig().model.tiny_size])
+    assert bench.SIZES["toy"]["max_tokens"] == TrainConfig().sampling.max_tokens
+    large = TinySpec(**bench.SIZES["107m"]["model"])
+    large.validate()
+    assert 100e6 <= _parameters(large) < 110e6 and bench.SIZES["107m"]["max_tokens"] >= 128
