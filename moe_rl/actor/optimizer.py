@@ -1,6 +1,9 @@
-"""megatron-core's optimizer for the actor: one FP32Optimizer (torch AdamW inside) for dense
-parameters and one for expert parameters, chained so that gradients are clipped by their joint
-norm (megatron's ChainedOptimizer), and checkpointed through their sharded state dicts.
+"""megatron-core's optimizer for the actor: one optimizer (torch AdamW inside) for dense parameters and one for
+expert parameters, chained so that gradients are clipped by their joint norm (megatron's ChainedOptimizer), and
+checkpointed through their sharded state dicts. fp32 parameters: megatron's FP32Optimizer on the parameters
+themselves. bf16 parameters: megatron's Float16OptimizerWithFloat16Params, as on a GPU: AdamW updates fp32 master
+weights from fp32 copies of the gradients and the bf16 parameters are refreshed from them, so an update smaller than
+half a bf16 step accumulates instead of being rounded away.
 
 As megatron's `get_megatron_optimizer` splits them (experts recognised by name): dense grad
 statistics reduce over the model-parallel group, expert ones over the expert tensor/model/pipeline group, with the
@@ -13,6 +16,8 @@ buffers and distributed optimizer (`build_distributed_optimizer`).
 from __future__ import annotations
 
 import torch
+
+from moe_rl.compat.megatron_cpu import float16_optimizer
 
 
 def is_expert(name: str) -> bool:
@@ -34,15 +39,24 @@ def init_adam_state(optimizer: torch.optim.Optimizer, config=None) -> None:
 
 
 def build_optimizer(chunks: list[torch.nn.Module], lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0):
-    """megatron ChainedOptimizer over [dense, expert] FP32Optimizers. `step()` returns
-    (success, grad norm before clipping, None); grad_clip=0 disables clipping."""
+    """megatron ChainedOptimizer over [dense, expert] optimizers: FP32Optimizers for fp32 parameters,
+    Float16OptimizerWithFloat16Params (fp32 master weights) for bf16 ones. `step()` returns (success, grad norm
+    before clipping, None); grad_clip=0 disables clipping."""
     # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 
-    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=grad_clip)
     named = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
+    bf16 = any(p.dtype == torch.bfloat16 for _, p in named)
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=grad_clip,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
     # Experts by name, not by megatron's allreduce=False (set only when EP > 1): under TP > 1 with
     # ETP = 1 the experts are replicated over TP, and counting them in the dense optimizer's
     # model-parallel norm would add each TP rank's copy.
@@ -64,7 +78,7 @@ def build_optimizer(chunks: list[torch.nn.Module], lr: float, weight_decay: floa
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
         )
-        opt = FP32Optimizer(adam, config, init_adam_state)
+        opt = float16_optimizer(adam, config, init_adam_state) if bf16 else FP32Optimizer(adam, config, init_adam_state)
         opt.grad_stats_parallel_group = stats_group
         opt.tp_group = tp_group
         parts.append(opt)

@@ -137,6 +137,8 @@ def train_minibatch(
     for c in chunks:
         c.train()
         c.zero_grad(set_to_none=True)
+    if ddp is None:  # bf16 parameters: the fp32 main gradients the previous step left go too
+        optimizer.zero_grad(set_to_none=True)
     for m in ddp or ():
         m.zero_grad_buffer()
     extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}

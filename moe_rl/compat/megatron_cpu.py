@@ -230,3 +230,26 @@ def __getattr__(name: str):
         globals()[name] = cls
         return cls
     raise AttributeError(name)
+
+
+def float16_optimizer(optimizer: torch.optim.Optimizer, config, init_state_fn):
+    """megatron's Float16OptimizerWithFloat16Params (fp32 master weights, fp32 main gradients, the 16-bit parameters
+    refreshed from the masters after each step) over `optimizer`, whose parameters may be CPU tensors: megatron's
+    constructor takes a parameter as 16-bit only if `param.type()` names a CUDA tensor type and refuses any other. Each
+    16-bit CPU parameter answers with the CUDA name during the constructor only; everything else is megatron's (the
+    tensors it allocates with device="cuda" are CPU ones under apply_cpu_shims). bf16 only: no loss scaler."""
+    # heavy: megatron-core, imported on first use
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if other := sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16}):
+        # megatron then takes each one's gradient from `main_grad`, which only its DDP wrapper (GPU) allocates
+        raise ValueError(f"a bf16 model with {', '.join(other)} parameters: the CPU optimizer path needs all bf16")
+    params = [p for p in params if not p.is_cuda]
+    for p in params:
+        p.type = lambda: "torch.cuda.BFloat16Tensor"  # an instance attribute over Tensor.type, removed below
+    try:
+        return Float16OptimizerWithFloat16Params(optimizer, config, None, init_state_fn)
+    finally:
+        for p in params:
+            del p.type

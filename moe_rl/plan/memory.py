@@ -3,9 +3,11 @@
 Exact rows (parameters, gradients, optimizer states, KV bytes per token, route records, buckets) follow the code
 that allocates them. Estimates (activations, engine workspace) state their formula:
 
-- Optimizer, CPU-path actor (actor.distributed_optimizer=false; moe_rl/actor/optimizer.py): torch AdamW inside
-  megatron's FP32Optimizer on the parameters themselves, gradients and exp_avg/exp_avg_sq in the parameter dtype,
-  no master weights: 4 x dtype bytes per parameter, nothing sharded.
+- Optimizer, CPU-path actor (actor.distributed_optimizer=false; moe_rl/actor/optimizer.py), nothing sharded: fp32
+  parameters: torch AdamW inside megatron's FP32Optimizer on the parameters themselves, fp32 gradients and
+  exp_avg/exp_avg_sq (12 B per parameter with the parameter); bf16 parameters: megatron's
+  Float16OptimizerWithFloat16Params, fp32 main gradients (the bf16 ones are freed as they are copied), fp32 master
+  weights and Adam moments (2 + 4 + 12 B per parameter).
 - Optimizer, distributed (actor.distributed_optimizer=true; megatron/core/optimizer/distrib_optimizer.py and
   Megatron-LM's theoretical_memory_usage.compute_weight_and_optimizer_memory, "6 + 12 / data_parallel_size" bytes per
   parameter in bf16): 16-bit parameters (2 B) + fp32 main gradients (4 B: DDP grad_reduce_in_fp32=True,
@@ -186,9 +188,14 @@ def _optimizer_rows(rp: RankParams, cfg: Any, layout: Layout, what: str, distrib
                 f"/ {'expert-dp' if layout.ep > 1 else 'dp*cp (EP=1: in the dense buffer)'}={expert_dp}",
             ),
         ]
+    if pb == 2:  # megatron's Float16OptimizerWithFloat16Params
+        return [
+            Row(f"{what}gradients", rp.total * 4, "fp32 main grads (the 16-bit grads are freed as they are copied)"),
+            Row(f"{what}optimizer state", rp.total * 12, "fp32 master + Adam moments, unsharded"),
+        ]
     return [
-        Row(f"{what}gradients", rp.total * pb, f"{cfg.model.dtype} grads"),
-        Row(f"{what}optimizer state", rp.total * 2 * pb, f"AdamW exp_avg + exp_avg_sq in {cfg.model.dtype}, unsharded"),
+        Row(f"{what}gradients", rp.total * 4, "fp32 grads"),
+        Row(f"{what}optimizer state", rp.total * 8, "AdamW exp_avg + exp_avg_sq in fp32, unsharded"),
     ]
 
 

@@ -87,12 +87,6 @@ class Trainer:
                 else "trainer.true_on_policy: log-prob values come from the engine-op pass (the engine's "
                 "full-vocabulary log_softmax); actor.fused_logprob computes only the update's gradients"
             )
-        if m.dtype != "float32" and not cfg.actor.distributed_optimizer:
-            notes.append(
-                f"model.dtype={m.dtype} without actor.distributed_optimizer: AdamW updates the {m.dtype} weights in "
-                "place, with no fp32 master copy, so an update below half a weight's step in that dtype is lost (the "
-                "stability lab's bf16 actor moved its policy a fifth as far as the fp32 one: docs/stability.md)"
-            )
         if not self.memory.resettable:
             notes.append("memory/peak_rss_gib is the process's lifetime peak (/proc/self/clear_refs is not writable)")
         world = dist.get_world_size()

@@ -1,8 +1,9 @@
 """torchrun worker (tests/distributed/jobs.py): the bytes a real actor holds after one update, per rank.
 
 run(["--model", DIR, "--layout", "tp2", "--dtype", "bfloat16", "--out", DIR]): builds the trainer's Actor under the
-layout, trains it on one random batch (2 mini-batches: autograd's gradients, AdamW's states as the update leaves
-them) and writes rank{R}.json: {"stage", "parameters", "parameters_bytes", "gradients_bytes", "optimizer_bytes"}.
+layout, trains it on one random batch (2 mini-batches: autograd's gradients, AdamW's states and, for bf16, the fp32
+master weights and their gradients as the update leaves them) and writes rank{R}.json: {"stage", "parameters",
+"parameters_bytes", "gradients_bytes", "optimizer_bytes"}.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ def run(argv: list[str]) -> None:
     )
 
     params = [q for c in actor.chunks for q in c.parameters()]
-    grads = [q.grad for q in params if q.grad is not None]
-    states = [
+    # bf16: the optimizer's own fp32 master weights (its parameters) and their gradients
+    masters = [q for opt in actor.optimizer.chained_optimizers for q in getattr(opt, "fp32_from_float16_groups", [])]
+    masters = [q for group in masters for q in group]
+    grads = [q.grad for q in params + masters if q.grad is not None]
+    states = masters + [
         t
         for opt in actor.optimizer.chained_optimizers
         for state in opt.optimizer.state.values()

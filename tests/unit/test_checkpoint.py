@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from moe_rl.actor.model import build_model, load_hf_config
+from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
 from moe_rl.actor.optimizer import build_optimizer
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.weights import load_hf_weights
@@ -19,8 +19,8 @@ from tests.reference import hf_forward, load_hf, untied_batch
 from tests.unit.test_actor_world1 import _megatron_logits_and_topk
 
 
-def _actor_and_adam(path):
-    chunks, conv = build_model(load_hf_config(path), ParallelConfig())
+def _actor_and_adam(path, dtype: str = "float32"):
+    chunks, conv = build_model(load_hf_config(path), ParallelConfig(), ModelOptions(dtype=dtype))
     load_hf_weights(chunks, conv, path)
     return chunks, build_optimizer(chunks, lr=1e-2, weight_decay=0.01, grad_clip=1.0)
 
@@ -28,7 +28,7 @@ def _actor_and_adam(path):
 def _adam_step(chunks, opt, seed):
     g = torch.Generator().manual_seed(seed)
     for p in chunks[0].parameters():
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
     ok, norm, _ = opt.step()
     assert ok and norm > 1.0  # clipped by megatron's joint norm
 
@@ -67,6 +67,28 @@ def test_round_trip_continues_training_exactly(trained, tiny_models):
         assert torch.equal(p, dict(fresh[0].named_parameters())[name]), name
     for sub in fresh_opt.chained_optimizers:
         assert {float(s["step"]) for s in sub.optimizer.state.values()} == {3.0}
+
+
+def test_a_bf16_round_trip_keeps_the_fp32_master_weights(tiny_models, tmp_path, world1):
+    """bf16 parameters train through fp32 master weights (megatron's Float16OptimizerWithFloat16Params): the
+    checkpoint holds the masters, so a resumed run takes the next step from them, bit for bit, not from the bf16
+    weights they round to."""
+    chunks, opt = _actor_and_adam(tiny_models["qwen3_moe"], "bfloat16")
+    _adam_step(chunks, opt, 0)
+    _adam_step(chunks, opt, 1)
+    masters = [m for part in opt.chained_optimizers for group in part.fp32_from_float16_groups for m in group]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters)  # more than the bf16 weights say
+    path = checkpoint.save(tmp_path / "ckpt", 2, chunks, opt, {"data_position": 0, "wandb_run_id": None})
+
+    fresh, fresh_opt = _actor_and_adam(tiny_models["qwen3_moe"], "bfloat16")
+    checkpoint.load(path, fresh, fresh_opt)
+    loaded = [m for part in fresh_opt.chained_optimizers for group in part.fp32_from_float16_groups for m in group]
+    assert all(torch.equal(a, b) for a, b in zip(masters, loaded, strict=True))
+    _adam_step(chunks, opt, 2)
+    _adam_step(fresh, fresh_opt, 2)
+    for name, p in _params(chunks).items():
+        assert torch.equal(p, dict(fresh[0].named_parameters())[name]), name
 
 
 @pytest.mark.parametrize(
@@ -135,6 +157,38 @@ def test_megatron_optimizer_equals_clip_then_adamw(tiny_models, world1):
         adam.step()
         for n, p in chunks[0].named_parameters():
             torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_parameters_step_through_fp32_master_weights(tiny_models, world1):
+    """bf16 parameters: clipping and AdamW run on fp32 masters (torch AdamW on fp32 copies here, from the bf16
+    gradients upcast), and each bf16 weight is its master rounded. Steps of 1e-4, below half a bf16 step for most
+    weights, add up instead of being rounded away one by one, as they are by AdamW on the bf16 weights in place."""
+    chunks, _ = _actor_and_adam(tiny_models["qwen3_moe"], "bfloat16")
+    opt = build_optimizer(chunks, lr=1e-4, weight_decay=0.01, grad_clip=1.0)
+    start = _params(chunks)
+    ref = {n: p.detach().float().clone().requires_grad_() for n, p in chunks[0].named_parameters()}
+    adam = torch.optim.AdamW(list(ref.values()), lr=1e-4, weight_decay=0.01)
+    in_place = {n: p.detach().clone().requires_grad_() for n, p in chunks[0].named_parameters()}
+    bf16_adam = torch.optim.AdamW(list(in_place.values()), lr=1e-4, weight_decay=0.01)
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        grads = {n: (3 * torch.randn(p.shape, generator=g)).bfloat16() for n, p in chunks[0].named_parameters()}
+        for n, p in chunks[0].named_parameters():
+            p.grad = grads[n].clone()
+        ok, norm, _ = opt.step()
+        total = torch.sqrt(sum(x.double().pow(2).sum() for x in grads.values())).item()
+        assert ok and norm == pytest.approx(total, rel=1e-5)
+        for n, p in ref.items():
+            p.grad = grads[n].float() * min(1.0, 1.0 / (total + 1e-6))
+            in_place[n].grad = (grads[n].float() * min(1.0, 1.0 / (total + 1e-6))).bfloat16()
+        adam.step()
+        bf16_adam.step()
+    for n, p in chunks[0].named_parameters():
+        torch.testing.assert_close(p.main_param, ref[n].detach(), rtol=1e-5, atol=1e-7)
+        assert torch.equal(p.detach(), p.main_param.bfloat16()), n
+    moved = sum(int((p.detach() != start[n]).sum()) for n, p in chunks[0].named_parameters())
+    moved_in_place = sum(int((p.detach() != start[n]).sum()) for n, p in in_place.items())
+    assert moved > 1.5 * moved_in_place, (moved, moved_in_place)
 
 
 def test_keep_deletes_older_checkpoints(trained, tmp_path):

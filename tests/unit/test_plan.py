@@ -138,8 +138,8 @@ def test_optimizer_rows_follow_the_optimizers():
     cpu = make_plan(spec, build_config(GPU_BASE), 1, 80 * GIB)
     rows = {r.name: r.bytes for r in cpu.tables[0].rows}
     assert cpu.tables[0].parameters_per_rank == params
-    # CPU-path optimizer: AdamW in the parameter dtype (bf16), no master weights
-    assert (rows["parameters"], rows["gradients"], rows["optimizer state"]) == (2 * params, 2 * params, 4 * params)
+    # CPU-path optimizer, bf16: fp32 main grads, fp32 master weights and Adam moments, unsharded
+    assert (rows["parameters"], rows["gradients"], rows["optimizer state"]) == (2 * params, 4 * params, 12 * params)
     dist = make_plan(spec, build_config([*GPU_BASE, "actor.distributed_optimizer=true"]), 4, 80 * GIB)
     rows = {r.name: r.bytes for r in dist.tables[0].rows}
     assert (rows["parameters"], rows["gradients"]) == (2 * params, 4 * params)  # bf16 params, fp32 main grads
@@ -246,8 +246,9 @@ def test_what_megatron_and_the_trainer_hold_where_the_rules_differ():
     rows = {r.name: r for r in make_plan(spec, cfg, 8, 80 * GIB, layout).tables[0].rows}
     rp = trainer_rank_params(spec, count(spec), 2, 1, None, 1, 1, 0)
     assert rows["optimizer state"].bytes == rp.dense * 12 // 4 + rp.experts * 12 // 4  # dp*cp = 4, not 8
-    assert rows["critic gradients"].bytes == rows["critic parameters"].bytes  # bf16 grads, no fp32 main grads
-    assert rows["critic optimizer state"].bytes == 2 * rows["critic parameters"].bytes
+    # the critic's own optimizer (bf16: fp32 main grads, fp32 master + Adam moments), unsharded
+    assert rows["critic gradients"].bytes == 2 * rows["critic parameters"].bytes
+    assert rows["critic optimizer state"].bytes == 6 * rows["critic parameters"].bytes
     table = make_plan(spec, cfg, 8, 80 * GIB, layout).tables[0]
     assert rows["route records"].host and table.total == sum(r.bytes for r in table.rows if r.name != "route records")
     exact = build_config([*GPU_BASE, "trainer.true_on_policy=true"])
