@@ -1,6 +1,6 @@
 """moe-rl's vLLM general plugin (setup.py entry point `vllm.general_plugins`): vLLM loads it in every process it
 starts — the engine core and each worker, where the settings below take effect. It changes nothing unless a
-moe-rl RolloutEngine started the engine and set the variables (rollout/engine.py `_set_vllm_cpu_env`)."""
+moe-rl RolloutEngine started the engine and set the variables (rollout/engine.py `_set_vllm_env`)."""
 
 from __future__ import annotations
 

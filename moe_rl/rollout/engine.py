@@ -228,14 +228,16 @@ class RolloutConfig:
             )
 
 
-def _set_vllm_cpu_env(cfg: RolloutConfig) -> None:
+def _set_vllm_env(cfg: RolloutConfig) -> None:
+    """The variables this rank's engine processes read (moe_rl.compat.vllm_plugin): every engine is moe-rl's;
+    CPU engines get their settings and vLLM-CPU defaults."""
     os.environ.pop(BUSY_LOOP_ENV, None)
     os.environ.pop(CPU_ENGINE_ENV, None)
-    os.environ[ENGINE_ENV] = "1"  # read in the engine's processes by moe_rl.compat.vllm_plugin
+    os.environ[ENGINE_ENV] = "1"
     if torch.cuda.is_available():
         return
-    os.environ[CPU_ENGINE_ENV] = "1"  # read in the engine's processes by moe_rl.compat.vllm_plugin
-    if cfg.cpu_busy_loop_s is not None:  # read in the engine's processes by moe_rl.compat.vllm_plugin
+    os.environ[CPU_ENGINE_ENV] = "1"
+    if cfg.cpu_busy_loop_s is not None:
         os.environ[BUSY_LOOP_ENV] = str(cfg.cpu_busy_loop_s)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -368,7 +370,7 @@ class RolloutEngine:
         # multi-turn: later turns reuse the KV of earlier ones where the capture can record around cache hits
         self.prefix_caching = cfg.multi_turn.env != "none" and cfg.multi_turn.prefix_caching
         self.capture = self._make_capture(cfg.capture)
-        _set_vllm_cpu_env(cfg)
+        _set_vllm_env(cfg)
         # heavy: vLLM, imported on first use
         from vllm import LLM
 
