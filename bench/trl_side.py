@@ -28,9 +28,9 @@ def main(spec_path: str) -> None:
 
     from moe_rl.data.rewards import toy_low_token_reward
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
+    # fp32 weights; bf16: accelerate's autocast around every forward (mixed precision, fp32 master weights)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     step_rewards: list[float] = []
 
     def toy_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:

@@ -12,7 +12,7 @@ an environment of its own that this bench creates once (TRL is not a dependency 
 A step is one RL step: the generation of its 64 samples and the 2 mini-batch updates on them (TRL: optimizer
 steps 2k-1 and 2k). The mean step leaves the first out (start-up work both sides do there).
 
-  python bench/vs_trl.py                         # both sizes (about 25 minutes on 2 cores)
+  python bench/vs_trl.py                         # both sizes (about 10 minutes on 2 cores)
   python bench/vs_trl.py --sizes toy             # the built-in model, 30 steps
   python bench/vs_trl.py --sizes 107m --steps 4  # fewer steps at the 107M size
 """
@@ -33,8 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # Settings the moe-rl side runs with beyond its defaults, at both sizes (empty: the defaults). Each must keep the
-# comparison fair: the same algorithm, batch, precision and synchronous sampling as the TRL side.
-MOE_RL_OVERRIDES: list[str] = []
+# comparison fair: the same algorithm, batch, precision and synchronous sampling as the TRL side, which follows
+# model.dtype (bfloat16: TRL's bf16=True, accelerate's autocast over fp32 weights; moe-rl: bf16 weights with fp32
+# masters, and the engine in bf16, as transformers' generation runs under that autocast).
+MOE_RL_OVERRIDES: list[str] = ["model.dtype=bfloat16", "rollout.dtype=bfloat16"]
 
 TRL_VERSION = "1.16.0"
 TRL_ENV = Path(os.environ.get("MOE_RL_TRL_ENV", Path.home() / ".cache" / "moe-rl-bench" / f"trl-{TRL_VERSION}"))

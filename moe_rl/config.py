@@ -109,7 +109,8 @@ class ModelConfig:
     """Size of the built-in model: tiny (1.1M parameters, the toy task) | small (10.9M: hidden 256, 6 layers, expert
     FFN 256; learns arithmetic on 2 CPU cores in minutes)."""
     dtype: Dtype = Dtype.float32
-    """Actor dtype: float32 | bfloat16."""
+    """Actor dtype: float32 | bfloat16 (bf16 weights and compute, fp32 master weights and Adam moments in the
+    optimizer; at scale bfloat16)."""
     recompute: Recompute | None = None
     """Activation recompute: null | full | selective."""
     transformer_engine: bool = False

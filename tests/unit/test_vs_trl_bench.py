@@ -30,7 +30,12 @@ def test_the_trl_side_gets_the_settings_moe_rl_trains_with():
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_object(compose(config_name="train_moe", overrides=bench.MOE_RL_OVERRIDES))
     validate(cfg, world_size=2)
-    assert cfg.trainer.max_staleness == 0, "the comparison is synchronous on both sides"
+    # MOE_RL_OVERRIDES change the precision only (both sides follow model.dtype); never the algorithm, the batch,
+    # the clip, the learning rate or synchronous sampling
+    default = _settings(TrainConfig())
+    changed = {k for k, v in _settings(cfg).items() if default[k] != v}
+    assert changed <= {"model.dtype", "rollout.dtype"}, changed
+    assert cfg.trainer.max_staleness == 0 and str(cfg.rollout.dtype) == str(cfg.model.dtype)
     settings = bench.moe_rl_settings()
     default = TrainConfig()
     assert settings["prompts_per_step"] * settings["samples_per_prompt"] == 64 == 2 * 4 * default.sampling.n
@@ -43,6 +48,17 @@ def test_the_trl_side_gets_the_settings_moe_rl_trains_with():
     adam = OptimizerConfig()
     assert settings["adam_betas"] == [adam.adam_beta1, adam.adam_beta2] and settings["adam_eps"] == adam.adam_eps
     assert bench.toy_prompts(settings["seed"]) == [p.text for p in PromptSource("toy", seed=cfg.trainer.seed).items]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+    return out
+
+
+def _settings(cfg: TrainConfig) -> dict:
+    return _flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
 
 
 def _parameters(spec: TinySpec) -> int:
