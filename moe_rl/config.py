@@ -325,6 +325,15 @@ def _check_problems(data) -> None:
             refuse(f"data.{key}", str(e))
 
 
+def _check_hang_timeout(seconds: float) -> None:
+    if not 0 <= seconds < COLLECTIVE_TIMEOUT_S:
+        refuse(
+            "trainer.hang_timeout_s",
+            f"{seconds:g}: choose 0 (off) or fewer seconds than the {COLLECTIVE_TIMEOUT_S} s collective timeout (a "
+            "hang would end there first, with torch's message naming no rank)",
+        )
+
+
 @dataclass
 class TrainerConfig:
     steps: int = 30
@@ -410,12 +419,7 @@ class TrainerConfig:
         for key in ("steps", "checkpoint_every", "checkpoint_keep", "dump_every", "val_every"):
             if getattr(self, key) < 0:
                 refuse(f"trainer.{key}", "must be >= 0")
-        if not 0 <= self.hang_timeout_s < COLLECTIVE_TIMEOUT_S:
-            refuse(
-                "trainer.hang_timeout_s",
-                f"{self.hang_timeout_s:g}: choose 0 (off) or fewer seconds than the {COLLECTIVE_TIMEOUT_S} s "
-                "collective timeout (a hang would end there first, with torch's message naming no rank)",
-            )
+        _check_hang_timeout(self.hang_timeout_s)
         if self.max_skipped_steps < 1:
             refuse("trainer.max_skipped_steps", f"{self.max_skipped_steps}: must be >= 1 (1 = stop at the first skip)")
         if self.max_staleness not in (0, 1):
@@ -679,12 +683,17 @@ class SFTTrainerConfig:
     export_hf: bool = True
     """At the end, write the model as a Hugging Face folder, <run dir>/hf (train_moe.py model.path=<it> starts RL
     from it)."""
+    hang_timeout_s: float = 300.0
+    """As train_moe.py's: seconds without progress on any rank (a step, a micro-batch, a checkpoint file, a
+    validation engine step) after which every rank ends with a report naming the rank or engine that stopped, and
+    exit code 75 (retryable); 0: off. Below the 600 s collective timeout."""
 
     def check(self) -> None:
         """This section's own rules."""
         for key in ("steps", "checkpoint_every", "checkpoint_keep", "val_every"):
             if getattr(self, key) < 0:
                 refuse(f"trainer.{key}", "must be >= 0")
+        _check_hang_timeout(self.hang_timeout_s)
 
 
 @dataclass

@@ -52,7 +52,7 @@ from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
 from moe_rl.trainer.run_dir import check_same_run_dir
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 from moe_rl.trainer.validation import Validator
-from moe_rl.trainer.watchdog import Watchdog
+from moe_rl.trainer.watchdog import watching
 from moe_rl.weight_sync import WeightSync, sync_metrics
 
 
@@ -570,41 +570,33 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     history = []
     engine = trainer.engine
     engines = (lambda: engine.processes) if engine is not None else list
-    watchdog = Watchdog.for_job(t.hang_timeout_s, engines, run_dir / "hang_report.txt")
     try:
-        if watchdog is not None:
-            watchdog.start()
-        if t.val_before_train and trainer.step_index == 0 and (val := trainer.validator(0)):
-            trainer.logger.log(0, val)
-        while trainer.step_index < t.steps:
-            try:
-                history.append(trainer.step())
-            except StepAbandoned as e:
-                trainer.logger.warn(trainer.step_index + 1, str(e))
-            if trainer.stop.agreed():
-                if saves:
-                    trainer.save_checkpoint()
-                trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
-                break
-            last = trainer.step_index == t.steps
-            if saves and (last or (t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0)):
+        with watching(t.hang_timeout_s, engines, run_dir):
+            if t.val_before_train and trainer.step_index == 0 and (val := trainer.validator(0)):
+                trainer.logger.log(0, val)
+            while trainer.step_index < t.steps:
                 try:
-                    trainer.save_checkpoint()
-                except CheckpointSaveError as e:  # raised on every rank alike: all go on, or all stop
-                    if t.on_save_failure != "retry" or last:
-                        raise
-                    trainer.logger.warn(
-                        trainer.step_index,
-                        f"{e}. Training goes on (trainer.on_save_failure=retry): the next save is "
-                        f"at step {trainer.step_index + t.checkpoint_every}",
-                    )
-    except Exception:
-        if watchdog is not None and watchdog.reported():  # a peer ended on a hang and broke this rank's collective
-            watchdog.finish(time.time())  # says so and exits with EXIT_HUNG, not this error
-        raise
+                    history.append(trainer.step())
+                except StepAbandoned as e:
+                    trainer.logger.warn(trainer.step_index + 1, str(e))
+                if trainer.stop.agreed():
+                    if saves:
+                        trainer.save_checkpoint()
+                    trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
+                    break
+                last = trainer.step_index == t.steps
+                if saves and (last or (t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0)):
+                    try:
+                        trainer.save_checkpoint()
+                    except CheckpointSaveError as e:  # raised on every rank alike: all go on, or all stop
+                        if t.on_save_failure != "retry" or last:
+                            raise
+                        trainer.logger.warn(
+                            trainer.step_index,
+                            f"{e}. Training goes on (trainer.on_save_failure=retry): the next save is "
+                            f"at step {trainer.step_index + t.checkpoint_every}",
+                        )
     finally:
-        if watchdog is not None:
-            watchdog.stop()
         trainer.close()
     return history
 

@@ -20,6 +20,7 @@ from moe_rl.actor.actor import Actor
 from moe_rl.actor.hf_export import write_hf_folder
 from moe_rl.actor.model import check_divisibility, get_converter, load_hf_config
 from moe_rl.actor.parallel import init_distributed
+from moe_rl.common import progress
 from moe_rl.common.distributed import world_max
 from moe_rl.config import SFTConfig, validate_sft
 from moe_rl.data.prompts import DataError, PromptSource
@@ -34,6 +35,7 @@ from moe_rl.trainer.metrics import PeakMemory
 from moe_rl.trainer.run_dir import check_same_run_dir
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 from moe_rl.trainer.validation import Validator
+from moe_rl.trainer.watchdog import watching
 from moe_rl.weight_sync import WeightSync
 
 
@@ -169,6 +171,7 @@ class SFTTrainer:
 
     def step(self) -> dict[str, float]:
         start = time.perf_counter()
+        progress.begin_step(self.step_index + 1)
         self.memory.reset()
         padded = self._padded(self.batches.next())
         metrics = self.actor.supervised_step(padded)
@@ -227,17 +230,22 @@ def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:
     trainer = SFTTrainer(cfg, run_dir)
     t = cfg.trainer
     history = []
+    engine = trainer.engine
+    engines = (lambda: engine.processes) if engine is not None else list
     try:
-        if trainer.val and t.val_every and t.val_before_train and trainer.step_index == 0:
-            trainer.logger.log(0, trainer.validate())
-        while trainer.step_index < t.steps:
-            history.append(trainer.step())
-            if trainer.stop.agreed():
-                trainer.save_checkpoint()
-                trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
-                return history
-            if trainer.step_index == t.steps or (t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0):
-                trainer.save_checkpoint()
+        with watching(t.hang_timeout_s, engines, run_dir):
+            if trainer.val and t.val_every and t.val_before_train and trainer.step_index == 0:
+                trainer.logger.log(0, trainer.validate())
+            while trainer.step_index < t.steps:
+                history.append(trainer.step())
+                if trainer.stop.agreed():
+                    trainer.save_checkpoint()
+                    trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
+                    return history
+                if trainer.step_index == t.steps or (
+                    t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0
+                ):
+                    trainer.save_checkpoint()
         if t.export_hf:
             a = trainer.actor
             out = write_hf_folder(

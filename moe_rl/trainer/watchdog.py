@@ -28,7 +28,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
@@ -238,3 +239,23 @@ def _create_time(pid: int) -> float | None:
         return psutil.Process(pid).create_time()
     except psutil.NoSuchProcess:
         return None
+
+
+@contextmanager
+def watching(timeout_s: float, engine_processes: Callable[[], list], run_dir: Path) -> Iterator[None]:
+    """A trainer's loop under the job's hang watchdog (none when `timeout_s` is 0), its report also written to
+    <run_dir>/hang_report.txt. An error that a peer's hang caused (the peer ended and broke this rank's collective)
+    becomes the watchdog's report and EXIT_HUNG instead."""
+    watchdog = Watchdog.for_job(timeout_s, engine_processes, run_dir / "hang_report.txt")
+    if watchdog is None:
+        yield
+        return
+    watchdog.start()
+    try:
+        yield
+    except Exception:
+        if watchdog.reported():
+            watchdog.finish(time.time())
+        raise
+    finally:
+        watchdog.stop()

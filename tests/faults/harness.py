@@ -36,10 +36,18 @@ def leftovers_snapshot() -> set[str]:
 
 
 class Run:
-    """`torchrun --nproc-per-node=N launch/train_moe.py` in its own session, its processes watched."""
+    """`torchrun --nproc-per-node=N launch/train_moe.py` (or another `script`: launch/sft_moe.py, which takes
+    `logging.wandb.mode` of QUIET only) in its own session, its processes watched."""
 
-    def __init__(self, run_dir: Path, nproc: int, overrides: list[str], torchrun_args: tuple[str, ...] = ()):
-        self.run_dir = run_dir
+    def __init__(
+        self,
+        run_dir: Path,
+        nproc: int,
+        overrides: list[str],
+        torchrun_args: tuple[str, ...] = (),
+        script: str = "launch/train_moe.py",
+    ):
+        self.run_dir, self.script = run_dir, script
         self.before = leftovers_snapshot()
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
         env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
@@ -50,9 +58,9 @@ class Run:
                 *TRAIN[:4],
                 f"--nproc-per-node={nproc}",
                 *torchrun_args,
-                *TRAIN[4:],
+                script,
                 f"hydra.run.dir={run_dir}",
-                *QUIET,
+                *(QUIET if script == TRAIN[4] else QUIET[:1]),
                 *overrides,
             ],
             cwd=REPO,
@@ -82,7 +90,7 @@ class Run:
             (
                 p
                 for p in self.seen.values()
-                if alive(p) and "launch/train_moe.py" in " ".join(p.cmdline()) and p.pid != self.proc.pid
+                if alive(p) and self.script in " ".join(p.cmdline()) and p.pid != self.proc.pid
             ),
             key=lambda p: p.pid,
         )

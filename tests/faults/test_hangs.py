@@ -1,6 +1,6 @@
-"""Hangs end the job: a stopped rank, a stopped engine core (trainer.hang_timeout_s) and a reward plugin that never
-returns (data.reward_timeout_s) each end every process of the run within twice the configured time, with a message
-naming the rank, host, phase or plugin, the retryable exit code, and nothing left behind."""
+"""Hangs end the job: a stopped rank (RL and SFT), a stopped engine core (trainer.hang_timeout_s) and a reward plugin
+that never returns (data.reward_timeout_s) each end every process of the run within twice the configured time, with a
+message naming the rank, host, phase or plugin, the retryable exit code, and nothing left behind."""
 
 from __future__ import annotations
 
@@ -53,6 +53,24 @@ def test_a_stopped_rank_ends_every_rank_naming_it(run):
     assert f"rank 1 (host {socket.gethostname()}, pid {victim.pid}) STOPPED ANSWERING" in out, out[-4000:]
     assert "last seen at step " in out and f"exit code {EXIT_HUNG}" in out and "exitcode  : 75" in out
     assert r.proc.returncode != 0
+
+
+def test_a_stopped_sft_rank_ends_every_rank_naming_it(tmp_path):
+    """launch/sft_moe.py arms the same watchdog: a rank stopped between steps ends the job as in RL."""
+    overrides = ["trainer.steps=200", "trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.export_hf=false"]
+    r = Run(tmp_path / "sft", 2, [*overrides, f"trainer.hang_timeout_s={HANG_S}"], script="launch/sft_moe.py")
+    try:
+        r.wait_for_steps(2)
+        victim = next(p for p in r.ranks() if p.environ()["RANK"] == "1")
+        t0 = time.time()
+        victim.send_signal(signal.SIGSTOP)
+        seconds = _ends_within(r, t0, 2 * HANG_S)
+        print(f"\nSIGSTOP of an SFT rank: every process of the run gone {seconds:.1f} s later")
+        out = r.output()
+        assert f"rank 1 (host {socket.gethostname()}, pid {victim.pid}) STOPPED ANSWERING" in out, out[-4000:]
+        assert f"exit code {EXIT_HUNG}" in out and r.proc.returncode != 0
+    finally:
+        r.kill_all()
 
 
 def test_a_stopped_engine_core_ends_every_rank_naming_it(run):
