@@ -246,8 +246,19 @@ def _agreed(fn, root: Path, step: int, partial: Path) -> None:
         raise
     except BaseException as e:  # an OSError (ENOSPC, EIO), or torch's CheckpointException (a BaseException)
         error = f"rank {rank}: {_cause(e)}"
+        # said at once: if this rank left `fn` inside a collective the others are still in, the gather below pairs
+        # with theirs and nothing after it is reliable
+        say(f"[moe-rl] checkpoint step {step}: {error}")
     free = shutil.disk_usage(root).free if error is not None else None  # before the partial save is removed
-    found = [(e, f) for e, f in all_gather_objects((error, free)) if e is not None]
+    gathered = all_gather_objects((error, free))
+    if not all(isinstance(g, tuple) and len(g) == 2 for g in gathered):
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointSaveError(
+            f"checkpoint step {step}: the ranks' collectives fell out of step during the save (a rank left a "
+            "collective write early; its error is printed above as '[moe-rl] checkpoint step ...: rank N: ...')"
+        )
+    found = [(e, f) for e, f in gathered if e is not None]
     if not found:
         return
     errors = [e for e, _ in found if not e.endswith(OTHER_RANK)] or [e for e, _ in found]  # where it happened

@@ -16,15 +16,23 @@ from tests.faults.harness import Run
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow, pytest.mark.isolated]
 
 HANG_S = 20  # trainer.hang_timeout_s of these runs (the default is 300)
+BASE = {  # each script's run: long enough that the SIGSTOP lands mid-run (an SFT step is 0.2 s, an RL step 1 s)
+    "launch/train_moe.py": ["trainer.steps=8", "trainer.checkpoint_every=0"],
+    "launch/sft_moe.py": [
+        "trainer.steps=200",
+        "trainer.checkpoint_every=0",
+        "trainer.val_every=0",
+        "trainer.export_hf=false",
+    ],
+}
 
 
 @pytest.fixture
 def run(tmp_path):
     runs = []
 
-    def start(overrides=()):
-        overrides = ["trainer.steps=8", "trainer.checkpoint_every=0", *overrides]
-        r = Run(tmp_path / f"run{len(runs)}", 2, overrides)
+    def start(overrides=(), script="launch/train_moe.py"):
+        r = Run(tmp_path / f"run{len(runs)}", 2, [*BASE[script], *overrides], script=script)
         runs.append(r)
         return r
 
@@ -41,36 +49,20 @@ def _ends_within(r: Run, t0: float, limit: float) -> float:
     return time.time() - t0
 
 
-def test_a_stopped_rank_ends_every_rank_naming_it(run):
-    r = run([f"trainer.hang_timeout_s={HANG_S}"])
+@pytest.mark.parametrize("script", BASE, ids=["rl", "sft"])
+def test_a_stopped_rank_ends_every_rank_naming_it(run, script):
+    """RL and SFT (launch/sft_moe.py arms the same watchdog)."""
+    r = run([f"trainer.hang_timeout_s={HANG_S}"], script)
     r.wait_for_steps(1)
     victim = next(p for p in r.ranks() if p.environ()["RANK"] == "1")
     t0 = time.time()
     victim.send_signal(signal.SIGSTOP)  # a frozen process: a stuck NFS read, a dead NIC, a debugger
     seconds = _ends_within(r, t0, 2 * HANG_S)
-    print(f"\nSIGSTOP of rank 1: every process of the run gone {seconds:.1f} s later")
+    print(f"\nSIGSTOP of rank 1 ({script}): every process of the run gone {seconds:.1f} s later")
     out = r.output()
     assert f"rank 1 (host {socket.gethostname()}, pid {victim.pid}) STOPPED ANSWERING" in out, out[-4000:]
     assert "last seen at step " in out and f"exit code {EXIT_HUNG}" in out and "exitcode  : 75" in out
     assert r.proc.returncode != 0
-
-
-def test_a_stopped_sft_rank_ends_every_rank_naming_it(tmp_path):
-    """launch/sft_moe.py arms the same watchdog: a rank stopped between steps ends the job as in RL."""
-    overrides = ["trainer.steps=200", "trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.export_hf=false"]
-    r = Run(tmp_path / "sft", 2, [*overrides, f"trainer.hang_timeout_s={HANG_S}"], script="launch/sft_moe.py")
-    try:
-        r.wait_for_steps(2)
-        victim = next(p for p in r.ranks() if p.environ()["RANK"] == "1")
-        t0 = time.time()
-        victim.send_signal(signal.SIGSTOP)
-        seconds = _ends_within(r, t0, 2 * HANG_S)
-        print(f"\nSIGSTOP of an SFT rank: every process of the run gone {seconds:.1f} s later")
-        out = r.output()
-        assert f"rank 1 (host {socket.gethostname()}, pid {victim.pid}) STOPPED ANSWERING" in out, out[-4000:]
-        assert f"exit code {EXIT_HUNG}" in out and r.proc.returncode != 0
-    finally:
-        r.kill_all()
 
 
 def test_a_stopped_engine_core_ends_every_rank_naming_it(run):

@@ -138,6 +138,19 @@ def test_export_without_model_reference(trained, tmp_path):
         export(tmp_path / "nowhere", tmp_path / "hf")
 
 
+def _clipped_step(chunks, opt, seed: int, dtype: torch.dtype) -> tuple[dict, float]:
+    """One optimizer step on random gradients (in `dtype`) large enough to be clipped; returns them and the factor
+    clipping by their joint norm scales them by (megatron's norm checked against it)."""
+    g = torch.Generator().manual_seed(seed)
+    grads = {n: (3 * torch.randn(p.shape, generator=g)).to(dtype) for n, p in chunks[0].named_parameters()}
+    for n, p in chunks[0].named_parameters():
+        p.grad = grads[n].clone()
+    ok, norm, _ = opt.step()
+    total = torch.sqrt(sum(x.double().pow(2).sum() for x in grads.values())).item()
+    assert ok and norm == pytest.approx(total, rel=1e-5)
+    return grads, min(1.0, 1.0 / (total + 1e-6))
+
+
 def test_megatron_optimizer_equals_clip_then_adamw(tiny_models, world1):
     """The chained megatron optimizer (dense + expert) = global-norm clipping then torch AdamW."""
     chunks, opt = _actor_and_adam(tiny_models["qwen3_moe"])
@@ -145,15 +158,9 @@ def test_megatron_optimizer_equals_clip_then_adamw(tiny_models, world1):
     ref = {n: p.detach().clone().requires_grad_() for n, p in chunks[0].named_parameters()}
     adam = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.01)
     for seed in range(2):
-        g = torch.Generator().manual_seed(seed)
-        grads = {n: 3 * torch.randn(p.shape, generator=g) for n, p in chunks[0].named_parameters()}
-        for n, p in chunks[0].named_parameters():
-            p.grad = grads[n].clone()
-        ok, norm, _ = opt.step()
-        total = torch.sqrt(sum(x.double().pow(2).sum() for x in grads.values())).item()
-        assert ok and norm == pytest.approx(total, rel=1e-5)
+        grads, clip = _clipped_step(chunks, opt, seed, torch.float32)
         for n, p in ref.items():
-            p.grad = grads[n] * min(1.0, 1.0 / (total + 1e-6))
+            p.grad = grads[n] * clip
         adam.step()
         for n, p in chunks[0].named_parameters():
             torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-5, atol=1e-6)
@@ -171,16 +178,10 @@ def test_bf16_parameters_step_through_fp32_master_weights(tiny_models, world1):
     in_place = {n: p.detach().clone().requires_grad_() for n, p in chunks[0].named_parameters()}
     bf16_adam = torch.optim.AdamW(list(in_place.values()), lr=1e-4, weight_decay=0.01)
     for seed in range(6):
-        g = torch.Generator().manual_seed(seed)
-        grads = {n: (3 * torch.randn(p.shape, generator=g)).bfloat16() for n, p in chunks[0].named_parameters()}
-        for n, p in chunks[0].named_parameters():
-            p.grad = grads[n].clone()
-        ok, norm, _ = opt.step()
-        total = torch.sqrt(sum(x.double().pow(2).sum() for x in grads.values())).item()
-        assert ok and norm == pytest.approx(total, rel=1e-5)
+        grads, clip = _clipped_step(chunks, opt, seed, torch.bfloat16)
         for n, p in ref.items():
-            p.grad = grads[n].float() * min(1.0, 1.0 / (total + 1e-6))
-            in_place[n].grad = (grads[n].float() * min(1.0, 1.0 / (total + 1e-6))).bfloat16()
+            p.grad = grads[n].float() * clip
+            in_place[n].grad = (grads[n].float() * clip).bfloat16()
         adam.step()
         bf16_adam.step()
     for n, p in chunks[0].named_parameters():
@@ -280,7 +281,7 @@ def test_missing_latest_target_points_to_the_older_checkpoint(trained):
         checkpoint.resolve_resume(older.parent, "auto_skip_damaged")
 
 
-def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch):
+def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch, capsys):
     from megatron.core import dist_checkpointing
 
     chunks, opt, path = trained
@@ -297,6 +298,8 @@ def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch):
         checkpoint.save(path.parent, 3, chunks, opt, state)
     message = str(failed.value)
     assert f"checkpoint step 3: saving to {path.parent} failed (rank 0: OSError: disk full (injected))" in message
+    # said by the failing rank at once, before the ranks compare notes (a collective that may go wrong)
+    assert "[moe-rl] checkpoint step 3: rank 0: OSError: disk full (injected)" in capsys.readouterr().out
     assert "MiB free of" in message and f"{path.name}, " in message and "stays the one `latest` names" in message
     assert not (path.parent / ".step_000003.partial").exists()  # the half-written save is removed
     assert not (path.parent / "step_000003").exists()
