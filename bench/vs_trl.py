@@ -88,7 +88,7 @@ def moe_rl_run(size: str, model: Path, steps: int, run_dir: Path) -> dict:
     """`torchrun --nproc-per-node=2 launch/train_moe.py` with the size's model and length and MOE_RL_OVERRIDES."""
     sized = [] if size == "toy" else [f"model.path={model}", f"sampling.max_tokens={SIZES[size]['max_tokens']}"]
     cmd = [
-        *("torchrun", "--standalone", "--nproc-per-node=2", "launch/train_moe.py"),
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch/train_moe.py"),
         f"hydra.run.dir={run_dir}",
         f"trainer.steps={steps}",
         *sized,
