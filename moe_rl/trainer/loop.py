@@ -568,10 +568,8 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     t = cfg.trainer
     saves = t.mode != "rollout_only"
     history = []
-    engine = trainer.engine
-    engines = (lambda: engine.processes) if engine is not None else list
     try:
-        with watching(t.hang_timeout_s, engines, run_dir):
+        with watching(t.hang_timeout_s, trainer.engine, run_dir):
             if t.val_before_train and trainer.step_index == 0 and (val := trainer.validator(0)):
                 trainer.logger.log(0, val)
             while trainer.step_index < t.steps:

@@ -230,10 +230,8 @@ def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:
     trainer = SFTTrainer(cfg, run_dir)
     t = cfg.trainer
     history = []
-    engine = trainer.engine
-    engines = (lambda: engine.processes) if engine is not None else list
     try:
-        with watching(t.hang_timeout_s, engines, run_dir):
+        with watching(t.hang_timeout_s, trainer.engine, run_dir):
             if trainer.val and t.val_every and t.val_before_train and trainer.step_index == 0:
                 trainer.logger.log(0, trainer.validate())
             while trainer.step_index < t.steps:

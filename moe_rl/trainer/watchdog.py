@@ -31,11 +31,15 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from moe_rl.common import progress
 from moe_rl.trainer.logger import say
+
+if TYPE_CHECKING:
+    from moe_rl.rollout.engine import RolloutEngine
 
 EXIT_HUNG = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, to be retried
 KEY = "moe_rl/watchdog/{rank}"  # a rank's record
@@ -242,10 +246,12 @@ def _create_time(pid: int) -> float | None:
 
 
 @contextmanager
-def watching(timeout_s: float, engine_processes: Callable[[], list], run_dir: Path) -> Iterator[None]:
-    """A trainer's loop under the job's hang watchdog (none when `timeout_s` is 0), its report also written to
-    <run_dir>/hang_report.txt. An error that a peer's hang caused (the peer ended and broke this rank's collective)
-    becomes the watchdog's report and EXIT_HUNG instead."""
+def watching(timeout_s: float, engine: RolloutEngine | None, run_dir: Path) -> Iterator[None]:
+    """A trainer's loop under the job's hang watchdog (none when `timeout_s` is 0), watching this rank's rollout
+    `engine` (a RolloutEngine, or None) too, its report also written to <run_dir>/hang_report.txt. An error that a
+    peer's hang caused (the peer ended and broke this rank's collective) becomes the watchdog's report and EXIT_HUNG
+    instead."""
+    engine_processes = (lambda: engine.processes) if engine is not None else list
     watchdog = Watchdog.for_job(timeout_s, engine_processes, run_dir / "hang_report.txt")
     if watchdog is None:
         yield

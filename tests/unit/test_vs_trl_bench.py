@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from moe_rl.config import TrainConfig, register_configs, validate
 from moe_rl.data.prompts import PromptSource
 from moe_rl.models.tiny import SIZES, TinySpec, build_tokenizer, hf_config
+from tests.unit.test_config import _flat
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("vs_trl", REPO / "bench" / "vs_trl.py")
@@ -32,8 +33,8 @@ def test_the_trl_side_gets_the_settings_moe_rl_trains_with():
     validate(cfg, world_size=2)
     # MOE_RL_OVERRIDES change the precision only (both sides follow model.dtype); never the algorithm, the batch,
     # the clip, the learning rate or synchronous sampling
-    default = _settings(TrainConfig())
-    changed = {k for k, v in _settings(cfg).items() if default[k] != v}
+    default = dict(_flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig()))))
+    changed = {k for k, v in _flat(OmegaConf.to_container(OmegaConf.structured(cfg))) if default[k] != v}
     assert changed <= {"model.dtype", "rollout.dtype"}, changed
     assert cfg.trainer.max_staleness == 0 and str(cfg.rollout.dtype) == str(cfg.model.dtype)
     settings = bench.moe_rl_settings()
@@ -48,17 +49,6 @@ def test_the_trl_side_gets_the_settings_moe_rl_trains_with():
     adam = OptimizerConfig()
     assert settings["adam_betas"] == [adam.adam_beta1, adam.adam_beta2] and settings["adam_eps"] == adam.adam_eps
     assert bench.toy_prompts(settings["seed"]) == [p.text for p in PromptSource("toy", seed=cfg.trainer.seed).items]
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
-    return out
-
-
-def _settings(cfg: TrainConfig) -> dict:
-    return _flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
 
 
 def _parameters(spec: TinySpec) -> int:
