@@ -33,6 +33,8 @@ TINY = {
     # the same router with multi-latent attention (q LoRA 64, latent 512 + rope 64, as vLLM's CPU MLA needs)
     # and, as released checkpoints have, a multi-token-prediction layer 4 that nothing may load or capture
     "deepseek_v3": ["--arch", "deepseek_v3", "--mtp-layers", "1"],
+    # sinks, biases, clamped SwiGLU, YaRN, sliding window of 8 keys on layers 0 and 2 (sequences of 16 pass it)
+    "gpt_oss": ["--arch", "gpt_oss"],
     "qwen3_moe_tied": ["--arch", "qwen3_moe", "--dense-layers", "1", "--tie-embeddings"],
     "qwen3_moe_320e": [
         "--arch",

@@ -72,10 +72,13 @@ def load_hf_config(hf_dir: str | Path) -> Any:
 
 
 def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
-    """Refuse parallel sizes that do not divide the model, naming the key."""
+    """Refuse parallel sizes that do not divide the model, or that its architecture cannot run, naming the key."""
     check_sizes_divide(
         parallel, conv.num_heads, conv.num_kv, conv.num_experts, conv.moe_ffn_hidden_size, conv.num_layers
     )
+    problems = conv.layout_problems(parallel)
+    if problems:
+        raise ConfigError(f"invalid parallel layout for model_type={conv.model_type!r}: " + "; ".join(problems))
 
 
 def check_sizes_divide(parallel, num_heads: int, num_kv: int, num_experts: int, moe_ffn: int, num_layers: int) -> None:
@@ -127,7 +130,7 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
     if opts.batch_invariant:
         arch |= transformer_config_kwargs()
     config_class = MLATransformerConfig if arch.get("multi_latent_attention") else TransformerConfig
-    return config_class(
+    config = config_class(
         **arch,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -162,6 +165,9 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
         moe_grouped_gemm=False,
         **recompute,
     )
+    for key, value in conv.rope()[1].items():  # YaRN's fields are MLATransformerConfig's; GPTModel reads them
+        setattr(config, key, value)
+    return config
 
 
 def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = None):
@@ -211,6 +217,12 @@ def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = Non
         if not use_te:
             sub.input_layernorm = RMSNorm
             sub.pre_mlp_layernorm = RMSNorm
+            experts = getattr(sub.mlp.submodules, "experts", None)
+            if config.add_bias_linear and experts is not None:
+                # heavy: megatron-core (the class subclasses its linear), imported on first use
+                from moe_rl.compat.megatron_cpu import ExpertRowParallelLinear
+
+                experts.submodules.linear_fc2 = ExpertRowParallelLinear
     if not use_te:
         spec.layer_norm = RMSNorm
     return spec
@@ -244,7 +256,7 @@ def build_model(hf_config: Any, parallel: ParallelConfig, opts: ModelOptions | N
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=conv.tie,
-            position_embedding_type="rope",
+            position_embedding_type=conv.rope()[0],
             rotary_percent=conv.rotary_percent,
             rotary_base=conv.rope_theta,
             vp_stage=vp_stage,

@@ -80,17 +80,42 @@ class _LastPlan:
 def packed_row_attention(base: type) -> type:
     """`base` (megatron's DotProductAttention, or a subclass of it) computing a packed row per sample."""
 
+    if getattr(base, "packs_rows", False):  # the decoder's layer specs share one submodules object
+        return base
+
     class PackedRowAttention(base):
+        packs_rows = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # A sliding-window layer (GPT-OSS): megatron's softmax *replaces* the mask it is given by a window mask,
+            # so the samples of a packed row would see each other. The window is added to the mask instead.
+            self.window = self.scale_mask_softmax.window_size
+            self.scale_mask_softmax.window_size = None
+
+        def _windowed(self, mask: torch.Tensor) -> torch.Tensor:
+            """`mask` (True = masked, [..., sq, sk]) with every key more than window_size[0] positions back masked."""
+            if self.window is None:
+                return mask
+            sq, sk = mask.shape[-2:]
+            back = torch.arange(sq, device=mask.device)[:, None] + (sk - sq) - torch.arange(sk, device=mask.device)
+            return mask | (back > self.window[0])
+
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
             """query [S, 1, heads, d], key/value [S, 1, groups, d] of one packed row -> context [S, 1, heads * dv]."""
             one_row = query.shape[1] == 1 and attention_bias is None and kwargs.get("packed_seq_params") is None
             plan = _LastPlan.of(attention_mask) if one_row else None
             if plan is None:
-                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, **kwargs)
+                if attention_mask is None and self.window is not None:  # megatron would build a causal one
+                    s = query.shape[0]
+                    attention_mask = ~torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None, None]
+                mask = attention_mask if attention_mask is None else self._windowed(attention_mask)
+                return super().forward(query, key, value, mask, attn_mask_type, attention_bias, **kwargs)
             q, k, v = query[:, 0], key[:, 0], value[:, 0]
             outputs = []
             for at, valid, causal in plan.classes:  # `at` [L, n]: megatron's [sequence, batch] order
-                context = super().forward(q[at], k[at], v[at], causal[None, None], attn_mask_type)  # [L, n, hd]
+                mask = self._windowed(causal[None, None])
+                context = super().forward(q[at], k[at], v[at], mask, attn_mask_type)  # [L, n, hd]
                 outputs.append(context.transpose(0, 1)[valid])
             return torch.cat(outputs).index_select(0, plan.order).unsqueeze(1)
 

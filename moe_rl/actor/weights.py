@@ -4,9 +4,10 @@ Sharding is decided here from parameter names (megatron's `partition_dim` attrib
 set when megatron initialises weights itself, which the actor skips):
 
   TP, dim 0: embedding, output layer, linear_qkv, MLA q and kv up projections, dense linear_fc1
-             (gate and up split apart); MLA's latent down projections are replicated
+             (gate and up split apart), attention sinks; MLA's latent down projections are replicated
   TP, dim 1: linear_proj, dense linear_fc2
-  expert TP: experts' linear_fc1 (dim 0, gated) and linear_fc2 (dim 1)
+  expert TP: experts' linear_fc1 weight and bias (dim 0, gated) and linear_fc2 (dim 1)
+  replicated: every other bias (linear_proj's and linear_fc2's are added once, after the reduction)
   EP:        whole experts (local expert j on EP rank r is global expert r * E_local + j)
   PP/VPP:    whole decoder layers (`layer_number` of each layer module is its global index + 1)
 """
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from moe_rl.actor.converters import Converter
 from moe_rl.common.distributed import all_gather_objects, tensor_nbytes
+from moe_rl.common.hf_names import split_expert_slice, stack_expert_slices
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
@@ -58,9 +60,18 @@ class HFCheckpoint:
         self.weight_map: dict[str, str] = weight_map
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.weight_map:
-            raise KeyError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        return self._handles[self.weight_map[name]].get_tensor(name)
+        """One tensor; for an `expert_slice` name, that expert's slice of the stacked tensor (read alone)."""
+        s = split_expert_slice(name)
+        stacked = s[0] if s else name
+        if stacked not in self.weight_map:
+            raise KeyError(f"{self.dir}: tensor {stacked!r} is missing from the checkpoint")
+        handle = self._handles[self.weight_map[stacked]]
+        if s is None:
+            return handle.get_tensor(name)
+        view = handle.get_slice(stacked)
+        if view.get_shape()[0] != s[2]:
+            raise ValueError(f"{self.dir}: {stacked} stacks {view.get_shape()[0]} experts, config.json says {s[2]}")
+        return view[s[1]]
 
 
 # Column-parallel weights split by output rows (MLA: the up projections; the latent down projections are
@@ -72,6 +83,7 @@ _COLUMN_PARALLEL = (
     "linear_q_proj.weight",
     "linear_q_up_proj.weight",
     "linear_kv_up_proj.weight",
+    "core_attention.softmax_offset",  # GPT-OSS's sinks: one per head
 )
 
 
@@ -79,7 +91,7 @@ def _shard_rule(name: str, conv: Converter) -> tuple[str, int | None, bool]:
     """(group kind 'tp'|'etp'|'', partition dim or None, gated) for a local megatron name."""
     expert = ".mlp.experts." in name
     group = "etp" if expert else "tp"
-    if name.endswith("linear_fc1.weight"):
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return group, 0, True
     if name.endswith(("linear_fc2.weight", "linear_proj.weight")):
         return group, 1, False
@@ -219,13 +231,10 @@ def export_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict
     """The full HF state dict, on every rank (gathers TP/EP/PP shards). Collective."""
     mine = dict(iter_hf_tensors(chunks, conv))
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
+        return stack_expert_slices(mine.items())
     parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
-    out: dict[str, torch.Tensor] = {}
-    for part in parts:
-        out.update(part or {})
-    return out
+    return stack_expert_slices(item for part in parts for item in (part or {}).items())
 
 
 def full_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict[str, torch.Tensor]:
@@ -243,11 +252,12 @@ def full_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict[s
     )
     if max(sharded) > 1:
         return export_hf_state_dict(chunks, conv)
-    out: dict[str, torch.Tensor] = {}
-    for _, gname, p in _local_params(chunks):
-        if not (gname == "output_layer.weight" and conv.tie):
-            out.update(conv.to_hf(gname, p.detach()))
-    return out
+    return stack_expert_slices(
+        item
+        for _, gname, p in _local_params(chunks)
+        if not (gname == "output_layer.weight" and conv.tie)
+        for item in conv.to_hf(gname, p.detach()).items()
+    )
 
 
 # ---- streaming export: one tensor at a time, from its owner --------------------------------

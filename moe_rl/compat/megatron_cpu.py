@@ -224,9 +224,34 @@ def _local_mla_core_attention():
     return LocalMLACoreAttention
 
 
+def _expert_row_parallel_linear():
+    # heavy: megatron-core, imported on first use
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class ExpertRowParallelLinear(RowParallelLinear):
+        """An expert's linear_fc2 whose output megatron's MLP may add its bias to in place. Without expert parallelism
+        megatron returns the matmul's output through an identity autograd Function (the TP reduce of a 1-rank group),
+        and MLP.forward's `output += bias * probs` on it raises under autograd ("a view ... modified inplace"): the
+        experts with biases (GPT-OSS) could not train at parallel.ep=1. A copy of the output, only then."""
+
+        def forward(self, input_, *args, **kwargs):
+            output, bias = super().forward(input_, *args, **kwargs)
+            if bias is not None and output.requires_grad and output._is_view():
+                output = output.clone()
+            return output, bias
+
+    return ExpertRowParallelLinear
+
+
+_LAZY_CLASSES = {
+    "LocalMLACoreAttention": _local_mla_core_attention,
+    "ExpertRowParallelLinear": _expert_row_parallel_linear,
+}
+
+
 def __getattr__(name: str):
-    if name == "LocalMLACoreAttention":  # built on first use: importing megatron here would be eager
-        cls = _local_mla_core_attention()
+    if name in _LAZY_CLASSES:  # built on first use: importing megatron here would be eager
+        cls = _LAZY_CLASSES[name]()
         globals()[name] = cls
         return cls
     raise AttributeError(name)

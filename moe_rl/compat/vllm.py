@@ -336,3 +336,76 @@ def _forget_the_trainer() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_the_trainer)
+
+
+# GPT-OSS: vLLM 0.32's GptOssModel._load_weights_other copies the sinks and the stacked experts straight into the
+# parameters (`param.copy_`), past their weight_loader. A layerwise reload (every moe-rl weight update) holds the
+# parameters on the meta device and counts what their loaders receive, so those copies load nothing: vLLM warns
+# "OAIAttention / GptOssRoutedExperts: Failed to load weights" and keeps the old weights. These tensors are cut for
+# this worker as that function cuts them and handed to the reload's loader with a plain copy under it.
+# Delete when vLLM's loader goes through weight_loader.
+_GPT_OSS_DIRECT = (
+    ".self_attn.sinks",
+    ".experts.gate_up_proj",
+    ".experts.gate_up_proj_bias",
+    ".experts.down_proj",
+    ".experts.down_proj_bias",
+)
+
+
+def _copy_loader(param, loaded_weight) -> None:
+    param.data.copy_(loaded_weight)
+
+
+def gpt_oss_direct_tensors(model, tensors: list) -> list:
+    """Load the GPT-OSS tensors vLLM's loader would copy past a layerwise reload; return the others (for
+    `model.load_weights`). Other models: `tensors` unchanged."""
+    if type(model).__name__ != "GptOssForCausalLM":
+        return tensors
+    # heavy: torch and vLLM, not loaded by importing this module
+    import torch
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.model_executor.model_loader.reload.layerwise import make_online_process_loader
+
+    if get_current_vllm_config().parallel_config.enable_expert_parallel:
+        raise NotImplementedError("weight sync into a GPT-OSS engine with expert parallelism is not built")
+    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    rest = []
+    for name, t in tensors:
+        if not name.endswith(_GPT_OSS_DIRECT):
+            rest.append((name, t))
+            continue
+        if name.endswith(".sinks"):
+            target = name.replace(".self_attn.", ".attn.")
+            per = t.shape[0] // tp
+            value = t.narrow(0, rank * per, per)
+        else:
+            prefix, what = name.rsplit(".experts.", 1)
+            kind = {
+                "gate_up_proj": "w13_weight",
+                "gate_up_proj_bias": "w13_bias",
+                "down_proj": "w2_weight",
+                "down_proj_bias": "w2_bias",
+            }[what]
+            target = f"{prefix}.experts.routed_experts.{kind}"
+            ffn = t.shape[-1] // 2 if what == "gate_up_proj" else t.shape[1] if what == "down_proj" else None
+            if what == "gate_up_proj":  # [E, hidden, 2 ffn] with gate/up interleaved -> [E, 2 ffn / tp, hidden]
+                per = ffn // tp
+                value = t[:, :, 2 * rank * per : 2 * (rank + 1) * per].permute(0, 2, 1)
+            elif what == "gate_up_proj_bias":
+                per = t.shape[1] // 2 // tp
+                value = t[:, 2 * rank * per : 2 * (rank + 1) * per]
+            elif what == "down_proj":  # [E, ffn, hidden] -> [E, hidden, ffn / tp]
+                per = ffn // tp
+                value = t[:, rank * per : (rank + 1) * per, :].permute(0, 2, 1)
+            else:  # added once, after the TP reduction
+                value = t if rank == 0 else torch.zeros_like(t)
+        param = params[target]
+        layer_name, attr = target.rsplit(".", 1)
+        param.weight_loader = _copy_loader
+        param.weight_loader = make_online_process_loader(modules[layer_name], attr)
+        param.weight_loader(param, value.contiguous())
+    return rest

@@ -28,6 +28,7 @@ class Arch(StrEnum):
     olmoe = "olmoe"
     glm4_moe = "glm4_moe"
     deepseek_v3 = "deepseek_v3"
+    gpt_oss = "gpt_oss"
 
 
 ARCHS = tuple(m.value for m in Arch)
@@ -107,6 +108,9 @@ class TinySpec:
     qk_rope_head_dim: int = 64
     qk_nope_head_dim: int = 32
     v_head_dim: int = 32
+    # gpt_oss: sliding-window attention on every other layer (the first included), as released (128 keys of a
+    # 131k context; here 8 keys, so that the tests' and the toy task's sequences are longer than the window)
+    sliding_window: int = 8
 
     def __post_init__(self) -> None:
         if self.dense_layers is None:
@@ -152,6 +156,8 @@ class TinySpec:
                     f"--topk={self.topk} is more than the {self.topk_group} kept groups of "
                     f"{self.num_experts // self.n_group} experts hold"
                 )
+        if self.arch == "gpt_oss" and self.sliding_window < 1:
+            raise ValueError(f"--sliding-window={self.sliding_window} must be at least 1")
         if self.mtp_layers and self.arch not in SIGMOID_ARCHS:
             raise ValueError(f"--mtp-layers: {self.arch} checkpoints have no multi-token-prediction layers")
         if self.dtype not in ("float32", "bfloat16"):
@@ -178,7 +184,14 @@ def _sigmoid_router(spec: TinySpec) -> dict:
 def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
     """The transformers config object for `spec`."""
     # heavy: transformers, imported on first use
-    from transformers import DeepseekV3Config, Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        GptOssConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -225,6 +238,27 @@ def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
         )
         # read by vLLM's DeepSeek model (transformers' class implies them): sigmoid scores, bias-corrected top-k
         cfg.scoring_func, cfg.topk_method = "sigmoid", "noaux_tc"
+    elif spec.arch == "gpt_oss":
+        if spec.norm_topk_prob is False:
+            raise ValueError("gpt_oss always takes the softmax over its top-k router logits")
+        # Released: YaRN x32 over 4096 original positions (131k), rope_theta 150000. Scaled down alike: x32 over 64.
+        common["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": common["max_position_embeddings"] // 32,
+        }
+        common["rms_norm_eps"] = 1e-5
+        cfg = GptOssConfig(
+            head_dim=spec.head_dim,
+            num_local_experts=spec.num_experts,
+            intermediate_size=spec.moe_intermediate,
+            sliding_window=spec.sliding_window,
+            **common,
+        )
     elif spec.arch == "mixtral":
         if spec.norm_topk_prob is False:
             raise ValueError("mixtral always renormalises its top-k probabilities")
@@ -307,8 +341,10 @@ def build_tiny_model(spec: TinySpec, out: str | Path, check=None) -> Path:
             if name.endswith("norm.weight") or "layernorm" in name or "_norm" in name:
                 # Norm gains near 1 but not exactly, so a wrong norm mapping is visible.
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * torch.randn_like(p))  # attention biases start at zero
+            elif name.endswith((".bias", "_bias")):
+                p.copy_(0.2 * torch.randn_like(p))  # attention and expert biases start at zero
+            elif name.endswith(".sinks"):
+                p.copy_(torch.randn_like(p))  # large enough that a sink mapped to the wrong head shows
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 # Zero-initialised in HF; a trained bias moves selection away from the plain scores, so a

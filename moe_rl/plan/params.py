@@ -73,11 +73,14 @@ def layer_params(spec: ModelSpec, layer: int) -> LayerParams:
         tp_split += 2 * h * q + (q if spec.attention_bias else 0)  # q_proj, o_proj (+ q bias)
         kv += 2 * (h * k + (k if spec.attention_bias else 0))  # k_proj, v_proj (+ biases)
         replicated += {"per_head": 2 * spec.head_dim, "full_width": q + k, None: 0}[spec.qk_norm]
+        replicated += h if spec.o_proj_bias else 0  # added after o_proj's TP reduction
+        tp_split += spec.num_heads if spec.sinks else 0  # one sink per head
     replicated += 2 * h  # input_layernorm, post_attention_layernorm
     experts = 0
     if spec.is_moe(layer):
-        replicated += spec.num_experts * h  # router
+        replicated += spec.num_experts * (h + spec.expert_bias)  # router (+ bias)
         experts = spec.num_experts * 3 * h * spec.moe_ffn  # SwiGLU: gate, up, down
+        experts += spec.num_experts * (2 * spec.moe_ffn + h) if spec.expert_bias else 0  # gate/up and down biases
         tp_split += 3 * h * spec.shared_ffn
     else:
         tp_split += 3 * h * spec.dense_ffn

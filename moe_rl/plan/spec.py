@@ -13,7 +13,7 @@ from moe_rl.common.errors import ConfigError
 from moe_rl.routing.model_layout import moe_layout
 
 PRESETS_DIR = Path(__file__).parent / "presets"
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss")
 """The model families the trainer converts (moe_rl/actor/converters)."""
 
 
@@ -45,6 +45,9 @@ class ModelSpec:
     moe_layers: tuple[int, ...]  # decoder layers with an MoE block (moe_rl.routing.model_layout)
     num_mtp_layers: int  # multi-token-prediction layers after the decoder (num_nextn_predict_layers)
     max_position: int
+    o_proj_bias: bool = False  # gpt_oss: the output projection has a bias too
+    sinks: bool = False  # gpt_oss: one learnable attention sink per head
+    expert_bias: bool = False  # gpt_oss: biases on the router and on every expert's projections
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_nope_head_dim: int = 0
@@ -103,7 +106,8 @@ def spec_from_config(c: dict[str, Any], name: str = "") -> ModelSpec:
         raise ConfigError(str(e)) from e
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     # mixtral and olmoe name the expert FFN intermediate_size; every layer is MoE there
-    moe_ffn = c["intermediate_size"] if model_type in ("mixtral", "olmoe") else c["moe_intermediate_size"]
+    moe_ffn = c["intermediate_size"] if model_type in ("mixtral", "olmoe", "gpt_oss") else c["moe_intermediate_size"]
+    gpt_oss = model_type == "gpt_oss"
     shared = (c.get("n_shared_experts") or 0) * moe_ffn if model_type in ("glm4_moe", "deepseek_v3") else 0
     qk_norm = {"qwen3_moe": "per_head", "olmoe": "full_width"}.get(model_type)
     if model_type == "glm4_moe" and c.get("use_qk_norm"):
@@ -127,7 +131,7 @@ def spec_from_config(c: dict[str, Any], name: str = "") -> ModelSpec:
         num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or hidden // heads,
-        attention_bias=bool(c.get("attention_bias", False)),
+        attention_bias=bool(c.get("attention_bias", gpt_oss)),
         qk_norm=qk_norm,
         dense_ffn=c.get("intermediate_size") or moe_ffn,
         moe_ffn=moe_ffn,
@@ -137,5 +141,8 @@ def spec_from_config(c: dict[str, Any], name: str = "") -> ModelSpec:
         moe_layers=tuple(layout.moe_layers),
         num_mtp_layers=c.get("num_nextn_predict_layers") or 0,
         max_position=c.get("max_position_embeddings") or 4096,
+        o_proj_bias=gpt_oss and bool(c.get("attention_bias", True)),
+        sinks=gpt_oss,
+        expert_bias=gpt_oss,
         **mla,
     )

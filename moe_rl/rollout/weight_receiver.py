@@ -15,6 +15,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from moe_rl.common.distributed import tensor_nbytes
+from moe_rl.common.hf_names import ExpertStacker
 
 
 def map_shared(path: str, nbytes: int) -> torch.Tensor:
@@ -72,7 +73,18 @@ class WeightReceiver:
         model = self.model_runner.get_model()
         quiet_cache_only_reload_warning(model)  # a rotary layer's cache is never loaded (see the filter)
         initialize_layerwise_reload(model)
+        self._moe_rl_stacker = ExpertStacker()  # GPT-OSS: experts come one by one, vLLM loads them stacked
         return True
+
+    def _moe_rl_load(self, tensors) -> None:
+        """Load (name, tensor) pairs, expert slices once their stacked tensor is whole."""
+        # compat.vllm registers an at-fork hook: imported where an engine runs
+        from moe_rl.compat.vllm import gpt_oss_direct_tensors
+
+        stacker, model = self._moe_rl_stacker, self.model_runner.get_model()
+        whole = gpt_oss_direct_tensors(model, [item for name, t in tensors for item in stacker.add(name, t)])
+        if whole:
+            model.load_weights(weights=whole)
 
     @_under_vllm_config
     def moe_rl_load_weights(self, payload: bytes) -> int:
@@ -81,7 +93,7 @@ class WeightReceiver:
         from safetensors.torch import load
 
         tensors = load(payload)
-        self.model_runner.get_model().load_weights(weights=tensors.items())
+        self._moe_rl_load(tensors.items())
         return len(tensors)
 
     @_under_vllm_config
@@ -93,7 +105,6 @@ class WeightReceiver:
         writes the next. Returns the tensors loaded, the seconds spent in vLLM's load and finish, and in the
         CPU experts' repack (part of the finish)."""
         self.moe_rl_begin_weight_update()  # refuses before listening: the leader gets the error, not a hang
-        model = self.model_runner.get_model()
         loaded, seconds = 0, 0.0
         with Listener(f"{address}.{self.rank}", family="AF_UNIX", authkey=key) as listener:
             with listener.accept() as conn:
@@ -102,7 +113,7 @@ class WeightReceiver:
                     tensors = [(name, t.clone()) for name, t in bucket_tensors(map_shared(path, nbytes), manifest)]
                     conn.send(len(tensors))
                     t0 = time.perf_counter()
-                    model.load_weights(weights=tensors)
+                    self._moe_rl_load(tensors)
                     seconds += time.perf_counter() - t0
                     loaded += len(tensors)
         t0 = time.perf_counter()
@@ -129,7 +140,7 @@ class WeightReceiver:
         tensors = [(name, t.clone()) for name, t in bucket_tensors(data, manifest)]
         torch.cuda.current_stream().synchronize()  # copied out before the leader writes the next bucket
         del data
-        self.model_runner.get_model().load_weights(weights=tensors)
+        self._moe_rl_load(tensors)
         return len(tensors)
 
     @_under_vllm_config
@@ -140,6 +151,7 @@ class WeightReceiver:
 
         from moe_rl.compat.vllm import repack_cpu_experts
 
+        self._moe_rl_stacker.finish()
         runner = self.model_runner
         model = runner.get_model()
         finalize_layerwise_reload(model, runner.vllm_config.model_config)

@@ -8,6 +8,7 @@ Examples:
   python -m moe_rl.tools.tiny_model --arch olmoe --num-experts 320 --topk 4 --out /tmp/big-e
   python -m moe_rl.tools.tiny_model --arch glm4_moe --n-group 4 --topk-group 2 --topk 4 --out /tmp/glm
   python -m moe_rl.tools.tiny_model --arch deepseek_v3 --mtp-layers 1 --out /tmp/dsv3
+  python -m moe_rl.tools.tiny_model --arch gpt_oss --sliding-window 16 --out /tmp/gpt-oss
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def main(argv: list[str] | None = None) -> None:
         help="glm4_moe/deepseek_v3: multi-token-prediction layers written after the decoder's, as in released "
         "checkpoints (num_nextn_predict_layers; the actor neither trains nor replays them)",
     )
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=d.sliding_window,
+        help="gpt_oss: keys a query sees on the sliding-window layers (every other layer, the first included)",
+    )
     p.add_argument("--hidden", type=int, help="(default: the --size's) hidden size (multiple of 32)")
     p.add_argument("--heads", type=int, help="(default: the --size's) attention heads")
     p.add_argument("--kv-heads", type=int, help="(default: the --size's) key/value heads (GQA)")
@@ -99,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         shared_experts=a.shared_experts,
         routed_scaling_factor=a.routed_scaling_factor,
         mtp_layers=a.mtp_layers,
+        sliding_window=a.sliding_window,
     )
     try:
         out = build_tiny_model(spec, a.out, check=_actor_accepts)

@@ -20,15 +20,23 @@ LAYOUTS = {
 }
 
 
-MODELS = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+MODELS = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss")
+# GPT-OSS refuses context parallelism (sinks, sliding window) and expert TP (expert biases): test_actor_world1.py
+REFUSED = {"cp2": {"gpt_oss"}, "tp2_cp2_ep2": {"gpt_oss"}, "tp2_etp2": {"gpt_oss"}}
+
+
+def _models(layout: str) -> list[str]:
+    return [m for m in MODELS if m not in REFUSED.get(layout, set())]
 
 
 @pytest.fixture(scope="module")
 def parity_run(tiny_models, tmp_path_factory):
     """`parity_run(layout)` -> its results folder. The layouts of one world size share a torchrun launch."""
     root = tmp_path_factory.mktemp("parity")
-    models = [str(tiny_models[m]) for m in MODELS]
-    jobs = {name: (nproc, [*args, "--out", str(root / name), *models]) for name, (nproc, args) in LAYOUTS.items()}
+    jobs = {
+        name: (nproc, [*args, "--out", str(root / name), *(str(tiny_models[m]) for m in _models(name))])
+        for name, (nproc, args) in LAYOUTS.items()
+    }
     return grouped_launches("tests.distributed.parity_worker", root, jobs)
 
 
@@ -36,7 +44,8 @@ def parity_run(tiny_models, tmp_path_factory):
 def test_parallel_parity_with_transformers(layout, parity_run):
     nproc = LAYOUTS[layout][0]
     results = read_json_results(parity_run(layout))
-    assert len(results) == len(MODELS) * nproc, f"expected one result per model and rank, got {len(results)}"
+    models = _models(layout)
+    assert len(results) == len(models) * nproc, f"expected one result per model and rank, got {len(results)}"
     last_stage = 0
     for r in results:
         where = f"{r['model']} rank {r['rank']} ({layout})"
@@ -47,7 +56,7 @@ def test_parallel_parity_with_transformers(layout, parity_run):
         assert r["router_compared"] > 0, where
         assert sum(r["router_mismatches"].values()) == 0, f"{where}: {r['router_mismatches']}"
         assert r["roundtrip"] == {"missing": [], "extra": [], "unequal": [], "n": r["roundtrip"]["n"]}, where
-    assert last_stage >= len(MODELS)
+    assert last_stage >= len(models)
     # every MoE layer was checked on some rank (pipeline stages split them)
     for model in {r["model"] for r in results}:
         layers = set().union(*(r["moe_layers_on_rank"] for r in results if r["model"] == model))

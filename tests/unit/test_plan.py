@@ -27,6 +27,7 @@ TINY = {  # the tiny models of tests/conftest.py, and the small size
     "olmoe": ["--arch", "olmoe"],
     "glm4_moe": ["--arch", "glm4_moe"],
     "deepseek_v3": ["--arch", "deepseek_v3", "--mtp-layers", "1"],
+    "gpt_oss": ["--arch", "gpt_oss"],
 }
 GPU_BASE = ["model.dtype=bfloat16", "model.transformer_engine=true", "rollout.dtype=bfloat16"]
 

@@ -5,13 +5,21 @@ from typing import Any
 from moe_rl.actor.converters.base import Converter
 from moe_rl.actor.converters.deepseek_v3 import DeepseekV3Converter
 from moe_rl.actor.converters.glm4_moe import Glm4MoeConverter
+from moe_rl.actor.converters.gpt_oss import GptOssConverter
 from moe_rl.actor.converters.mixtral import MixtralConverter
 from moe_rl.actor.converters.olmoe import OlmoeConverter
 from moe_rl.actor.converters.qwen3_moe import Qwen3MoeConverter
 
 CONVERTERS: dict[str, type[Converter]] = {
     c.model_type: c
-    for c in (Qwen3MoeConverter, MixtralConverter, OlmoeConverter, Glm4MoeConverter, DeepseekV3Converter)
+    for c in (
+        Qwen3MoeConverter,
+        MixtralConverter,
+        OlmoeConverter,
+        Glm4MoeConverter,
+        DeepseekV3Converter,
+        GptOssConverter,
+    )
 }
 
 

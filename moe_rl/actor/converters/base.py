@@ -60,6 +60,10 @@ class Converter:
         moe = set(moe_layout(self.cfg).moe_layers)
         return [int(i in moe) for i in range(self.num_layers)]
 
+    def layout_problems(self, parallel) -> list[str]:
+        """Why this architecture cannot run under `parallel` (a ParallelConfig); empty when it can."""
+        return []
+
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """megatron-core TransformerConfig fields that follow from the HF config."""
         c = self.cfg
@@ -94,6 +98,10 @@ class Converter:
     def rope_theta(self) -> float:
         rp = getattr(self.cfg, "rope_parameters", None) or {}
         return float(rp.get("rope_theta", getattr(self.cfg, "rope_theta", 10000.0)))
+
+    def rope(self) -> tuple[str, dict[str, Any]]:
+        """megatron's position_embedding_type and the TransformerConfig attributes it reads (GPT-OSS: yarn)."""
+        return "rope", {}
 
     @property
     def rotary_percent(self) -> float:
