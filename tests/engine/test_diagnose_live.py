@@ -119,17 +119,17 @@ def test_live_torchrun_world2_ep2(bf16_model, tmp_path):
     _check(report, files)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3"])
-def test_live_sigmoid_router_fp32_routes_agree_and_bf16_replay_closes_the_gap(arch, tiny_models, tmp_path):
-    """DeepSeek-V3 routing (sigmoid + expert bias, grouped, shared expert, MLA): in fp32 the engine's captured
-    routes are the actor's own; in bf16 they differ, and replaying them removes that and lowers k3. GLM-4.5 takes
-    the same router path without MLA; its engine routes are compared with transformers' in
-    test_rollout_engine.py (this CLI run cost 2.7 min of the suite's time on a 2-core machine)."""
+@pytest.mark.parametrize("arch, moe_layers", [("deepseek_v3", [1, 2, 3]), ("gpt_oss", [0, 1, 2, 3])])
+def test_live_fp32_routes_agree_and_bf16_replay_closes_the_gap(arch, moe_layers, tiny_models, tmp_path):
+    """DeepSeek-V3 routing (sigmoid + expert bias, grouped, shared expert, MLA) and GPT-OSS (router bias, sinks,
+    sliding window): in fp32 the engine's captured routes are the actor's own; in bf16 they differ, and replaying
+    them removes that and lowers k3. GLM-4.5 takes DeepSeek-V3's router path without MLA; its engine routes are
+    compared with transformers' in test_rollout_engine.py (each CLI run costs about a minute on a 2-core machine)."""
     cmd = [sys.executable, "-m", "moe_rl.diagnostics"]
     report, files = _run(cmd, tiny_models[arch], tmp_path / "fp32", [], dtype="float32")
     r = report["router"]
     assert r["disagreement"] == 0.0 and r["with_replay_disagreement"] == 0.0
-    assert sorted(int(k) for k in r["disagreement_per_layer"]) == [1, 2, 3]
+    assert sorted(int(k) for k in r["disagreement_per_layer"]) == moe_layers
     report, files = _run(cmd, tiny_models[arch], tmp_path / "bf16", [])
     _check(report, files)
     m = report["mismatch"]

@@ -18,10 +18,11 @@ from tests.unit.test_checkpoint import _actor_and_adam, _adam_step
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_exported_checkpoint_loads_in_vllm(arch, tiny_models, tmp_path, world1):
     """deepseek_v3 (MLA) also carries a multi-token-prediction layer the actor does not train: the export
-    copies it unchanged, and vLLM serves the decoder with the trained weights."""
+    copies it unchanged, and vLLM serves the decoder with the trained weights. gpt_oss: the experts the actor holds
+    one by one are written stacked, as vLLM's loader reads them."""
     chunks, opt = _actor_and_adam(tiny_models[arch])
     _adam_step(chunks, opt, 0)
     state = {"data_position": 0, "wandb_run_id": None, "model_path": str(tiny_models[arch])}

@@ -85,7 +85,7 @@ def _sync_closes_the_gap(eng, chunks, conv, seqs) -> tuple[float, float, dict]:
 
 
 # ordered so that the engines fixture (two alive at once) reuses mixtral and glm4_moe in the next tests
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "mixtral"])
 def test_fp32_routes_equal_transformers_topk(arch, engines, tiny_models):
     eng = engines(arch)
     prompts = _prompts(seed=int(torch.randint(0, 2**31, ()).item()))

@@ -146,6 +146,8 @@ def test_unsupported_models_and_split_kv_are_refused(tiny_models, monkeypatch):
 
     with pytest.raises(engine_ops.EngineOpsError, match="model type 'mixtral' is not supported"):
         engine_ops.EngineOpForward(AutoConfig.from_pretrained(tiny_models["mixtral"]), torch.float32)
+    with pytest.raises(engine_ops.EngineOpsError, match="'gpt_oss' is not supported yet .*attention with sinks"):
+        engine_ops.check_model(AutoConfig.from_pretrained(tiny_models["gpt_oss"]))
     monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "1")
     with pytest.raises(engine_ops.EngineOpsError, match="VLLM_CPU_ATTN_SPLIT_KV is set to '1'"):
         engine_ops.engine_environment()

@@ -37,6 +37,15 @@ class GptOssConverter(Converter):
                 f"config.json swiglu_alpha={alpha}: megatron-core's quick_gelu has 1.702 built in, so the actor "
                 "cannot match this model"
             )
+        q = getattr(c, "quantization_config", None)
+        quant = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+        if quant:
+            raise ValueError(
+                f"config.json quantization_config.quant_method={quant!r}: the actor trains 16-bit weights. Dequantize "
+                "the release once (transformers: from_pretrained(path, quantization_config=Mxfp4Config(dequantize="
+                "True), dtype=torch.bfloat16).save_pretrained(out)) and train from that folder "
+                "(docs: reference/families)"
+            )
         if not getattr(c, "attention_bias", True):
             raise ValueError("config.json attention_bias=false: GPT-OSS's converter expects biased projections")
 
