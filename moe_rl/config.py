@@ -104,7 +104,7 @@ class ModelConfig:
     path: str = ""
     """HF model folder. Empty: build the tiny model below into the run directory."""
     tiny_arch: Arch = Arch.qwen3_moe
-    """Architecture of the built-in tiny model (qwen3_moe | mixtral | olmoe | glm4_moe | deepseek_v3)."""
+    """Architecture of the built-in tiny model (qwen3_moe | mixtral | olmoe | glm4_moe | deepseek_v3 | gpt_oss)."""
     tiny_size: Size = Size.tiny
     """Size of the built-in model: tiny (1.1M parameters, the toy task) | small (10.9M: hidden 256, 6 layers, expert
     FFN 256; learns arithmetic on 2 CPU cores in minutes)."""

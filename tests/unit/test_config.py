@@ -133,7 +133,7 @@ TYPOS = {  # a value outside a key's fixed set, and the valid ones the refusal l
     "rollout.capture=hok": "config rollout.capture='hok': choose one of auto, hook, native, none",
     "model.recompute=fulll": "config model.recompute='fulll': choose one of full, selective, null",
     "model.tiny_arch=deepseek_v4": "config model.tiny_arch='deepseek_v4': choose one of qwen3_moe, mixtral, olmoe, "
-    "glm4_moe, deepseek_v3",
+    "glm4_moe, deepseek_v3, gpt_oss",
     "rollout.logprobs_mode=raw": "config rollout.logprobs_mode='raw': choose one of raw_logprobs, processed_logprobs",
     "rollout.cpu_start_method=forkserver": "config rollout.cpu_start_method='forkserver': choose one of fork, spawn",
     "actor.router_replay=r4": "config actor.router_replay='r4': choose one of r3, r2, off",
