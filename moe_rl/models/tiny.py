@@ -345,6 +345,12 @@ def build_tiny_model(spec: TinySpec, out: str | Path, check=None) -> Path:
                 p.copy_(0.2 * torch.randn_like(p))  # attention and expert biases start at zero
             elif name.endswith(".sinks"):
                 p.copy_(torch.randn_like(p))  # large enough that a sink mapped to the wrong head shows
+            if spec.arch == "gpt_oss" and (".q_proj." in name or ".k_proj." in name):
+                # No q/k norm (Qwen3-MoE's and OLMoE's bound their scores): drawn like the rest, q.k/sqrt(d) reaches
+                # ~40 with YaRN's attention factor (1.35 on q and on k), attention is one-hot and bf16 rounding of the
+                # scores outweighs every other error (k3 of bf16 vs fp32 transformers 0.22, Qwen3-MoE's tiny 0.07).
+                # Half the scale keeps the largest scores near 10 (k3 0.06), as the other tiny families have them.
+                p.mul_(0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 # Zero-initialised in HF; a trained bias moves selection away from the plain scores, so a

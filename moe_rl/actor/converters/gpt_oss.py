@@ -25,6 +25,14 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_f
 QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x)
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's `quick_gelu`, not compiled: megatron wraps its own in torch.compile (`jit_fuser`), so the
+    first forward compiled it with Inductor on the CPU (2 s) and left Inductor's compile workers behind, with which
+    about one rank exit in ten hung for good. megatron compares the function only on its fused paths, which moe-rl
+    turns off (bias_activation_fusion=False)."""
+    return x * torch.sigmoid(QUICK_GELU_ALPHA * x)
+
+
 class GptOssConverter(Converter):
     model_type = "gpt_oss"
 
@@ -84,9 +92,6 @@ class GptOssConverter(Converter):
         return problems
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
-        # heavy: megatron-core, imported on first use
-        from megatron.core.activations import quick_gelu
-
         kwargs = super().transformer_config_kwargs()
         kwargs.update(
             add_bias_linear=True,  # o_proj, the router and every expert
