@@ -197,15 +197,24 @@ class _CacheOnlyReloadFilter:
     `cos_sin_cache`, computed from the config; no checkpoint or weight sync carries them. vLLM
     0.32's `get_layer_size` still counts them as loadable, so the layer always looks "not loaded",
     and vLLM puts its existing tensors back (`_place_kernel_tensors`): the cache is unchanged. A
-    layer with parameters keeps its warning (a real missing weight still shows). Delete when vLLM
-    leaves non-persistent buffers out of `get_layer_size`."""
+    layer with parameters keeps its warning (a real missing weight still shows) and is remembered in
+    `failed`: vLLM keeps serving that layer's old weights, which the weight sync turns into an error
+    (`take`). Delete the dropping when vLLM leaves non-persistent buffers out of `get_layer_size`."""
 
     def __init__(self, layers: frozenset[str]):
         self.layers = layers
+        self.failed: list[str] = []
 
     def filter(self, record) -> bool:
         failed = record.msg == "%s: Failed to load weights" and bool(record.args)
+        if failed and str(record.args[0]) not in self.layers:
+            self.failed.append(str(record.args[0]))
         return not (failed and str(record.args[0]) in self.layers)
+
+    def take(self) -> list[str]:
+        """The layers with parameters that failed to load since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
 
 
 def cache_only_layers(model) -> frozenset[str]:
@@ -219,13 +228,17 @@ def cache_only_layers(model) -> frozenset[str]:
     )
 
 
-def quiet_cache_only_reload_warning(model) -> None:
+def quiet_cache_only_reload_warning(model) -> _CacheOnlyReloadFilter:
     """Install `_CacheOnlyReloadFilter` for `model`'s cache-only layers on vLLM's layerwise-reload
-    logger, in the calling (engine worker) process. A logger's filter sees only records created on
-    that logger, hence this exact logger, not "vllm". Idempotent."""
+    logger, in the calling (engine worker) process, and return it. A logger's filter sees only records
+    created on that logger, hence this exact logger, not "vllm". Idempotent."""
     log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _CacheOnlyReloadFilter) for f in log.filters):
-        log.addFilter(_CacheOnlyReloadFilter(cache_only_layers(model)))
+    for f in log.filters:
+        if isinstance(f, _CacheOnlyReloadFilter):
+            return f
+    f = _CacheOnlyReloadFilter(cache_only_layers(model))
+    log.addFilter(f)
+    return f
 
 
 def mark_engine_stopping(llm) -> None:

@@ -71,7 +71,9 @@ class WeightReceiver:
 
         self.moe_rl_check_weight_update()  # before anything is loaded
         model = self.model_runner.get_model()
-        quiet_cache_only_reload_warning(model)  # a rotary layer's cache is never loaded (see the filter)
+        # a rotary layer's cache is never loaded (see the filter); a layer with parameters that loads nothing is
+        self._moe_rl_reload_log = quiet_cache_only_reload_warning(model)
+        self._moe_rl_reload_log.take()
         initialize_layerwise_reload(model)
         self._moe_rl_stacker = ExpertStacker()  # GPT-OSS: experts come one by one, vLLM loads them stacked
         return True
@@ -155,6 +157,13 @@ class WeightReceiver:
         runner = self.model_runner
         model = runner.get_model()
         finalize_layerwise_reload(model, runner.vllm_config.model_config)
+        failed = self._moe_rl_reload_log.take()
+        if failed:
+            raise RuntimeError(
+                f"weight sync: vLLM loaded nothing into {sorted(set(failed))} and would keep serving their old weights "
+                "(a loader that copies past vLLM's layerwise reload, as GPT-OSS's did: moe_rl/compat/vllm.py; or an LM "
+                "head tied to the embedding, which this sync does not update: not supported yet)"
+            )
         t0 = time.perf_counter()
         repack_cpu_experts(model)
         return time.perf_counter() - t0

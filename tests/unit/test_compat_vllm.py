@@ -78,6 +78,27 @@ def test_layerwise_reload_warns_only_for_the_rotary_cache_and_keeps_it(quiet):
     assert torch.equal(model.o_proj.weight, torch.ones(4, 4))  # the real weight did load
 
 
+def test_a_layer_with_parameters_that_loads_nothing_is_remembered_for_the_weight_sync():
+    """What the weight sync raises on (rollout/weight_receiver.py): vLLM only warns and keeps the old weights."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+
+    model = _attention_like()
+    record_metadata_for_reloading(model)
+    log = logging.getLogger(LOGGER)
+    before = list(log.filters)
+    try:
+        watch = quiet_cache_only_reload_warning(model)
+        initialize_layerwise_reload(model)  # and o_proj is never sent
+        finalize_layerwise_reload(model, None)
+        assert watch.take() == ["Linear"] and watch.take() == []  # the rotary cache is not a failure
+    finally:
+        log.filters[:] = before
+
+
 @pytest.mark.parametrize("neox", [False, True])
 def test_cpu_rope_on_multi_head_3d_tensors_matches_the_native_rope(neox):
     """vLLM's CPU rotary op gets [tokens, heads, dim] inputs with several heads wrong (the DeepSeek MLA
