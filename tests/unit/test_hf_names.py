@@ -23,8 +23,8 @@ def test_a_stack_returns_when_whole_and_a_missing_slice_is_named():
     s = ExpertStacker()
     assert s.add(expert_slice("a", 0, 2), torch.zeros(2)) == []
     assert s.add("plain", torch.ones(1))[0][0] == "plain"
+    assert s.add(expert_slice("b", 0, 2), torch.zeros(2)) == []
+    [(name, t)] = s.add(expert_slice("a", 1, 2), torch.ones(2))
+    assert name == "a" and torch.equal(t, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
     with pytest.raises(ValueError, match=r"'b': \[1\]"):
-        s.add(expert_slice("b", 0, 2), torch.zeros(2))
-        [(name, t)] = s.add(expert_slice("a", 1, 2), torch.ones(2))
-        assert name == "a" and torch.equal(t, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
         s.finish()
