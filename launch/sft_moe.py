@@ -15,6 +15,7 @@ Defaults: SFTConfig in moe_rl/config.py.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -54,6 +55,9 @@ def main(cfg) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    # The libraries' Python warnings go through logging as well: all to the run's log, to the console less those the
+    # console filter (trainer/logger.py: QuietCpuEngineNotes) leaves out.
+    logging.captureWarnings(True)
     from moe_rl.config import SFTConfig, register_configs
     from moe_rl.tools.launcher import print_keys
     from moe_rl.trainer.run_dir import register_run_stamp

@@ -13,6 +13,7 @@ Defaults: the dataclasses of moe_rl/config.py; conf/ picks groups (algorithm=gsp
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -57,6 +58,9 @@ if __name__ == "__main__":
     # vLLM logs through the root logger that Hydra configures (the run's train_moe.log; WARNING and above on the
     # console) instead of its own handler on stdout.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    # The libraries' Python warnings go through logging as well: all to the run's log, to the console less those the
+    # console filter (trainer/logger.py: QuietCpuEngineNotes) leaves out.
+    logging.captureWarnings(True)
     from moe_rl.config import register_configs
     from moe_rl.tools.launcher import print_keys
     from moe_rl.trainer.run_dir import register_run_stamp

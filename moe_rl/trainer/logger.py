@@ -33,6 +33,16 @@ CPU_ENGINE_NOTES = (
     "Inductor compilation was disabled by user settings",
     "libtcmalloc is not found in LD_PRELOAD",
     "libiomp is not found in LD_PRELOAD",
+    "Reset SSM cache type to float32",
+)
+# The libraries' Python warnings (routed to logging as "py.warnings" by the launchers) that a CPU run always raises and
+# that ask nothing of the user there: Transformer Engine and Apex are GPU packages, and the rest are deprecations inside
+# megatron-core and vLLM. On a GPU every one of them is shown (a missing Transformer Engine matters there).
+CPU_LIBRARY_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed. Falling back to Torch Norm",
+    "full scope is deprecated. Use empty cuda_graph_scope",
+    "`torch.distributed.reduce_op` is deprecated",
 )
 # vLLM's loader warns once per weight when it narrows a weight to the engine's dtype: at the engine's load of a
 # float32 checkpoint and at every weight sync from a float32 actor under rollout.dtype=bfloat16 (54 lines a step on
@@ -44,10 +54,16 @@ NARROWING = ({"torch.float32", "torch.float64"}, {"torch.bfloat16", "torch.float
 
 class QuietCpuEngineNotes(logging.Filter):
     """Console filter (conf/train_moe.yaml, hydra.job_logging): drops vLLM's CPU_ENGINE_NOTES and its per-weight
-    notes of a float32 -> 16-bit cast on load (CAST_ON_LOAD); every other record, vLLM's other warnings (another
-    dtype pair included), passes."""
+    notes of a float32 -> 16-bit cast on load (CAST_ON_LOAD), and without CUDA the CPU_LIBRARY_WARNINGS; every other
+    record, vLLM's other warnings (another dtype pair included), passes. The file keeps them all."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "py.warnings":
+            # heavy: torch (hydra builds this filter before anything imports it; a warning comes after)
+            import torch
+
+            message = record.getMessage()
+            return torch.cuda.is_available() or not any(w in message for w in CPU_LIBRARY_WARNINGS)
         if not record.name.startswith("vllm"):
             return True
         if record.msg == CAST_ON_LOAD and isinstance(record.args, tuple) and len(record.args) == 3:

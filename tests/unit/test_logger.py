@@ -139,8 +139,9 @@ def test_a_step_without_an_update_shows_no_nan():
 
 def test_the_console_leaves_out_vllms_notes_on_the_cpu_engines_deliberate_settings(tmp_path, capsys):
     """conf/train_moe.yaml's job logging, as Hydra composes it: a vLLM warning about a setting moe-rl makes on purpose
-    (eager mode, no tcmalloc; the loader's per-weight note of a float32 -> bfloat16 cast) reaches train_moe.log only;
-    vLLM's other warnings and everyone else's reach both."""
+    (eager mode, no tcmalloc; the loader's per-weight note of a float32 -> bfloat16 cast), and on CPU a library's
+    Python warning about the GPU packages, reach train_moe.log only; vLLM's other warnings and everyone else's reach
+    both."""
     import logging.config
     from pathlib import Path
 
@@ -167,6 +168,9 @@ def test_the_console_leaves_out_vllms_notes_on_the_cpu_engines_deliberate_settin
             ("megatron.core", "a megatron warning", None),
             ("vllm.model_executor.models.utils", cast, ("lm_head.weight", torch.float32, torch.bfloat16)),
             ("vllm.model_executor.models.utils", cast, ("norm.weight", torch.float16, torch.bfloat16)),
+            # Python warnings, as logging.captureWarnings (the launchers) logs them
+            ("py.warnings", "x.py:24: UserWarning: Transformer Engine and Apex are not installed. Falling back", None),
+            ("py.warnings", "y.py:9: UserWarning: a warning of another kind", None),
         ]
         # straight to the root's handlers: a vLLM imported earlier in this process may have stopped its loggers'
         # propagation (VLLM_CONFIGURE_LOGGING), which the launcher turns off
@@ -183,8 +187,11 @@ def test_the_console_leaves_out_vllms_notes_on_the_cpu_engines_deliberate_settin
     console = capsys.readouterr().out
     assert "libtcmalloc" not in console and "Enforce eager" not in console
     assert "KV cache is too small" in console and "a megatron warning" in console
+    # without CUDA, a library's warning about the GPU packages is left out; any other warning shows
+    assert ("Transformer Engine and Apex" in console) == torch.cuda.is_available()
+    assert "a warning of another kind" in console
     # the float32 -> bfloat16 cast rollout.dtype asks for stays in the file; another dtype pair still shows
     assert "lm_head.weight" not in console and "norm.weight with dtype torch.float16" in console
     log = (tmp_path / "train_moe.log").read_text()
-    kept = ("libtcmalloc", "Enforce eager", "KV cache is too small", "a megatron warning", "lm_head.weight")
+    kept = ("libtcmalloc", "Enforce eager", "KV cache is too small", "a megatron warning", "lm_head.weight", "Apex")
     assert all(m in log for m in kept)
