@@ -189,6 +189,33 @@ def _cpu_experts(module):
     return experts if experts is not None and type(experts).__module__.endswith("experts.cpu_moe") else None
 
 
+def retie_shared_heads(model, failed: list[str]) -> list[str]:
+    """After a layerwise reload: rebuild the GEMM of every layer whose parameters all belong to another layer (an LM
+    head tied to the embedding: vLLM's `tie_weights` gives the head the embedding's Parameter), and return `failed`
+    without those layers' names.
+
+    Why: the sync updates the shared Parameter through the embedding, but no weight name maps to the head, so the
+    reload loads nothing into it, warns "Failed to load weights" and puts the shared Parameter back; on CPU the head's
+    products run through `cpu_linear`, which its `process_weights_after_loading` built from a packed copy of the old
+    weight (layers/utils.py, dispatch_cpu_unquantized_gemm): the engine kept sampling from the old head (1.1 nats from
+    the actor after one sync of perturbed weights). Running that step again packs the synced weight."""
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owner.setdefault(id(p), name)
+    failed = list(failed)
+    for name, module in model.named_modules():
+        params = [p for p in module._parameters.values() if p is not None]
+        quant_method = getattr(module, "quant_method", None)
+        if not params or quant_method is None or any(owner[id(p)] == name for p in params):
+            continue
+        quant_method.process_weights_after_loading(module)
+        if type(module).__name__ in failed:
+            failed.remove(type(module).__name__)
+    return failed
+
+
 class _CacheOnlyReloadFilter:
     """Drops vLLM's "<layer>: Failed to load weights" warning of a layerwise reload
     (reload/layerwise.py, finalize_layerwise_processing) for layers that cannot load anything.

@@ -152,18 +152,18 @@ class WeightReceiver:
         # heavy: vLLM, imported on first use; compat.vllm registers an at-fork hook: imported where an engine runs
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from moe_rl.compat.vllm import repack_cpu_experts
+        from moe_rl.compat.vllm import repack_cpu_experts, retie_shared_heads
 
         self._moe_rl_stacker.finish()
         runner = self.model_runner
         model = runner.get_model()
         finalize_layerwise_reload(model, runner.vllm_config.model_config)
-        failed = self._moe_rl_reload_log.take()
+        # a tied LM head loads nothing itself: its weight came through the embedding
+        failed = retie_shared_heads(model, self._moe_rl_reload_log.take())
         if failed:
             raise RuntimeError(
                 f"weight sync: vLLM loaded nothing into {sorted(set(failed))} and would keep serving their old weights "
-                "(a loader that copies past vLLM's layerwise reload, as GPT-OSS's did: moe_rl/compat/vllm.py; or an LM "
-                "head tied to the embedding, which this sync does not update: not supported yet)"
+                "(a loader that copies past vLLM's layerwise reload, as GPT-OSS's did: moe_rl/compat/vllm.py)"
             )
         t0 = time.perf_counter()
         repack_cpu_experts(model)
