@@ -189,31 +189,33 @@ def _cpu_experts(module):
     return experts if experts is not None and type(experts).__module__.endswith("experts.cpu_moe") else None
 
 
-def retie_shared_heads(model, failed: list[str]) -> list[str]:
-    """After a layerwise reload: rebuild the GEMM of every layer whose parameters all belong to another layer (an LM
-    head tied to the embedding: vLLM's `tie_weights` gives the head the embedding's Parameter), and return `failed`
-    without those layers' names.
-
-    Why: the sync updates the shared Parameter through the embedding, but no weight name maps to the head, so the
-    reload loads nothing into it, warns "Failed to load weights" and puts the shared Parameter back; on CPU the head's
-    products run through `cpu_linear`, which its `process_weights_after_loading` built from a packed copy of the old
-    weight (layers/utils.py, dispatch_cpu_unquantized_gemm): the engine kept sampling from the old head (1.1 nats from
-    the actor after one sync of perturbed weights). Running that step again packs the synced weight."""
+def shared_layers(model) -> list:
+    """`model`'s modules whose parameters all belong to another module: an LM head tied to the embedding (vLLM's
+    `tie_weights` gives the head the embedding's Parameter). A weight sync loads nothing into them by design."""
     owner: dict[int, str] = {}
     for name, module in model.named_modules():
         for p in module._parameters.values():
             if p is not None:
                 owner.setdefault(id(p), name)
-    failed = list(failed)
-    for name, module in model.named_modules():
-        params = [p for p in module._parameters.values() if p is not None]
+    return [
+        module
+        for name, module in model.named_modules()
+        if any(p is not None for p in module._parameters.values())
+        and all(owner[id(p)] != name for p in module._parameters.values() if p is not None)
+    ]
+
+
+def retie_shared_heads(model) -> None:
+    """After a layerwise reload: rebuild the matrix product of each `shared_layers` layer from the synced weight.
+
+    Why: the sync updates the shared Parameter through the embedding and the reload puts it back into the head, but on
+    CPU the head's products run through `cpu_linear`, which its `process_weights_after_loading` built from a packed
+    copy of the old weight (layers/utils.py, dispatch_cpu_unquantized_gemm): the engine kept sampling from the old
+    head (1.1 nats from the actor after one sync of perturbed weights). Running that step again packs the new one."""
+    for module in shared_layers(model):
         quant_method = getattr(module, "quant_method", None)
-        if not params or quant_method is None or any(owner[id(p)] == name for p in params):
-            continue
-        quant_method.process_weights_after_loading(module)
-        if type(module).__name__ in failed:
-            failed.remove(type(module).__name__)
-    return failed
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(module)
 
 
 class _CacheOnlyReloadFilter:
@@ -223,7 +225,9 @@ class _CacheOnlyReloadFilter:
     Why it is safe: such a layer (vLLM's RotaryEmbedding) owns only non-persistent buffers, e.g.
     `cos_sin_cache`, computed from the config; no checkpoint or weight sync carries them. vLLM
     0.32's `get_layer_size` still counts them as loadable, so the layer always looks "not loaded",
-    and vLLM puts its existing tensors back (`_place_kernel_tensors`): the cache is unchanged. A
+    and vLLM puts its existing tensors back (`_place_kernel_tensors`): the cache is unchanged. A tied
+    LM head (`shared_layers`) is the other such layer: its weight arrives through the embedding, and
+    vLLM puts the shared Parameter back (`retie_shared_heads` then rebuilds its product). Any other
     layer with parameters keeps its warning (a real missing weight still shows) and is remembered in
     `failed`: vLLM keeps serving that layer's old weights, which the weight sync turns into an error
     (`take`). Delete the dropping when vLLM leaves non-persistent buffers out of `get_layer_size`."""
@@ -256,14 +260,14 @@ def cache_only_layers(model) -> frozenset[str]:
 
 
 def quiet_cache_only_reload_warning(model) -> _CacheOnlyReloadFilter:
-    """Install `_CacheOnlyReloadFilter` for `model`'s cache-only layers on vLLM's layerwise-reload
+    """Install `_CacheOnlyReloadFilter` for `model`'s cache-only and tied layers on vLLM's layerwise-reload
     logger, in the calling (engine worker) process, and return it. A logger's filter sees only records
     created on that logger, hence this exact logger, not "vllm". Idempotent."""
     log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     for f in log.filters:
         if isinstance(f, _CacheOnlyReloadFilter):
             return f
-    f = _CacheOnlyReloadFilter(cache_only_layers(model))
+    f = _CacheOnlyReloadFilter(cache_only_layers(model) | {type(m).__name__ for m in shared_layers(model)})
     log.addFilter(f)
     return f
 

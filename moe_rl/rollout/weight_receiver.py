@@ -158,8 +158,8 @@ class WeightReceiver:
         runner = self.model_runner
         model = runner.get_model()
         finalize_layerwise_reload(model, runner.vllm_config.model_config)
-        # a tied LM head loads nothing itself: its weight came through the embedding
-        failed = retie_shared_heads(model, self._moe_rl_reload_log.take())
+        retie_shared_heads(model)  # a tied LM head: its weight came through the embedding
+        failed = self._moe_rl_reload_log.take()
         if failed:
             raise RuntimeError(
                 f"weight sync: vLLM loaded nothing into {sorted(set(failed))} and would keep serving their old weights "

@@ -13,7 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from moe_rl.compat.vllm import _CacheOnlyReloadFilter, cache_only_layers, quiet_cache_only_reload_warning
+from moe_rl.compat.vllm import (
+    _CacheOnlyReloadFilter,
+    cache_only_layers,
+    quiet_cache_only_reload_warning,
+    shared_layers,
+)
 
 LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -97,6 +102,45 @@ def test_a_layer_with_parameters_that_loads_nothing_is_remembered_for_the_weight
         assert watch.take() == ["Linear"] and watch.take() == []  # the rotary cache is not a failure
     finally:
         log.filters[:] = before
+
+
+def test_a_tied_head_loads_nothing_by_design_and_is_neither_warned_about_nor_a_failure():
+    """An LM head tied to the embedding (vLLM's `tie_weights`: the head holds the embedding's Parameter) gets its
+    weight through the embedding; the reload's "Failed to load weights" for it is expected, not a stale layer."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.embed.weight.weight_loader = default_weight_loader
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    assert shared_layers(model) == [model.head] and shared_layers(_attention_like()) == []
+    record_metadata_for_reloading(model)
+    log = logging.getLogger(LOGGER)
+    before = list(log.filters)
+    records: list[logging.LogRecord] = []
+    grab = logging.Handler(logging.WARNING)
+    grab.emit = records.append
+    try:
+        watch = quiet_cache_only_reload_warning(model)
+        log.addHandler(grab)
+        initialize_layerwise_reload(model)
+        model.embed.weight.weight_loader(model.embed.weight, torch.ones(8, 4))
+        finalize_layerwise_reload(model, None)
+        assert watch.take() == [] and records == []
+    finally:
+        log.filters[:] = before
+        log.removeHandler(grab)
+    assert model.head.weight is model.embed.weight and torch.equal(model.head.weight, torch.ones(8, 4))
 
 
 @pytest.mark.parametrize("neox", [False, True])
