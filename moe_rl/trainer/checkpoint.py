@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
 import re
 import shutil
@@ -249,6 +250,9 @@ def _agreed(fn, root: Path, step: int, partial: Path) -> None:
         # said at once: if this rank left `fn` inside a collective the others are still in, the gather below pairs
         # with theirs and nothing after it is reliable
         say(f"[moe-rl] checkpoint step {step}: {error}")
+        # and where it was raised: a failure that is not the disk's (an intermittent one in a library) is then
+        # located by the first run that meets it
+        logging.getLogger("moe_rl").warning("checkpoint step %d: rank %d: traceback", step, rank, exc_info=e)
     free = shutil.disk_usage(root).free if error is not None else None  # before the partial save is removed
     gathered = all_gather_objects((error, free))
     if not all(isinstance(g, tuple) and len(g) == 2 for g in gathered):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import traceback
 
 import pytest
 import torch
@@ -281,7 +282,7 @@ def test_missing_latest_target_points_to_the_older_checkpoint(trained):
         checkpoint.resolve_resume(older.parent, "auto_skip_damaged")
 
 
-def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch, capsys):
+def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch, capsys, caplog):
     from megatron.core import dist_checkpointing
 
     chunks, opt, path = trained
@@ -300,6 +301,10 @@ def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch, cap
     assert f"checkpoint step 3: saving to {path.parent} failed (rank 0: OSError: disk full (injected))" in message
     # said by the failing rank at once, before the ranks compare notes (a collective that may go wrong)
     assert "[moe-rl] checkpoint step 3: rank 0: OSError: disk full (injected)" in capsys.readouterr().out
+    # with the traceback (a warning: the console shows it), down to the frame that raised
+    (logged,) = [r for r in caplog.records if r.getMessage() == "checkpoint step 3: rank 0: traceback"]
+    assert logged.levelname == "WARNING" and logged.exc_info[2] is not None
+    assert "save_model_then_fail" in "".join(traceback.format_exception(*logged.exc_info))
     assert "MiB free of" in message and f"{path.name}, " in message and "stays the one `latest` names" in message
     assert not (path.parent / ".step_000003.partial").exists()  # the half-written save is removed
     assert not (path.parent / "step_000003").exists()
