@@ -6,6 +6,7 @@ function says what it needs and when to delete it."""
 from __future__ import annotations
 
 import functools
+import glob
 import logging
 import os
 import signal
@@ -138,6 +139,29 @@ def shorten_busy_loop(seconds: float) -> bool:
     if init.__code__.co_varnames[init.__code__.co_argcount - 1] != "busy_loop_s" or len(init.__defaults__ or ()) != 1:
         return False
     init.__defaults__ = (float(seconds),)
+    return True
+
+
+def numa_nodes() -> int:
+    """This machine's NUMA nodes (Linux sysfs; 1 where it has none to show)."""
+    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
+
+
+def bind_memory_only_across_numa_nodes() -> bool:
+    """vLLM 0.32's CPU worker binds its memory to its first core's NUMA node (`torch.ops._C.init_cpu_memory_env`),
+    and the C++ op says so with a torch warning that no logging setting reaches: one line per engine on every run's
+    console. On a machine of one NUMA node the binding changes nothing (all memory is on that node), so there the
+    call is skipped; on several nodes it runs, warning included (it matters there). False (nothing changed) where
+    the machine has several nodes or this vLLM has no such op. Delete when vLLM logs the binding through logging."""
+    if numa_nodes() > 1:
+        return False
+    # heavy: vLLM's C++ ops, imported on first use (they register torch.ops._C)
+    import torch
+    import vllm._C  # noqa: F401
+
+    if not hasattr(torch.ops._C, "init_cpu_memory_env"):
+        return False
+    torch.ops._C.init_cpu_memory_env = lambda node_ids: None  # the worker looks the op up on the namespace each time
     return True
 
 

@@ -29,6 +29,10 @@ def register() -> None:
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
         if "torch._dynamo" in sys.modules:  # an engine core forked from a rank (compat.vllm.engine_core_by_fork)
             sys.modules["torch._dynamo"].config.disable = True
+        # vLLM loads this plugin in each of its processes: compat.vllm (an at-fork hook) only where asked
+        from moe_rl.compat.vllm import bind_memory_only_across_numa_nodes
+
+        bind_memory_only_across_numa_nodes()
     value = os.environ.get(BUSY_LOOP_ENV)
     if not value:
         return

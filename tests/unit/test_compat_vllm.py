@@ -7,6 +7,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -16,6 +18,7 @@ from torch import nn
 from moe_rl.compat.vllm import (
     _CacheOnlyReloadFilter,
     cache_only_layers,
+    numa_nodes,
     quiet_cache_only_reload_warning,
     shared_layers,
 )
@@ -187,6 +190,34 @@ def test_busy_loop_plugin_sets_the_spin_only_when_asked(monkeypatch):
     monkeypatch.setenv(vllm_plugin.BUSY_LOOP_ENV, "0.05")
     vllm_plugin.register()
     assert SpinCondition.__init__.__defaults__ == (0.05,)
+
+
+@pytest.mark.skipif(numa_nodes() > 1, reason="the binding runs, and warns, on a machine of several NUMA nodes")
+def test_a_cpu_engine_on_one_numa_node_skips_the_memory_binding_and_its_warning():
+    """vLLM's CPU worker binds memory to a NUMA node through a C++ op that warns on stderr (no logging setting
+    reaches it): a line per engine on every run's first screen. moe-rl's plugin, in a CPU engine's process on a
+    machine of one node, replaces the op by nothing; the real op, called before, printed its line."""
+    script = (
+        "import multiprocessing, torch, vllm._C\n"
+        "torch.ops._C.init_cpu_memory_env([0])\n"
+        "print('--- plugin', flush=True)\n"
+        "multiprocessing.current_process().name = 'EngineCore_DP0'\n"
+        "from moe_rl.compat import vllm_plugin\n"
+        "vllm_plugin.register()\n"
+        "torch.ops._C.init_cpu_memory_env([0])\n"
+    )
+    env = {**os.environ, "MOE_RL_VLLM_ENGINE": "1", "MOE_RL_VLLM_CPU_ENGINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    before, after = out.split("--- plugin")  # one pipe, in the order written
+    assert "NUMA binding" in before and "NUMA binding" not in after
 
 
 def test_an_engine_is_forked_only_from_a_process_with_one_openmp_thread(monkeypatch, capsys):
