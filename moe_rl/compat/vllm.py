@@ -155,10 +155,13 @@ def bind_memory_only_across_numa_nodes() -> bool:
     the machine has several nodes or this vLLM has no such op. Delete when vLLM logs the binding through logging."""
     if numa_nodes() > 1:
         return False
-    # heavy: vLLM's C++ ops, imported on first use (they register torch.ops._C)
+    # heavy: torch and vLLM's C++ ops (they register torch.ops._C), imported on first use
     import torch
-    import vllm._C  # noqa: F401
 
+    try:
+        import vllm._C  # noqa: F401
+    except ImportError:  # vLLM says so itself where its worker needs them
+        return False
     if not hasattr(torch.ops._C, "init_cpu_memory_env"):
         return False
     torch.ops._C.init_cpu_memory_env = lambda node_ids: None  # the worker looks the op up on the namespace each time
