@@ -169,7 +169,7 @@ class _ShmStream:
     def send(self, buf: _BucketBuffer, manifest: list) -> None:
         """Hand every worker one bucket; returns when all of them copied it out of the buffer."""
         for conn in self.conns:
-            conn.send((buf.path, buf.nbytes, manifest))
+            self._send(conn, (buf.path, buf.nbytes, manifest))
         for conn in self.conns:
             while not conn.poll(0.5):
                 if self.call.done():  # the engine call ended early (a worker failed or died)
@@ -180,6 +180,14 @@ class _ShmStream:
                 self._engine_failed()
             if taken != len(manifest):
                 raise RolloutEngineError(f"weight sync: an engine worker took {taken} of {len(manifest)} tensors")
+
+    def _send(self, conn, message) -> None:
+        """A message to a worker; one that failed and closed its socket (the update's error is the engine call's)
+        makes the send raise that error instead of a broken pipe."""
+        try:
+            conn.send(message)
+        except OSError:  # BrokenPipeError, ConnectionResetError: the worker hung up
+            self._engine_failed()
 
     def _engine_failed(self) -> NoReturn:
         """Raise the engine call's error (it ended, or a worker hung up), with what was going on."""
@@ -195,7 +203,7 @@ class _ShmStream:
         """End the stream, after checking the workers loaded `tensors`; the seconds they spent in vLLM's load
         (`engine_load_seconds`, repack included) and in the CPU experts' repack alone (max over workers)."""
         for conn in self.conns:
-            conn.send(None)
+            self._send(conn, None)
         if self.call.exception() is not None:
             self._engine_failed()
         answers = self.call.result()
