@@ -176,7 +176,7 @@ class _ShmStream:
                     self._engine_failed()
             try:
                 taken = conn.recv()
-            except EOFError:
+            except (EOFError, OSError):  # the worker hung up (a reset connection raises OSError)
                 self._engine_failed()
             if taken != len(manifest):
                 raise RolloutEngineError(f"weight sync: an engine worker took {taken} of {len(manifest)} tensors")
