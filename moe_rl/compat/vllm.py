@@ -6,7 +6,6 @@ function says what it needs and when to delete it."""
 from __future__ import annotations
 
 import functools
-import glob
 import logging
 import os
 import signal
@@ -142,21 +141,19 @@ def shorten_busy_loop(seconds: float) -> bool:
     return True
 
 
-def numa_nodes() -> int:
-    """This machine's NUMA nodes (Linux sysfs; 1 where it has none to show)."""
-    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
-
-
 def bind_memory_only_across_numa_nodes() -> bool:
     """vLLM 0.32's CPU worker binds its memory to its first core's NUMA node (`torch.ops._C.init_cpu_memory_env`),
     and the C++ op says so with a torch warning that no logging setting reaches: one line per engine on every run's
-    console. On a machine of one NUMA node the binding changes nothing (all memory is on that node), so there the
-    call is skipped; on several nodes it runs, warning included (it matters there). False (nothing changed) where
-    the machine has several nodes or this vLLM has no such op. Delete when vLLM logs the binding through logging."""
-    if numa_nodes() > 1:
-        return False
-    # heavy: torch and vLLM's C++ ops (they register torch.ops._C), imported on first use
+    console. Where the process may use the memory of one NUMA node only (vLLM's own `get_visible_memory_node`, the
+    list the worker picks from) the binding changes nothing, so there the call is skipped; with several nodes it runs,
+    warning included (it matters there). False (nothing changed) where several nodes are visible or this vLLM has no
+    such op. Delete when vLLM logs the binding through logging."""
+    # heavy: torch and vLLM (its C++ ops register torch.ops._C), imported on first use
     import torch
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    if len(get_visible_memory_node()) > 1:
+        return False
 
     try:
         import vllm._C  # noqa: F401
