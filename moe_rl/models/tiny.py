@@ -411,6 +411,10 @@ def built_in_model(run_dir: str | Path, arch: str, size: str, seed: int) -> str:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0 and not (path / "config.json").is_file():
         build_tiny_model(TinySpec(arch=arch, seed=seed, **SIZES[size]), path)
+    elif rank != 0:
+        # heavy: transformers, imported here while rank 0 builds (1-3 s), not after: this rank reads the model's
+        # config and tokenizer with it next
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return str(path)

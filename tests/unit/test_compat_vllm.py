@@ -3,6 +3,7 @@ layer (and nothing else), puts its cache back untouched, and the filter drops ex
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -328,3 +329,34 @@ def test_a_second_stop_signal_inside_the_first_does_not_hang_the_engine_core(mon
         assert ran == [1] and callback._event._cond._lock.sent
     finally:
         signal.signal(signal.SIGUSR2, handler)
+
+
+class _Marker:
+    """An object of the parent's heap, found (or not) among the collector's objects in a forked child."""
+
+
+def test_an_engine_forked_from_a_rank_freezes_the_heap_it_inherits(monkeypatch):
+    """In an engine core forked from a rank (compat.vllm.engine_core_by_fork) the rank's objects are frozen before
+    vLLM runs anything, so the engine's full collections skip them; objects the engine makes are collected as
+    usual. Another fork of the rank (megatron's checkpoint writer) keeps its heap as it is."""
+    from moe_rl.compat import vllm as compat_vllm
+
+    marker = _Marker()
+
+    def child_sees(forking_engine: bool) -> list[bool]:
+        monkeypatch.setattr(compat_vllm, "_FORKING_ENGINE", forking_engine)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the at-fork hook has run; report and leave without pytest's teardown
+            fresh = _Marker()
+            tracked = {id(o) for o in gc.get_objects() if type(o) is _Marker}
+            os.write(write, bytes([id(marker) in tracked, id(fresh) in tracked]))
+            os._exit(0)
+        os.close(write)
+        seen = os.read(read, 2)
+        os.close(read)
+        assert os.waitpid(pid, 0)[1] == 0
+        return [bool(b) for b in seen]
+
+    assert child_sees(forking_engine=True) == [False, True]
+    assert child_sees(forking_engine=False) == [True, True]
