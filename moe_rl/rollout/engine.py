@@ -10,6 +10,7 @@ after each rollout while the actor trains; the weight sync wakes the weights, sa
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import threading
@@ -433,6 +434,9 @@ class RolloutEngine:
                 self.llm = LLM(**kwargs)
         except Exception as e:
             self._reaper.close()
+            # The half-built client's sockets and threads are finalized now, not by a later collection that may
+            # fall inside the next engine's start (as shutdown() does for a started engine)
+            gc.collect()
             raise RolloutEngineError(f"vLLM engine for {cfg.model} failed to start: {e}") from e
         # The engine core and its workers: watched while we wait on the engine, because a
         # killed engine core can leave vLLM's client blocked forever (seen with 0.32 on CPU).
@@ -511,9 +515,9 @@ class RolloutEngine:
         except Exception:  # with its processes gone a client may fail to close cleanly; nothing is left to stop
             pass
         finally:
-            # No gc.collect() here: a full collection walks the rank's whole heap (0.4 s of CPU per rank at every
-            # run's end) and frees nothing the kill and the reaper have not already ended.
             del self.llm
+            # the client's sockets and threads finalized now, not by a collection inside the next engine's start
+            gc.collect()
             self._reaper.close()  # the engine's shared-memory segments and socket files
 
     @property
