@@ -144,6 +144,26 @@ def collapsed(val: dict[int, float], rewards: list[float], window: int = 5) -> b
     return False
 
 
+def refusal(cell: Cell) -> str | None:
+    """Why the trainer would refuse this cell on this machine (its config check, e.g. true on-policy with a bf16
+    engine on a CPU with AMX), or None."""
+    # heavy: hydra and moe-rl's config (torch), imported on first use
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(REPO))
+    from moe_rl.config import ConfigError, register_configs, validate
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="arithmetic_rl", overrides=cell.overrides()))
+    try:
+        validate(cfg, world_size=2)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def run_cell(cell: Cell, seed: int, sft: Path, out: Path, steps: int, val_every: int) -> dict:
     name = f"{cell.name}_seed{seed}"
     work = out / name
@@ -295,8 +315,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sft {a.sft}: no config.json there (an HF folder, e.g. the recipe's OUT_DIR/sft/hf)")
     a.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    sft = a.sft.resolve() if a.sft else build_sft(a.out.resolve())
     cells, seeds = (QUICK, a.seeds or [1]) if a.quick else (MATRIX, a.seeds or [1, 2])
+    # cells this machine's trainer refuses: said before any work (the SFT build included), left out, listed in the JSON
+    not_run = [{"name": c.name, "why": why} for c in cells if (why := refusal(c))]
+    for skipped in not_run:
+        print(f"[stability] {skipped['name']}: not run on this machine: {skipped['why']}", file=sys.stderr, flush=True)
+    cells = [c for c in cells if c.name not in {n["name"] for n in not_run}]
+    sft = a.sft.resolve() if a.sft else build_sft(a.out.resolve())
     results = []
     for i, (cell, seed) in enumerate((c, s) for c in cells for s in seeds):
         r = run_cell(cell, seed, sft, a.out.resolve(), a.steps, a.val_every)
@@ -305,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['test_pass@1']:.3f} (best-val step {r['best_step']}: {r['best_test_pass@1']:.3f}), k3 "
               f"{r['k3_kl_mean']}, {r['minutes']} min", file=sys.stderr, flush=True)  # fmt: skip
     settings = {"sft": str(sft), "steps": a.steps, "val_every": a.val_every, "seeds": seeds, "quick": a.quick}
+    settings["not_run"] = not_run
     settings["minutes"] = round((time.perf_counter() - start) / 60, 1)
     return write_report({"cells": results, "settings": settings}, a.out)
 
