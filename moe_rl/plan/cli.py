@@ -6,11 +6,16 @@ Examples:
       actor.distributed_optimizer=true rollout.dtype=bfloat16 data.max_prompt_tokens=1024 sampling.max_tokens=4096
   moe-rl-plan --model deepseek-v3 --gpus 8 --gpu-memory-gib 80 parallel.ep=8 model.dtype=bfloat16 --json
   moe-rl-plan --model /models/GLM-4.5-Air --gpus 16 --gpu-memory-gib 80 --search parallel.tp=4
+  moe-rl-plan --model deepseek-v3 --gpu-memory-gib 80 --search --assume engine-across-nodes --assume uneven-pp \\
+      --assume optimizer-offload model.dtype=bfloat16 model.transformer_engine=true actor.distributed_optimizer=true
 
 --model: a preset (published configurations, no weights), an HF folder or a config.json. The overrides are the
 trainer's (launch/train_moe.py's keys, `python launch/train_moe.py --keys` lists them), checked as the trainer checks
 them on GPUs. Exact rows: parameters, gradients, optimizer states, KV bytes per token, route records; estimates:
 activations and the engine's workspace (docs/guides/planning.md gives every formula and its source).
+
+--assume NAME plans as if moe-rl had a feature that peers' published layouts for the largest models rely on (the
+trainer refuses such a layout or does not do it; the plan says so):
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import sys
 from collections import Counter
 
 from moe_rl.common.errors import ConfigError
+from moe_rl.plan.assume import ASSUMPTIONS, assumptions, describe
 from moe_rl.plan.memory import GIB
 from moe_rl.plan.planner import make_plan, render
 from moe_rl.plan.search import KEYS, engine_never_fits, search, smallest, stderr
@@ -29,7 +35,9 @@ from moe_rl.plan.spec import load_spec, preset_names
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="moe-rl-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="moe-rl-plan",
+        description=__doc__ + "\n".join(describe(ASSUMPTIONS)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help=f"preset ({', '.join(preset_names())}), HF folder or config.json")
     p.add_argument("--gpus", type=int, help="GPUs of the run (world size); may be left out with --search")
@@ -40,6 +48,14 @@ def _parser() -> argparse.ArgumentParser:
         help="list the layouts that fit, best first (without --gpus: "
         "the smallest multiple of 8 GPUs on which one does)",
     )
+    p.add_argument(
+        "--assume",
+        action="append",
+        choices=list(ASSUMPTIONS),
+        default=[],
+        metavar="NAME",
+        help=f"plan as if moe-rl had this feature ({', '.join(ASSUMPTIONS)}); may be repeated",
+    )
     p.add_argument("--top", type=int, default=5, help="--search: layouts shown (default 5)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.add_argument("overrides", nargs="*", help="training config overrides, key=value (parallel.tp=2 model.dtype=...)")
@@ -48,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     p = _parser()
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # overrides may sit between the options
     if a.gpus is None and not a.search:
         p.error("--gpus is required without --search")
     if a.gpus is not None and a.gpus < 1:
@@ -72,25 +88,27 @@ def _run(a: argparse.Namespace) -> int:
     spec = load_spec(a.model)
     cfg = build_config(a.overrides)
     gpu_bytes = int(a.gpu_memory_gib * GIB)
+    assumed = assumptions(a.assume)
     if not a.search:
-        plan = make_plan(spec, cfg, a.gpus, gpu_bytes)
+        plan = make_plan(spec, cfg, a.gpus, gpu_bytes, assumed=assumed)
         print(json.dumps(plan.as_dict(), indent=1) if a.json else render(plan, cfg))
         return 0 if plan.fits else 1
     fixed = {k: int(o.split("=", 1)[1]) for o in a.overrides for k in KEYS if o.startswith(k + "=")}
     progress = None if a.json else stderr
-    if why := engine_never_fits(spec, cfg, gpu_bytes, fixed):
+    if why := engine_never_fits(spec, cfg, gpu_bytes, fixed, assumed):
         if a.json:
-            print(json.dumps({"fits": False, "min_gpus": None, "layout": None, "reason": why}, indent=1))
+            out = {"fits": False, "min_gpus": None, "layout": None, "reason": why, "assumed": sorted(assumed)}
+            print(json.dumps(out, indent=1))
         else:
             print(f"no layout fits: {why}")
         return 1
     refused: list[str] = []
     if a.gpus is not None:
-        plans = search(spec, cfg, a.gpus, gpu_bytes, fixed, progress, refused)
+        plans = search(spec, cfg, a.gpus, gpu_bytes, fixed, progress, refused, assumed)
     else:
-        plans = smallest(spec, cfg, gpu_bytes, fixed, progress=progress, refused=refused)
+        plans = smallest(spec, cfg, gpu_bytes, fixed, progress=progress, refused=refused, assumed=assumed)
     if a.json:
-        out = {"fits": bool(plans), "layouts": [pl.as_dict() for pl in plans[: a.top]]}
+        out = {"fits": bool(plans), "assumed": sorted(assumed), "layouts": [pl.as_dict() for pl in plans[: a.top]]}
         if not a.gpus:
             out["min_gpus"] = plans[0].layout.gpus if plans else None
         out["layout"] = plans[0].layout.as_dict() if plans else None
@@ -98,13 +116,15 @@ def _run(a: argparse.Namespace) -> int:
         return 0 if plans else 1
     if not plans:
         where = f"{a.gpus} GPUs" if a.gpus else "any multiple of 8 GPUs up to 1024"
-        print(f"no layout the trainer accepts fits on {where} of {a.gpu_memory_gib:g} GiB")
+        given = f" with --assume {' '.join(sorted(assumed))}" if assumed else ""
+        print(f"no layout the trainer accepts{given} fits on {where} of {a.gpu_memory_gib:g} GiB")
         if refused:  # e.g. a key given on the command line that no layout can satisfy
             reason, n = Counter(refused).most_common(1)[0]
             print(f"the trainer refused {len(refused)} of the layouts tried; the most common reason ({n}): {reason}")
         return 1
     if not a.gpus:
-        print(f"smallest GPU count that fits: {plans[0].layout.gpus}")
+        given = f" with --assume {' '.join(sorted(assumed))}" if assumed else ""
+        print(f"smallest GPU count that fits{given}: {plans[0].layout.gpus}")
     print("best first: fewest tp*pp*cp, then ep*etp, then engine TP, then largest margin")
     for pl in plans[: a.top]:
         print(f"  {pl.layout.describe()}: fullest GPU {pl.peak / GIB:.1f} GiB, margin {pl.margin / GIB:+.1f} GiB")

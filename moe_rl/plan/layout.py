@@ -9,7 +9,10 @@ from typing import Any
 
 from moe_rl.common.errors import ConfigError
 from moe_rl.common.platform import as_on_cuda
+from moe_rl.plan.params import stage_sizes
 from moe_rl.plan.spec import ModelSpec
+
+GPUS_PER_NODE = 8  # an engine's workers share one node: its leader's
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class Layout:
     dp: int
     engines: int
     engine_tp: int
+    assumed: frozenset[str] = frozenset()  # moe_rl.plan.assume: what-if features the plan rests on
 
     @property
     def expert_dp(self) -> int:
@@ -41,7 +45,8 @@ class Layout:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"expert_dp": self.expert_dp}
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "assumed"}
+        return out | {"expert_dp": self.expert_dp, "assumed": sorted(self.assumed)}
 
 
 def build_config(overrides: list[str]) -> Any:
@@ -76,21 +81,29 @@ def build_config(overrides: list[str]) -> Any:
         raise ConfigError(f"config: {e}".splitlines()[0]) from e
 
 
-def check_model_layout(spec: ModelSpec, parallel: Any, engine_tp: int) -> None:
-    """What the trainer's moe_rl.actor.model.check_divisibility refuses, plus the engine's vLLM rule."""
+def check_model_layout(spec: ModelSpec, parallel: Any, engine_tp: int, assumed: frozenset[str] = frozenset()) -> None:
+    """What the trainer's moe_rl.actor.model.check_divisibility refuses, plus the engine's vLLM rule; `--assume
+    uneven-pp` lifts the rule that parallel.pp divides the layer count (stage_sizes lays such stages out)."""
     # heavy: the actor's model module (torch, megatron-core), imported on first use
     from moe_rl.actor.model import check_sizes_divide
 
     s = spec
-    check_sizes_divide(parallel, s.num_heads, s.num_kv_heads, s.num_experts, s.moe_ffn, s.num_layers)
+    layers = s.num_layers
+    if "uneven-pp" in assumed and layers % parallel.pp:
+        if parallel.vpp:
+            raise ConfigError(f"config parallel.vpp: {parallel.vpp} with --assume uneven-pp; leave parallel.vpp unset")
+        stage_sizes(layers, parallel.pp)  # refuses more stages than layers
+        layers = parallel.pp  # every other rule as the trainer's
+    check_sizes_divide(parallel, s.num_heads, s.num_kv_heads, s.num_experts, s.moe_ffn, layers)
     if spec.num_heads % engine_tp:  # vLLM: "Total number of attention heads must be divisible by tensor parallel size"
         raise ConfigError(
             f"config rollout.tensor_parallel_size: {engine_tp} does not divide num_attention_heads={spec.num_heads}"
         )
 
 
-def check(cfg: Any, spec: ModelSpec, gpus: int) -> Layout:
-    """The trainer's validation of `cfg` on `gpus` ranks (as on GPUs) and the model's divisibility; the Layout."""
+def check(cfg: Any, spec: ModelSpec, gpus: int, assumed: frozenset[str] = frozenset()) -> Layout:
+    """The trainer's validation of `cfg` on `gpus` ranks (as on GPUs) and the model's divisibility, less what the
+    what-if features `assumed` (moe_rl.plan.assume) lift; the Layout."""
     # heavy: the training config imports torch and every part's config section
     from moe_rl.config import validate
 
@@ -98,13 +111,18 @@ def check(cfg: Any, spec: ModelSpec, gpus: int) -> Layout:
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
     with as_on_cuda():
         validate(cfg, gpus)
-    check_model_layout(spec, cfg.parallel, cfg.rollout.tensor_parallel_size)
+    check_model_layout(spec, cfg.parallel, cfg.rollout.tensor_parallel_size, assumed)
+    if cfg.rollout.tensor_parallel_size > GPUS_PER_NODE and "engine-across-nodes" not in assumed:
+        raise ConfigError(
+            f"config rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} GPUs: an engine's workers share "
+            f"their leader's node ({GPUS_PER_NODE} GPUs); --assume engine-across-nodes plans as if they did not"
+        )
     if cfg.algorithm.advantage == "gae" and spec.tie_embeddings:  # moe_rl.critic.Critic refuses it when built
         raise ConfigError(f"{spec.name}: a critic of a model with tied embeddings is not supported yet")
-    return layout_of(cfg, gpus)
+    return layout_of(cfg, gpus, assumed)
 
 
-def layout_of(cfg: Any, gpus: int) -> Layout:
+def layout_of(cfg: Any, gpus: int, assumed: frozenset[str] = frozenset()) -> Layout:
     """The Layout of an already validated `cfg` on `gpus` ranks."""
     p, r = cfg.parallel, cfg.rollout
     dp = p.data_parallel_size(gpus)
@@ -116,4 +134,4 @@ def layout_of(cfg: Any, gpus: int) -> Layout:
             f"{engines} engine(s) lead every {spacing} GPU(s) of PP stage 0 (an engine's workers take its leader's GPU "
             "and the ones after it); use fewer rollout.engines or a smaller engine TP"
         )
-    return Layout(gpus, p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp, dp, engines, r.tensor_parallel_size)
+    return Layout(gpus, p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp, dp, engines, r.tensor_parallel_size, assumed)

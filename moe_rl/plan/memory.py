@@ -32,6 +32,11 @@ that allocates them. Estimates (activations, engine workspace) state their formu
 - Engine workspace: vLLM's profiled peak, estimated as one forward of max_num_batched_tokens (default 8192) tokens,
   tokens * (4*h + 2*topk*h + 4*topk*moe_ffn/tp) * dtype, plus max_num_seqs (256) rows of fp32 logits, plus
   ENGINE_OVERHEAD for the CUDA context and graphs (an assumption, not measured).
+- What-if features (`--assume`, moe_rl.plan.assume): optimizer-offload moves the optimizer-state row to host memory
+  (the fp32 main grads stay on the GPU: megatron's HybridDeviceOptimizer copies them to the host for its CPU step);
+  trainer-offload: a GPU shared by a trainer rank and an engine worker holds at most the larger of the engine's
+  budget (generating, the trainer's states on the host) and the trainer's total + ENGINE_OVERHEAD (training, the
+  engine asleep); uneven-pp: params.stage_sizes.
 """
 
 from __future__ import annotations
@@ -172,6 +177,14 @@ def activations(spec: ModelSpec, cfg: Any, layout: Layout, layers: list[int], st
 
 
 def _optimizer_rows(rp: RankParams, cfg: Any, layout: Layout, what: str, distributed: bool) -> list[Row]:
+    rows = _optimizer_rows_on_gpu(rp, cfg, layout, what, distributed)
+    if "optimizer-offload" in layout.assumed:  # master weights and moments in host memory; the grads stay
+        state = rows[-1]
+        rows[-1] = Row(state.name, state.bytes, f"host memory (--assume optimizer-offload): {state.note}", host=True)
+    return rows
+
+
+def _optimizer_rows_on_gpu(rp: RankParams, cfg: Any, layout: Layout, what: str, distributed: bool) -> list[Row]:
     pb = DTYPE_BYTES[str(cfg.model.dtype)]
     if distributed:
         state = 12 if pb == 2 else 8  # fp32 master (16-bit params only) + exp_avg + exp_avg_sq
@@ -314,9 +327,11 @@ def verdicts(
     asleep = max(static_bytes(first) + e["budget_bytes"], first.total + ENGINE_OVERHEAD)
     sleep = cfg.rollout.sleep_while_training
     peak = asleep if sleep else awake
-    if not sleep and awake > gpu_bytes and asleep <= gpu_bytes:
+    if "trainer-offload" in layout.assumed:  # generating: the engine alone; training: the trainer, the engine asleep
+        peak = max(e["budget_bytes"], first.total + ENGINE_OVERHEAD)
+    elif not sleep and awake > gpu_bytes and asleep <= gpu_bytes:
         notes.append("trainer and engine fit together only with rollout.sleep_while_training=true")
-    if static_bytes(first) + e["budget_bytes"] > gpu_bytes:
+    if static_bytes(first) + e["budget_bytes"] > gpu_bytes and "trainer-offload" not in layout.assumed:
         room = (gpu_bytes - static_bytes(first)) / gpu_bytes
         notes.append(
             f"the trainer's states leave {max(room, 0):.2f} of the GPU for the engine: lower "

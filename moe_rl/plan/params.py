@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_rl.common.errors import ConfigError
 from moe_rl.plan.spec import ModelSpec
 
 
@@ -122,13 +123,34 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return padded_vocab_size(vocab_size, tp)
 
 
+def stage_sizes(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers per pipeline stage. Equal when pp divides num_layers (the actor's split); otherwise (only under
+    `--assume uneven-pp`) as megatron's num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage lay
+    them out: the pp - 2 middle stages m layers each, the first and last stage the rest between them (the last one
+    more when it is odd), m chosen so that the largest stage is smallest."""
+    if num_layers % pp == 0:
+        return [num_layers // pp] * pp
+    if pp == 2:
+        return [num_layers // 2, num_layers - num_layers // 2]
+    ends = {m: num_layers - m * (pp - 2) for m in range(1, -(-num_layers // pp) + 1)}  # m -> first + last
+    options = [(max(m, rest - rest // 2), m) for m, rest in ends.items() if rest >= 2]
+    if not options:
+        raise ConfigError(f"parallel.pp={pp}: more pipeline stages than num_hidden_layers={num_layers}")
+    m = min(options)[1]
+    rest = num_layers - m * (pp - 2)
+    return [rest // 2, *[m] * (pp - 2), rest - rest // 2]
+
+
 def stage_layers(num_layers: int, pp: int, vpp: int | None, stage: int) -> list[int]:
-    """Decoder layers held by pipeline rank `stage`: one contiguous block (no vpp), or vpp blocks of
+    """Decoder layers held by pipeline rank `stage`: one contiguous block (no vpp; stage_sizes), or vpp blocks of
     num_layers / (pp * vpp) layers, chunk v holding block v * pp + stage (megatron's interleaved order)."""
-    chunks = vpp or 1
-    per = num_layers // (pp * chunks)
+    if not vpp:
+        sizes = stage_sizes(num_layers, pp)
+        first = sum(sizes[:stage])
+        return list(range(first, first + sizes[stage]))
+    per = num_layers // (pp * vpp)
     out = []
-    for v in range(chunks):
+    for v in range(vpp):
         first = (v * pp + stage) * per
         out += range(first, first + per)
     return out

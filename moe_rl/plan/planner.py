@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from moe_rl.plan.assume import describe
 from moe_rl.plan.layout import Layout, check
 from moe_rl.plan.memory import GIB, GpuVerdict, RankTable, engine_table, lengths, trainer_table, verdicts
 from moe_rl.plan.params import ParamCounts, active, count
@@ -52,10 +53,17 @@ class Plan:
         }
 
 
-def make_plan(spec: ModelSpec, cfg: Any, gpus: int, gpu_bytes: int, layout: Layout | None = None) -> Plan:
-    """Validate `cfg` on `gpus` ranks as the trainer would (unless `layout` is given, already checked) and size
-    every kind of rank."""
-    layout = layout or check(cfg, spec, gpus)
+def make_plan(
+    spec: ModelSpec,
+    cfg: Any,
+    gpus: int,
+    gpu_bytes: int,
+    layout: Layout | None = None,
+    assumed: frozenset[str] = frozenset(),
+) -> Plan:
+    """Validate `cfg` on `gpus` ranks as the trainer would, less what the what-if features `assumed` lift (unless
+    `layout` is given, already checked), and size every kind of rank."""
+    layout = layout or check(cfg, spec, gpus, assumed)
     counts = count(spec)
     trainers = [trainer_table(spec, counts, cfg, layout, s) for s in range(layout.pp)]
     engine = engine_table(spec, counts, cfg, layout, gpu_bytes)
@@ -75,6 +83,9 @@ def render(plan: Plan, cfg: Any) -> str:
     if c.mtp:
         out.append(f"  MTP layers ({s.num_mtp_layers}): {c.mtp / 1e9:.2f}B more, not trained by moe-rl, not counted")
     out.append(f"layout {plan.layout.describe()}")
+    if plan.layout.assumed:
+        out.append("ASSUMED, as if moe-rl had it (the trainer refuses such a layout or does not do this):")
+        out += describe(plan.layout.assumed)
     out.append(
         f"samples: {cfg.data.prompts_per_step} prompts x {cfg.sampling.n} per data-parallel rank, "
         f"{ln.prompt} + {ln.response} tokens each (data.max_prompt_tokens / sampling.max_tokens)"
@@ -98,6 +109,8 @@ def render(plan: Plan, cfg: Any) -> str:
         out.append(f"{mark} {g.label} x{g.count}: {g.peak / GIB:.2f} of {plan.gpu_bytes / GIB:.1f} GiB")
         out += [f"     - {n}" for n in g.notes]
     verdict = "fits" if plan.fits else "does NOT fit"
+    if plan.layout.assumed:
+        verdict += f" (with --assume {' '.join(sorted(plan.layout.assumed))})"
     out.append(
         f"verdict: {verdict}; fullest GPU {plan.peak / GIB:.2f} GiB, margin {plan.margin / GIB:+.2f} GiB "
         f"(activations and engine workspace are estimates)"

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from moe_rl.common.errors import ConfigError
+from moe_rl.plan.assume import ENGINE_TP_ACROSS_NODES
 from moe_rl.plan.kv import engine_dtype_bytes
 from moe_rl.plan.layout import check
 from moe_rl.plan.memory import GIB
@@ -39,19 +40,25 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def _choices(spec: ModelSpec, gpus: int, fixed: dict[str, int]) -> Iterator[dict[str, int]]:
+def _engine_tps(assumed: frozenset[str]) -> list[int]:
+    return list(POWERS) + (list(ENGINE_TP_ACROSS_NODES) if "engine-across-nodes" in assumed else [])
+
+
+def _choices(spec: ModelSpec, gpus: int, fixed: dict[str, int], assumed: frozenset[str]) -> Iterator[dict[str, int]]:
     def values(key: str, options: list[int]) -> list[int]:
         return [fixed[key]] if key in fixed else [v for v in options if v <= gpus]
 
+    stages = min(gpus, 32, spec.num_layers)
+    pps = list(range(1, stages + 1)) if "uneven-pp" in assumed else _divisors(spec.num_layers, stages)
     for tp in values("parallel.tp", list(POWERS)):
-        for pp in values("parallel.pp", _divisors(spec.num_layers, min(gpus // tp, 32))):
+        for pp in values("parallel.pp", [p for p in pps if p <= gpus // tp]):
             for cp in values("parallel.cp", [1, 2]):
                 if gpus % (tp * pp * cp):
                     continue
                 dp = gpus // (tp * pp * cp)
                 for ep in values("parallel.ep", _divisors(spec.num_experts, gpus)):
                     for etp in values("parallel.etp", sorted({1, tp})):
-                        for engine_tp in values("rollout.tensor_parallel_size", list(POWERS)):
+                        for engine_tp in values("rollout.tensor_parallel_size", _engine_tps(assumed)):
                             for engines in values("rollout.engines", _divisors(dp, dp)):
                                 yield {
                                     "parallel.tp": tp,
@@ -64,13 +71,16 @@ def _choices(spec: ModelSpec, gpus: int, fixed: dict[str, int]) -> Iterator[dict
                                 }
 
 
-def engine_never_fits(spec: ModelSpec, base: Any, gpu_bytes: int, fixed: dict[str, int]) -> str | None:
+def engine_never_fits(
+    spec: ModelSpec, base: Any, gpu_bytes: int, fixed: dict[str, int], assumed: frozenset[str] = frozenset()
+) -> str | None:
     """Why no layout can fit whatever the GPU count, when an engine worker's weights alone exceed what
     rollout.gpu_memory_utilization gives it at every engine TP the search may use (an engine's workers share one
-    node: TP <= 8); else None."""
+    node: TP <= 8, unless engine-across-nodes is assumed); else None."""
     counts, r = count(spec), base.rollout
     budget = r.gpu_memory_utilization * gpu_bytes
-    options = [fixed["rollout.tensor_parallel_size"]] if "rollout.tensor_parallel_size" in fixed else list(POWERS)
+    key = "rollout.tensor_parallel_size"
+    options = [fixed[key]] if key in fixed else _engine_tps(assumed)
     tp = max(options)
     weights = engine_rank_params(spec, counts, tp) * engine_dtype_bytes(r.dtype)
     if weights <= budget:
@@ -79,7 +89,12 @@ def engine_never_fits(spec: ModelSpec, base: Any, gpu_bytes: int, fixed: dict[st
         f"an engine worker's {r.dtype} weights alone take {weights / GIB:.1f} GiB at "
         f"rollout.tensor_parallel_size={tp}, "
         f"more than rollout.gpu_memory_utilization={r.gpu_memory_utilization} x {gpu_bytes / GIB:g} GiB = "
-        f"{budget / GIB:.1f} GiB: no GPU count helps (engine TP stays within one 8-GPU node)"
+        f"{budget / GIB:.1f} GiB: no GPU count helps"
+        + (
+            ""
+            if "engine-across-nodes" in assumed
+            else " (engine TP stays within one 8-GPU node; --assume engine-across-nodes plans as if it did not)"
+        )
     )
 
 
@@ -97,18 +112,20 @@ def search(
     fixed: dict[str, int],
     progress: Callable[[str], None] | None = None,
     refused: list[str] | None = None,
+    assumed: frozenset[str] = frozenset(),
 ) -> list[Plan]:
     """Every accepted layout on `gpus` GPUs that fits, best first. `refused`: collects why each layout that the
-    trainer refuses was refused (to say so when the keys given leave none)."""
+    trainer refuses was refused (to say so when the keys given leave none). `assumed`: what-if features
+    (moe_rl.plan.assume) that widen what is accepted."""
     found, tried, start, said = [], 0, time.monotonic(), 0.0
-    for choice in _choices(spec, gpus, fixed):
+    for choice in _choices(spec, gpus, fixed, assumed):
         tried += 1
         cfg = copy.deepcopy(base)
         for key, value in choice.items():
             section, name = KEYS[key]
             setattr(getattr(cfg, section), name, value)
         try:
-            layout = check(cfg, spec, gpus)
+            layout = check(cfg, spec, gpus, assumed)
         except ConfigError as e:
             if refused is not None:
                 refused.append(str(e))
@@ -134,13 +151,14 @@ def smallest(
     max_gpus: int = 1024,
     progress: Callable[[str], None] | None = None,
     refused: list[str] | None = None,
+    assumed: frozenset[str] = frozenset(),
 ) -> list[Plan]:
     """The layouts that fit on the smallest multiple of 8 GPUs (up to max_gpus) on which any does; [] if none."""
     for gpus in range(8, max_gpus + 1, 8):
         if progress:
             progress(f"trying {gpus} GPUs")
         try:
-            plans = search(spec, base, gpus, gpu_bytes, fixed, progress, refused)
+            plans = search(spec, base, gpus, gpu_bytes, fixed, progress, refused, assumed)
         except ConfigError:  # the keys given leave no layout on this count; a larger one may have some
             continue
         if plans:

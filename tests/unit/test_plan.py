@@ -12,8 +12,8 @@ from moe_rl.common.errors import ConfigError
 from moe_rl.plan.cli import main
 from moe_rl.plan.kv import kv_bytes_per_token
 from moe_rl.plan.layout import build_config, check
-from moe_rl.plan.memory import GIB
-from moe_rl.plan.params import active, count, padded_vocab, trainer_rank_params
+from moe_rl.plan.memory import ENGINE_OVERHEAD, GIB
+from moe_rl.plan.params import active, count, padded_vocab, stage_layers, stage_sizes, trainer_rank_params
 from moe_rl.plan.planner import make_plan
 from moe_rl.plan.search import search
 from moe_rl.plan.spec import PRESETS_DIR, load_spec, preset_names, spec_from_config
@@ -266,3 +266,98 @@ def test_the_command_line_refuses_counts_that_cannot_be(capsys):
         with pytest.raises(SystemExit) as done:
             main(["--model", "qwen3-30b-a3b", "--gpu-memory-gib", "80", *flags])
         assert done.value.code == 2 and "must be" in capsys.readouterr().err
+
+
+def test_uneven_stages_are_megatrons_first_and_last_stage_layout():
+    """--assume uneven-pp: where parallel.pp does not divide the layers, the stages are those megatron builds with
+    num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage set to the plan's ends."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    assert stage_sizes(48, 4) == [12] * 4  # the actor's even split where pp divides
+    for layers, pp in [(61, 12), (61, 11), (61, 8), (61, 3), (61, 2), (7, 4)]:
+        sizes = stage_sizes(layers, pp)
+        assert sum(sizes) == layers and min(sizes) >= 1 and max(sizes) <= -(-layers // pp) + 1
+        c = TransformerConfig(
+            num_layers=layers,
+            hidden_size=64,
+            num_attention_heads=4,
+            pipeline_model_parallel_size=pp,
+            pipeline_dtype=torch.float32,
+            num_layers_in_first_pipeline_stage=sizes[0],
+            num_layers_in_last_pipeline_stage=sizes[-1],
+        )
+        megatron = [
+            (get_transformer_layer_offset(c, pp_rank=r), get_num_layers_to_build(c, pp_rank=r)) for r in range(pp)
+        ]
+        assert megatron == [(sum(sizes[:r]), sizes[r]) for r in range(pp)]
+        assert [len(stage_layers(layers, pp, None, r)) for r in range(pp)] == sizes
+    with pytest.raises(ConfigError, match="more pipeline stages than num_hidden_layers=5"):
+        stage_sizes(5, 8)
+
+
+def test_assumptions_lift_only_their_own_rule_and_move_only_their_own_bytes():
+    spec = load_spec("deepseek-v3")
+    dist = [*GPU_BASE, "actor.distributed_optimizer=true", "model.recompute=full", "data.max_prompt_tokens=1024"]
+    uneven = build_config([*dist, "parallel.pp=8", "parallel.ep=8"])
+    with pytest.raises(ConfigError, match="parallel.pp\\*vpp=8 does not divide num_hidden_layers=61"):
+        check(uneven, spec, 64)
+    layout = check(uneven, spec, 64, frozenset({"uneven-pp"}))
+    plan = make_plan(spec, uneven, 64, 80 * GIB, layout)
+    assert [t.parameters_per_rank for t in plan.tables[:-1]] == [
+        trainer_rank_params(spec, count(spec), 1, 8, None, 8, 1, s).total for s in range(8)
+    ]
+    with pytest.raises(ConfigError, match="parallel.vpp"):
+        check(build_config([*dist, "parallel.pp=8", "parallel.vpp=2"]), spec, 64, frozenset({"uneven-pp"}))
+    wide = build_config([*dist, "parallel.pp=8", "rollout.tensor_parallel_size=16", "rollout.engines=1"])
+    with pytest.raises(ConfigError, match="--assume engine-across-nodes"):
+        check(wide, spec, 128, frozenset({"uneven-pp"}))
+    assert check(wide, spec, 128, frozenset({"uneven-pp", "engine-across-nodes"})).engine_tp == 16
+
+    # optimizer-offload: the optimizer-state row, and only it, leaves the GPU's total
+    qwen, cfg = load_spec("qwen3-30b-a3b"), build_config(dist[:-1])
+    on_gpu = make_plan(qwen, cfg, 8, 80 * GIB).tables[0]
+    offload = make_plan(qwen, cfg, 8, 80 * GIB, assumed=frozenset({"optimizer-offload"})).tables[0]
+    state = next(r for r in offload.rows if r.name == "optimizer state")
+    assert state.host and state.bytes > 0 and offload.total == on_gpu.total - state.bytes
+    # trainer-offload: a shared GPU holds the engine's budget or the trainer and a sleeping engine, whichever is more
+    shared = make_plan(qwen, cfg, 8, 80 * GIB, assumed=frozenset({"trainer-offload"}))
+    engine = shared.tables[-1].extra["budget_bytes"]
+    assert shared.gpus[-1].peak == max(engine, shared.tables[0].total + ENGINE_OVERHEAD)
+    assert make_plan(qwen, cfg, 8, 80 * GIB).gpus[-1].peak == shared.tables[0].total + engine
+
+
+def test_deepseek_v3_fits_only_with_what_moe_rl_lacks(capsys):
+    """The layout the search reports as DeepSeek-V3's smallest with the three assumptions (docs/guides/planning.md):
+    refused without them, with the reason; fits with them, and the JSON says what it assumed."""
+    base = [
+        "--model",
+        "deepseek-v3",
+        "--gpu-memory-gib",
+        "79.6",
+        "--json",
+        *GPU_BASE,
+        "actor.distributed_optimizer=true",
+    ]
+    base += ["data.max_prompt_tokens=1024", "sampling.max_tokens=4096", "rollout.gpu_memory_utilization=0.9"]
+    base += ["rollout.sleep_while_training=true", "model.recompute=full", "parallel.tp=2", "parallel.ep=4"]
+    base += ["parallel.etp=2"]
+    with pytest.raises(SystemExit) as done:
+        main([*base, "--search", "--gpus", "352"])
+    out = json.loads(capsys.readouterr().out)
+    assert done.value.code == 1 and out["fits"] is False and "engine-across-nodes" in out["reason"]
+    assume = ["--assume", "engine-across-nodes", "--assume", "uneven-pp", "--assume", "optimizer-offload"]
+    layout = ["parallel.pp=11", "rollout.tensor_parallel_size=32", "rollout.engines=1"]
+    with pytest.raises(SystemExit) as done:
+        main([*base, *assume, *layout, "--search", "--gpus", "352"])
+    out = json.loads(capsys.readouterr().out)
+    assert done.value.code == 0 and out["fits"] and out["assumed"] == sorted(assume[1::2])
+    assert out["layout"]["pp"] == 11 and out["layout"]["engine_tp"] == 32 and out["layout"]["assumed"] == out["assumed"]
+    with pytest.raises(SystemExit) as done:
+        main([*base, *assume[:4], *layout, "--gpus", "352"])  # one plan, without the optimizer offload
+    assert done.value.code == 1 and not json.loads(capsys.readouterr().out)["fits"]
+    with pytest.raises(SystemExit) as done:
+        main([*base, "--assume", "cpu-adam", "--gpus", "8"])
+    assert done.value.code == 2 and "invalid choice: 'cpu-adam'" in capsys.readouterr().err

@@ -1,0 +1,54 @@
+"""What-if plans: features that the layouts peers publish for the largest models rely on and moe-rl lacks.
+
+`moe-rl-plan --assume NAME` plans as if moe-rl had NAME; the trainer itself refuses such a layout or does not do
+it, and every plan made so says which assumptions it rests on. docs/guides/planning.md sets them beside the peers'
+published layouts.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterable
+
+from moe_rl.common.errors import ConfigError
+
+ASSUMPTIONS = {
+    "engine-across-nodes": (
+        "an engine's tensor parallelism spans nodes: rollout.tensor_parallel_size 16, 32 or 64 (vLLM over Ray, as "
+        "verl's vLLM TP32 for DeepSeek-V3); moe-rl's engine workers share their leader's node (TP <= 8)"
+    ),
+    "uneven-pp": (
+        "pipeline stages of unequal layer counts (megatron's num_layers_in_first_pipeline_stage / "
+        "num_layers_in_last_pipeline_stage), so parallel.pp need not divide the layer count; moe-rl's actor splits "
+        "the layers evenly"
+    ),
+    "optimizer-offload": (
+        "fp32 master weights and Adam moments in host memory, the optimizer step on the CPU (megatron's "
+        "optimizer_cpu_offload with optimizer_offload_fraction=1; slime's --optimizer-cpu-offload); moe-rl keeps them "
+        "on the GPU"
+    ),
+    "trainer-offload": (
+        "the trainer's parameters, gradients and optimizer states leave the GPU while its colocated engine generates, "
+        "and the engine sleeps while the trainer trains (verl's param/grad/optimizer offload, slime's --colocate); "
+        "moe-rl's trainer keeps its states on the GPU"
+    ),
+}
+"""Name -> what it assumes, who relies on it, and what moe-rl does instead."""
+
+ENGINE_TP_ACROSS_NODES = (16, 32, 64)  # engine TPs the search adds with engine-across-nodes
+
+
+def assumptions(names: Iterable[str] | None) -> frozenset[str]:
+    """The set of `names`, each one of ASSUMPTIONS (ConfigError naming the unknown one and the choices)."""
+    out = frozenset(names or ())
+    for name in sorted(out - ASSUMPTIONS.keys()):
+        raise ConfigError(f"--assume {name}: not an assumption; choose from {', '.join(ASSUMPTIONS)}")
+    return out
+
+
+def describe(assumed: Iterable[str]) -> list[str]:
+    """Each assumption and what it means, wrapped to 118 columns, for the plan's text and --help."""
+    return [
+        textwrap.fill(f"{name}: {ASSUMPTIONS[name]}", 118, initial_indent="  ", subsequent_indent="    ")
+        for name in sorted(assumed)
+    ]
