@@ -73,15 +73,18 @@ def load_hf_config(hf_dir: str | Path) -> Any:
 
 def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
     """Refuse parallel sizes that do not divide the model, or that its architecture cannot run, naming the key."""
+    moe_layers = [i for i, moe in enumerate(conv.moe_layer_pattern()) if moe]
     check_sizes_divide(
-        parallel, conv.num_heads, conv.num_kv, conv.num_experts, conv.moe_ffn_hidden_size, conv.num_layers
+        parallel, conv.num_heads, conv.num_kv, conv.num_experts, conv.moe_ffn_hidden_size, conv.num_layers, moe_layers
     )
     problems = conv.layout_problems(parallel)
     if problems:
         raise ConfigError(f"invalid parallel layout for model_type={conv.model_type!r}: " + "; ".join(problems))
 
 
-def check_sizes_divide(parallel, num_heads: int, num_kv: int, num_experts: int, moe_ffn: int, num_layers: int) -> None:
+def check_sizes_divide(
+    parallel, num_heads: int, num_kv: int, num_experts: int, moe_ffn: int, num_layers: int, moe_layers=()
+) -> None:
     """check_divisibility on the model's sizes alone (the planner has no converter): one ConfigError naming every
     parallel.* key that does not divide its size."""
     problems = []
@@ -95,8 +98,10 @@ def check_sizes_divide(parallel, num_heads: int, num_kv: int, num_experts: int, 
     need(num_kv % t == 0, f"parallel.tp={t} does not divide num_key_value_heads={num_kv}")
     need(num_experts % parallel.ep == 0, f"parallel.ep={parallel.ep} does not divide num_experts={num_experts}")
     need(moe_ffn % parallel.etp == 0, f"parallel.etp={parallel.etp} does not divide the expert FFN size {moe_ffn}")
-    stages = parallel.pp * (parallel.vpp or 1)
-    need(num_layers % stages == 0, f"parallel.pp*vpp={stages} does not divide num_hidden_layers={num_layers}")
+    try:
+        parallel.rank_layers(num_layers, moe_layers)
+    except ConfigError as e:
+        problems.append(str(e))
     if problems:
         raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
 
@@ -135,6 +140,8 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
+        num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
+        num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,

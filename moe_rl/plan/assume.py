@@ -17,11 +17,6 @@ ASSUMPTIONS = {
         "an engine's tensor parallelism spans nodes: rollout.tensor_parallel_size 16, 32 or 64 (vLLM over Ray, as "
         "verl's vLLM TP32 for DeepSeek-V3); moe-rl's engine workers share their leader's node (TP <= 8)"
     ),
-    "uneven-pp": (
-        "pipeline stages of unequal layer counts (megatron's num_layers_in_first_pipeline_stage / "
-        "num_layers_in_last_pipeline_stage), so parallel.pp need not divide the layer count; moe-rl's actor splits "
-        "the layers evenly"
-    ),
     "optimizer-offload": (
         "fp32 master weights and Adam moments in host memory, the optimizer step on the CPU (megatron's "
         "optimizer_cpu_offload with optimizer_offload_fraction=1; slime's --optimizer-cpu-offload); moe-rl keeps them "

@@ -6,7 +6,7 @@ Examples:
       actor.distributed_optimizer=true rollout.dtype=bfloat16 data.max_prompt_tokens=1024 sampling.max_tokens=4096
   moe-rl-plan --model deepseek-v3 --gpus 8 --gpu-memory-gib 80 parallel.ep=8 model.dtype=bfloat16 --json
   moe-rl-plan --model /models/GLM-4.5-Air --gpus 16 --gpu-memory-gib 80 --search parallel.tp=4
-  moe-rl-plan --model deepseek-v3 --gpu-memory-gib 80 --search --assume engine-across-nodes --assume uneven-pp \\
+  moe-rl-plan --model deepseek-v3 --gpu-memory-gib 80 --search --assume engine-across-nodes \\
       --assume optimizer-offload model.dtype=bfloat16 model.transformer_engine=true actor.distributed_optimizer=true
 
 --model: a preset (published configurations, no weights), an HF folder or a config.json. The overrides are the
@@ -93,7 +93,7 @@ def _run(a: argparse.Namespace) -> int:
         plan = make_plan(spec, cfg, a.gpus, gpu_bytes, assumed=assumed)
         print(json.dumps(plan.as_dict(), indent=1) if a.json else render(plan, cfg))
         return 0 if plan.fits else 1
-    fixed = {k: int(o.split("=", 1)[1]) for o in a.overrides for k in KEYS if o.startswith(k + "=")}
+    fixed = {k: _int(o.split("=", 1)[1]) for o in a.overrides for k in KEYS if o.startswith(k + "=")}
     progress = None if a.json else stderr
     if why := engine_never_fits(spec, cfg, gpu_bytes, fixed, assumed):
         if a.json:
@@ -131,6 +131,11 @@ def _run(a: argparse.Namespace) -> int:
     print()
     print(render(plans[0], cfg))
     return 0
+
+
+def _int(value: str) -> int | None:
+    """A searched key's value from the command line (null: unset, as Hydra reads it)."""
+    return None if value in ("null", "None", "~") else int(value)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from typing import Any
 
 from moe_rl.common.errors import ConfigError
 from moe_rl.common.platform import as_on_cuda
-from moe_rl.plan.params import stage_sizes
 from moe_rl.plan.spec import ModelSpec
 
 GPUS_PER_NODE = 8  # an engine's workers share one node: its leader's
@@ -29,6 +28,8 @@ class Layout:
     dp: int
     engines: int
     engine_tp: int
+    first_stage_layers: int | None = None  # parallel.first_stage_layers / last_stage_layers (None: equal stages)
+    last_stage_layers: int | None = None
     assumed: frozenset[str] = frozenset()  # moe_rl.plan.assume: what-if features the plan rests on
 
     @property
@@ -39,6 +40,8 @@ class Layout:
 
     def describe(self) -> str:
         vpp = f" vpp={self.vpp}" if self.vpp else ""
+        if self.first_stage_layers or self.last_stage_layers:
+            vpp += f" (first stage {self.first_stage_layers or '='}, last {self.last_stage_layers or '='} layers)"
         return (
             f"{self.gpus} GPUs: tp={self.tp} pp={self.pp}{vpp} cp={self.cp} ep={self.ep} etp={self.etp} dp={self.dp}; "
             f"{self.engines} engine(s) x tp={self.engine_tp}"
@@ -81,20 +84,13 @@ def build_config(overrides: list[str]) -> Any:
         raise ConfigError(f"config: {e}".splitlines()[0]) from e
 
 
-def check_model_layout(spec: ModelSpec, parallel: Any, engine_tp: int, assumed: frozenset[str] = frozenset()) -> None:
-    """What the trainer's moe_rl.actor.model.check_divisibility refuses, plus the engine's vLLM rule; `--assume
-    uneven-pp` lifts the rule that parallel.pp divides the layer count (stage_sizes lays such stages out)."""
+def check_model_layout(spec: ModelSpec, parallel: Any, engine_tp: int) -> None:
+    """What the trainer's moe_rl.actor.model.check_divisibility refuses, plus the engine's vLLM rule."""
     # heavy: the actor's model module (torch, megatron-core), imported on first use
     from moe_rl.actor.model import check_sizes_divide
 
     s = spec
-    layers = s.num_layers
-    if "uneven-pp" in assumed and layers % parallel.pp:
-        if parallel.vpp:
-            raise ConfigError(f"config parallel.vpp: {parallel.vpp} with --assume uneven-pp; leave parallel.vpp unset")
-        stage_sizes(layers, parallel.pp)  # refuses more stages than layers
-        layers = parallel.pp  # every other rule as the trainer's
-    check_sizes_divide(parallel, s.num_heads, s.num_kv_heads, s.num_experts, s.moe_ffn, layers)
+    check_sizes_divide(parallel, s.num_heads, s.num_kv_heads, s.num_experts, s.moe_ffn, s.num_layers, s.moe_layers)
     if spec.num_heads % engine_tp:  # vLLM: "Total number of attention heads must be divisible by tensor parallel size"
         raise ConfigError(
             f"config rollout.tensor_parallel_size: {engine_tp} does not divide num_attention_heads={spec.num_heads}"
@@ -111,7 +107,7 @@ def check(cfg: Any, spec: ModelSpec, gpus: int, assumed: frozenset[str] = frozen
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
     with as_on_cuda():
         validate(cfg, gpus)
-    check_model_layout(spec, cfg.parallel, cfg.rollout.tensor_parallel_size, assumed)
+    check_model_layout(spec, cfg.parallel, cfg.rollout.tensor_parallel_size)
     if cfg.rollout.tensor_parallel_size > GPUS_PER_NODE and "engine-across-nodes" not in assumed:
         raise ConfigError(
             f"config rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} GPUs: an engine's workers share "
@@ -134,4 +130,5 @@ def layout_of(cfg: Any, gpus: int, assumed: frozenset[str] = frozenset()) -> Lay
             f"{engines} engine(s) lead every {spacing} GPU(s) of PP stage 0 (an engine's workers take its leader's GPU "
             "and the ones after it); use fewer rollout.engines or a smaller engine TP"
         )
-    return Layout(gpus, p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp, dp, engines, r.tensor_parallel_size, assumed)
+    ends = (p.first_stage_layers, p.last_stage_layers)
+    return Layout(gpus, p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp, dp, engines, r.tensor_parallel_size, *ends, assumed)

@@ -36,7 +36,7 @@ that allocates them. Estimates (activations, engine workspace) state their formu
   (the fp32 main grads stay on the GPU: megatron's HybridDeviceOptimizer copies them to the host for its CPU step);
   trainer-offload: a GPU shared by a trainer rank and an engine worker holds at most the larger of the engine's
   budget (generating, the trainer's states on the host) and the trainer's total + ENGINE_OVERHEAD (training, the
-  engine asleep); uneven-pp: params.stage_sizes.
+  engine asleep).
 """
 
 from __future__ import annotations
@@ -215,8 +215,10 @@ def _optimizer_rows_on_gpu(rp: RankParams, cfg: Any, layout: Layout, what: str, 
 def trainer_table(spec: ModelSpec, counts: ParamCounts, cfg: Any, layout: Layout, stage: int) -> RankTable:
     """The rows of one trainer rank of pipeline stage `stage`."""
     pb = DTYPE_BYTES[str(cfg.model.dtype)]
-    rp = trainer_rank_params(spec, counts, layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp, stage)
-    layers = stage_layers(spec.num_layers, layout.pp, layout.vpp, stage)
+    lay = layout
+    ends = (lay.first_stage_layers, lay.last_stage_layers)
+    rp = trainer_rank_params(spec, counts, lay.tp, lay.pp, lay.vpp, lay.ep, lay.etp, stage, *ends)
+    layers = stage_layers(spec.num_layers, lay.pp, lay.vpp, stage, *ends)
     seq = lengths(cfg, spec).sequence
     rows = [Row("parameters", rp.total * pb, f"{rp.total / 1e9:.2f}B x {cfg.model.dtype}")]
     rows += _optimizer_rows(rp, cfg, layout, "", cfg.actor.distributed_optimizer)

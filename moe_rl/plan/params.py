@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_rl.common.errors import ConfigError
 from moe_rl.plan.spec import ModelSpec
 
 
@@ -123,37 +122,29 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return padded_vocab_size(vocab_size, tp)
 
 
-def stage_sizes(num_layers: int, pp: int) -> list[int]:
-    """Decoder layers per pipeline stage. Equal when pp divides num_layers (the actor's split); otherwise (only under
-    `--assume uneven-pp`) as megatron's num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage lay
-    them out: the pp - 2 middle stages m layers each, the first and last stage the rest between them (the last one
-    more when it is odd), m chosen so that the largest stage is smallest."""
-    if num_layers % pp == 0:
-        return [num_layers // pp] * pp
-    if pp == 2:
-        return [num_layers // 2, num_layers - num_layers // 2]
-    ends = {m: num_layers - m * (pp - 2) for m in range(1, -(-num_layers // pp) + 1)}  # m -> first + last
-    options = [(max(m, rest - rest // 2), m) for m, rest in ends.items() if rest >= 2]
-    if not options:
-        raise ConfigError(f"parallel.pp={pp}: more pipeline stages than num_hidden_layers={num_layers}")
-    m = min(options)[1]
-    rest = num_layers - m * (pp - 2)
-    return [rest // 2, *[m] * (pp - 2), rest - rest // 2]
+def balanced_ends(num_layers: int, pp: int, min_first: int = 1) -> tuple[int, int] | None:
+    """parallel.first_stage_layers / last_stage_layers for pp stages where pp does not divide num_layers: the pp - 2
+    middle stages m layers each, first + last the rest, first >= min_first (the first stage then reaches an MoE
+    layer), both >= 1, chosen so that the largest stage is smallest; None when no such split exists."""
+    options = []
+    for m in range(1, -(-num_layers // pp) + 1):
+        rest = num_layers - m * (pp - 2)
+        for first in range(min_first, rest):
+            options.append((max(m, first, rest - first), -first, first, rest - first))
+    return min(options)[2:] if options else None
 
 
-def stage_layers(num_layers: int, pp: int, vpp: int | None, stage: int) -> list[int]:
-    """Decoder layers held by pipeline rank `stage`: one contiguous block (no vpp; stage_sizes), or vpp blocks of
-    num_layers / (pp * vpp) layers, chunk v holding block v * pp + stage (megatron's interleaved order)."""
-    if not vpp:
-        sizes = stage_sizes(num_layers, pp)
-        first = sum(sizes[:stage])
-        return list(range(first, first + sizes[stage]))
-    per = num_layers // (pp * vpp)
-    out = []
-    for v in range(vpp):
-        first = (v * pp + stage) * per
-        out += range(first, first + per)
-    return out
+def stage_layers(
+    num_layers: int, pp: int, vpp: int | None, stage: int, first: int | None = None, last: int | None = None
+) -> list[int]:
+    """Decoder layers held by pipeline rank `stage`, as the actor lays them out
+    (moe_rl.actor.parallel.ParallelConfig.rank_layers: first / last are parallel.first_stage_layers /
+    last_stage_layers)."""
+    # heavy: the actor's parallel module (torch), imported on first use
+    from moe_rl.actor.parallel import ParallelConfig
+
+    config = ParallelConfig(pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    return config.rank_layers(num_layers)[stage]
 
 
 @dataclass(frozen=True)
@@ -169,13 +160,22 @@ class RankParams:
 
 
 def trainer_rank_params(
-    spec: ModelSpec, counts: ParamCounts, tp: int, pp: int, vpp: int | None, ep: int, etp: int, stage: int
+    spec: ModelSpec,
+    counts: ParamCounts,
+    tp: int,
+    pp: int,
+    vpp: int | None,
+    ep: int,
+    etp: int,
+    stage: int,
+    first: int | None = None,
+    last: int | None = None,
 ) -> RankParams:
     """Parameters of one megatron rank on pipeline stage `stage`: its layers' shares (dense over TP, experts over
     EP x ETP), the padded embedding (V_pad / TP) on the first stage, the output layer and final norm on the last. A
     tied embedding with pp > 1 is held on both ends (megatron keeps a copy on the last stage)."""
     dense = experts = 0
-    for i in stage_layers(spec.num_layers, pp, vpp, stage):
+    for i in stage_layers(spec.num_layers, pp, vpp, stage, first, last):
         layer = counts.layers[i]
         dense += layer.per_rank(tp, 1, spec.num_kv_heads) - layer.experts
         experts += layer.experts // (ep * etp)

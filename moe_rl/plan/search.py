@@ -1,5 +1,6 @@
-"""Search layouts: every TP, PP, CP, EP, ETP, engine TP and engine count the trainer accepts (the same checks as
-one plan) that fits on N GPUs; or the smallest multiple of 8 GPUs on which one fits.
+"""Search layouts: every TP, PP (megatron's uneven first / last stages where PP does not divide the layers: the
+most balanced split whose first stage reaches an MoE layer), CP, EP, ETP, engine TP and engine count the trainer
+accepts (the same checks as one plan) that fits on N GPUs; or the smallest multiple of 8 GPUs on which one fits.
 
 Best first: fewest model-parallel ranks (tp x pp x cp), then the fewest expert-parallel ranks (ep x etp), then the
 smallest engine TP, then the largest margin on the fullest GPU. Keys set on the command line stay fixed.
@@ -18,7 +19,7 @@ from moe_rl.plan.assume import ENGINE_TP_ACROSS_NODES
 from moe_rl.plan.kv import engine_dtype_bytes
 from moe_rl.plan.layout import check
 from moe_rl.plan.memory import GIB
-from moe_rl.plan.params import count, engine_rank_params
+from moe_rl.plan.params import balanced_ends, count, engine_rank_params
 from moe_rl.plan.planner import Plan, make_plan
 from moe_rl.plan.spec import ModelSpec
 
@@ -28,6 +29,8 @@ KEYS = {
     "parallel.cp": ("parallel", "cp"),
     "parallel.ep": ("parallel", "ep"),
     "parallel.etp": ("parallel", "etp"),
+    "parallel.first_stage_layers": ("parallel", "first_stage_layers"),
+    "parallel.last_stage_layers": ("parallel", "last_stage_layers"),
     "rollout.tensor_parallel_size": ("rollout", "tensor_parallel_size"),
     "rollout.engines": ("rollout", "engines"),
 }
@@ -49,9 +52,17 @@ def _choices(spec: ModelSpec, gpus: int, fixed: dict[str, int], assumed: frozens
         return [fixed[key]] if key in fixed else [v for v in options if v <= gpus]
 
     stages = min(gpus, 32, spec.num_layers)
-    pps = list(range(1, stages + 1)) if "uneven-pp" in assumed else _divisors(spec.num_layers, stages)
+    min_first = min(spec.moe_layers, default=0) + 1  # the first stage reaches an MoE layer
+    uneven = ("parallel.first_stage_layers", "parallel.last_stage_layers")
     for tp in values("parallel.tp", list(POWERS)):
-        for pp in values("parallel.pp", [p for p in pps if p <= gpus // tp]):
+        for pp in values("parallel.pp", [p for p in range(1, stages + 1) if p <= gpus // tp]):
+            if any(k in fixed for k in uneven):
+                ends = tuple(fixed.get(k) for k in uneven)
+            elif spec.num_layers % pp:  # megatron's uneven stages (first / last), as balanced as they go
+                if (ends := balanced_ends(spec.num_layers, pp, min_first)) is None:
+                    continue
+            else:
+                ends = (None, None)
             for cp in values("parallel.cp", [1, 2]):
                 if gpus % (tp * pp * cp):
                     continue
@@ -63,6 +74,8 @@ def _choices(spec: ModelSpec, gpus: int, fixed: dict[str, int], assumed: frozens
                                 yield {
                                     "parallel.tp": tp,
                                     "parallel.pp": pp,
+                                    "parallel.first_stage_layers": ends[0],
+                                    "parallel.last_stage_layers": ends[1],
                                     "parallel.cp": cp,
                                     "parallel.ep": ep,
                                     "parallel.etp": etp,

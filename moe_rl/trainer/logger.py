@@ -120,11 +120,15 @@ def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> li
         engines = f"no engine (samples from {cfg.trainer.dump_dir})"
     objective = f"{POLICY_LOSSES.name_of(a.loss)} + {CORRECTIONS.name_of(a.correction)}, advantage {a.advantage}"
     replay = cfg.actor.router_replay
+    stages = ""
+    if p.first_stage_layers or p.last_stage_layers:  # megatron's uneven stages
+        stages = f" (stages of {'/'.join(map(str, p.stage_layers(moe.num_layers)))} layers)"
     return [
         f"run {run_dir}: metrics.jsonl, checkpoints/, train_moe.log (these lines and every library's log)",
         f"model {source}, {params / 1e6:,.1f}M parameters, {moe.num_layers} layers "
         f"({len(moe.moe_layers)} MoE), {moe.num_experts} experts, top-{moe.topk}, {cfg.model.dtype}",
-        f"layout: world {world} = DP {dp} x TP {p.tp} x PP {p.pp} x CP {p.cp}, EP {p.ep}, ETP {p.etp}; {engines}",
+        f"layout: world {world} = DP {dp} x TP {p.tp} x PP {p.pp}{stages} x CP {p.cp}, EP {p.ep}, ETP {p.etp}; "
+        f"{engines}",
         f"{cfg.trainer.mode}: {cfg.trainer.steps} steps x {cfg.data.prompts_per_step} prompts x {cfg.sampling.n} "
         f"samples per DP rank; {objective}; router replay {replay}"
         + (f"; up to {cfg.trainer.max_staleness} version(s) off-policy" if cfg.trainer.max_staleness else ""),

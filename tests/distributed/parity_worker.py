@@ -120,10 +120,11 @@ def run(argv: list[str]) -> None:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--first-stage-layers", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, cp=a.cp)
+    parallel = ParallelConfig(tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, cp=a.cp, first_stage_layers=a.first_stage_layers)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, m in enumerate(a.models):

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import torch
 
-LAYOUTS = {"w1": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "tp2ep2": {"tp": 2, "ep": 2}}
+LAYOUTS = {
+    "w1": {},
+    "tp2": {"tp": 2},
+    "ep2": {"ep": 2},
+    "pp2_first3": {"pp": 2, "first_stage_layers": 3},  # uneven stages (3 + 1 layers): their rows too
+    "tp2ep2": {"tp": 2, "ep": 2},
+}
 
 
 def run(argv: list[str]) -> None:

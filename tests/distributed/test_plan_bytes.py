@@ -1,7 +1,7 @@
 """moe-rl-plan's exact rows against a real actor: after one update, the parameter, gradient and optimizer bytes each
 rank holds (the tensors summed: autograd's grads, AdamW's moments) equal the planner's rows for that rank's PP stage,
-at world 1, TP=2, EP=2, PP=2 and TP=2 x EP=2, in fp32 and bf16 (the CPU optimizer path; bf16: fp32 master weights,
-main grads and Adam moments)."""
+at world 1, TP=2, EP=2, PP=2 (uneven: 3 + 1 layers) and TP=2 x EP=2, in fp32 and bf16 (the CPU optimizer path; bf16:
+fp32 master weights, main grads and Adam moments)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.conftest import grouped_launches
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {"w1": 1, "tp2": 2, "ep2": 2, "pp2": 2, "tp2ep2": 2}
+LAYOUTS = {"w1": 1, "tp2": 2, "ep2": 2, "pp2_first3": 2, "tp2ep2": 2}
 DTYPES = ("float32", "bfloat16")
 
 

@@ -13,7 +13,14 @@ from moe_rl.plan.cli import main
 from moe_rl.plan.kv import kv_bytes_per_token
 from moe_rl.plan.layout import build_config, check
 from moe_rl.plan.memory import ENGINE_OVERHEAD, GIB
-from moe_rl.plan.params import active, count, padded_vocab, stage_layers, stage_sizes, trainer_rank_params
+from moe_rl.plan.params import (
+    active,
+    balanced_ends,
+    count,
+    padded_vocab,
+    stage_layers,
+    trainer_rank_params,
+)
 from moe_rl.plan.planner import make_plan
 from moe_rl.plan.search import search
 from moe_rl.plan.spec import PRESETS_DIR, load_spec, preset_names, spec_from_config
@@ -269,52 +276,67 @@ def test_the_command_line_refuses_counts_that_cannot_be(capsys):
 
 
 def test_uneven_stages_are_megatrons_first_and_last_stage_layout():
-    """--assume uneven-pp: where parallel.pp does not divide the layers, the stages are those megatron builds with
-    num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage set to the plan's ends."""
+    """parallel.first_stage_layers / last_stage_layers: the stages are those megatron builds with
+    num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage; the search's balanced choice reaches the
+    first MoE layer on the first stage; a stage without an MoE layer is refused, naming it."""
     import torch
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    assert stage_sizes(48, 4) == [12] * 4  # the actor's even split where pp divides
-    for layers, pp in [(61, 12), (61, 11), (61, 8), (61, 3), (61, 2), (7, 4)]:
-        sizes = stage_sizes(layers, pp)
-        assert sum(sizes) == layers and min(sizes) >= 1 and max(sizes) <= -(-layers // pp) + 1
+    from moe_rl.actor.parallel import ParallelConfig
+
+    for layers, pp, first, last in [
+        (61, 11, 6, 1),
+        (61, 8, 8, 5),
+        (61, 3, None, 21),
+        (61, 2, 30, None),
+        (7, 4, 1, None),
+    ]:
+        sizes = ParallelConfig(pp=pp, first_stage_layers=first, last_stage_layers=last).stage_layers(layers)
+        assert sum(sizes) == layers and min(sizes) >= 1
         c = TransformerConfig(
             num_layers=layers,
             hidden_size=64,
             num_attention_heads=4,
             pipeline_model_parallel_size=pp,
             pipeline_dtype=torch.float32,
-            num_layers_in_first_pipeline_stage=sizes[0],
-            num_layers_in_last_pipeline_stage=sizes[-1],
+            num_layers_in_first_pipeline_stage=first,
+            num_layers_in_last_pipeline_stage=last,
         )
         megatron = [
             (get_transformer_layer_offset(c, pp_rank=r), get_num_layers_to_build(c, pp_rank=r)) for r in range(pp)
         ]
         assert megatron == [(sum(sizes[:r]), sizes[r]) for r in range(pp)]
-        assert [len(stage_layers(layers, pp, None, r)) for r in range(pp)] == sizes
-    with pytest.raises(ConfigError, match="more pipeline stages than num_hidden_layers=5"):
-        stage_sizes(5, 8)
+        assert [len(stage_layers(layers, pp, None, r, first, last)) for r in range(pp)] == sizes
+    assert balanced_ends(61, 11, min_first=4) == (6, 1)  # 6, 9 x 6, 1: DeepSeek-V3's first 3 layers are dense
+    assert balanced_ends(61, 8, min_first=4) == (8, 5) and balanced_ends(5, 8) is None
+    with pytest.raises(ConfigError, match="cannot share the remaining 58 of num_hidden_layers=61 equally"):
+        ParallelConfig(pp=11, first_stage_layers=3).stage_layers(61)
+    with pytest.raises(ConfigError, match="pipeline stage 0 would hold layers 0..2, none of them MoE"):
+        ParallelConfig(pp=11, first_stage_layers=3, last_stage_layers=4).rank_layers(61, range(3, 61))
+    with pytest.raises(ConfigError, match="need parallel.pp > 1 and no parallel.vpp"):
+        ParallelConfig(pp=2, vpp=2, first_stage_layers=3).stage_layers(8)
 
 
 def test_assumptions_lift_only_their_own_rule_and_move_only_their_own_bytes():
     spec = load_spec("deepseek-v3")
     dist = [*GPU_BASE, "actor.distributed_optimizer=true", "model.recompute=full", "data.max_prompt_tokens=1024"]
-    uneven = build_config([*dist, "parallel.pp=8", "parallel.ep=8"])
     with pytest.raises(ConfigError, match="parallel.pp\\*vpp=8 does not divide num_hidden_layers=61"):
-        check(uneven, spec, 64)
-    layout = check(uneven, spec, 64, frozenset({"uneven-pp"}))
-    plan = make_plan(spec, uneven, 64, 80 * GIB, layout)
+        check(build_config([*dist, "parallel.pp=8", "parallel.ep=8"]), spec, 64)
+    uneven = build_config(
+        [*dist, "parallel.pp=8", "parallel.ep=8", "parallel.first_stage_layers=8", "parallel.last_stage_layers=5"]
+    )
+    plan = make_plan(spec, uneven, 64, 80 * GIB)
     assert [t.parameters_per_rank for t in plan.tables[:-1]] == [
-        trainer_rank_params(spec, count(spec), 1, 8, None, 8, 1, s).total for s in range(8)
+        trainer_rank_params(spec, count(spec), 1, 8, None, 8, 1, s, 8, 5).total for s in range(8)
     ]
-    with pytest.raises(ConfigError, match="parallel.vpp"):
-        check(build_config([*dist, "parallel.pp=8", "parallel.vpp=2"]), spec, 64, frozenset({"uneven-pp"}))
-    wide = build_config([*dist, "parallel.pp=8", "rollout.tensor_parallel_size=16", "rollout.engines=1"])
+    assert "layers" in plan.layout.describe()
+    wide = build_config([*dist, "parallel.pp=8", "parallel.first_stage_layers=8", "parallel.last_stage_layers=5"])
+    wide.rollout.tensor_parallel_size, wide.rollout.engines = 16, 1
     with pytest.raises(ConfigError, match="--assume engine-across-nodes"):
-        check(wide, spec, 128, frozenset({"uneven-pp"}))
-    assert check(wide, spec, 128, frozenset({"uneven-pp", "engine-across-nodes"})).engine_tp == 16
+        check(wide, spec, 128)
+    assert check(wide, spec, 128, frozenset({"engine-across-nodes"})).engine_tp == 16
 
     # optimizer-offload: the optimizer-state row, and only it, leaves the GPU's total
     qwen, cfg = load_spec("qwen3-30b-a3b"), build_config(dist[:-1])
@@ -330,7 +352,7 @@ def test_assumptions_lift_only_their_own_rule_and_move_only_their_own_bytes():
 
 
 def test_deepseek_v3_fits_only_with_what_moe_rl_lacks(capsys):
-    """The layout the search reports as DeepSeek-V3's smallest with the three assumptions (docs/guides/planning.md):
+    """The layout the search reports as DeepSeek-V3's smallest with the two assumptions (docs/guides/planning.md):
     refused without them, with the reason; fits with them, and the JSON says what it assumed."""
     base = [
         "--model",
@@ -342,21 +364,21 @@ def test_deepseek_v3_fits_only_with_what_moe_rl_lacks(capsys):
         "actor.distributed_optimizer=true",
     ]
     base += ["data.max_prompt_tokens=1024", "sampling.max_tokens=4096", "rollout.gpu_memory_utilization=0.9"]
-    base += ["rollout.sleep_while_training=true", "model.recompute=full", "parallel.tp=2", "parallel.ep=4"]
-    base += ["parallel.etp=2"]
+    base += ["rollout.sleep_while_training=true", "model.recompute=full", "parallel.tp=8", "parallel.ep=4"]
+    base += ["parallel.etp=8", "parallel.first_stage_layers=5", "parallel.last_stage_layers=1"]
     with pytest.raises(SystemExit) as done:
-        main([*base, "--search", "--gpus", "352"])
+        main([*base, "--search", "--gpus", "416"])
     out = json.loads(capsys.readouterr().out)
     assert done.value.code == 1 and out["fits"] is False and "engine-across-nodes" in out["reason"]
-    assume = ["--assume", "engine-across-nodes", "--assume", "uneven-pp", "--assume", "optimizer-offload"]
-    layout = ["parallel.pp=11", "rollout.tensor_parallel_size=32", "rollout.engines=1"]
+    assume = ["--assume", "engine-across-nodes", "--assume", "optimizer-offload"]
+    layout = ["parallel.pp=13", "rollout.tensor_parallel_size=32", "rollout.engines=1"]
     with pytest.raises(SystemExit) as done:
-        main([*base, *assume, *layout, "--search", "--gpus", "352"])
+        main([*base, *assume, *layout, "--search", "--gpus", "416"])
     out = json.loads(capsys.readouterr().out)
     assert done.value.code == 0 and out["fits"] and out["assumed"] == sorted(assume[1::2])
-    assert out["layout"]["pp"] == 11 and out["layout"]["engine_tp"] == 32 and out["layout"]["assumed"] == out["assumed"]
+    assert out["layout"]["pp"] == 13 and out["layout"]["engine_tp"] == 32 and out["layout"]["assumed"] == out["assumed"]
     with pytest.raises(SystemExit) as done:
-        main([*base, *assume[:4], *layout, "--gpus", "352"])  # one plan, without the optimizer offload
+        main([*base, *assume[:2], *layout, "--gpus", "416"])  # one plan, without the optimizer offload
     assert done.value.code == 1 and not json.loads(capsys.readouterr().out)["fits"]
     with pytest.raises(SystemExit) as done:
         main([*base, "--assume", "cpu-adam", "--gpus", "8"])
