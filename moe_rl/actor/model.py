@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -83,10 +84,16 @@ def check_divisibility(conv: Converter, parallel: ParallelConfig) -> None:
 
 
 def check_sizes_divide(
-    parallel, num_heads: int, num_kv: int, num_experts: int, moe_ffn: int, num_layers: int, moe_layers=()
+    parallel,
+    num_heads: int,
+    num_kv: int,
+    num_experts: int,
+    moe_ffn: int,
+    num_layers: int,
+    moe_layers: Sequence[int] = (),
 ) -> None:
     """check_divisibility on the model's sizes alone (the planner has no converter): one ConfigError naming every
-    parallel.* key that does not divide its size."""
+    parallel.* key that does not divide its size, or a pipeline stage without any of `moe_layers`."""
     problems = []
 
     def need(ok: bool, msg: str):

@@ -40,8 +40,8 @@ class Layout:
 
     def describe(self) -> str:
         vpp = f" vpp={self.vpp}" if self.vpp else ""
-        if self.first_stage_layers or self.last_stage_layers:
-            vpp += f" (first stage {self.first_stage_layers or '='}, last {self.last_stage_layers or '='} layers)"
+        for key in ("first_stage_layers", "last_stage_layers"):  # uneven stages, as the trainer's keys
+            vpp += f" {key}={getattr(self, key)}" if getattr(self, key) else ""
         return (
             f"{self.gpus} GPUs: tp={self.tp} pp={self.pp}{vpp} cp={self.cp} ep={self.ep} etp={self.etp} dp={self.dp}; "
             f"{self.engines} engine(s) x tp={self.engine_tp}"

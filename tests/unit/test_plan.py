@@ -331,7 +331,7 @@ def test_assumptions_lift_only_their_own_rule_and_move_only_their_own_bytes():
     assert [t.parameters_per_rank for t in plan.tables[:-1]] == [
         trainer_rank_params(spec, count(spec), 1, 8, None, 8, 1, s, 8, 5).total for s in range(8)
     ]
-    assert "layers" in plan.layout.describe()
+    assert "pp=8 first_stage_layers=8 last_stage_layers=5 cp=1" in plan.layout.describe()
     wide = build_config([*dist, "parallel.pp=8", "parallel.first_stage_layers=8", "parallel.last_stage_layers=5"])
     wide.rollout.tensor_parallel_size, wide.rollout.engines = 16, 1
     with pytest.raises(ConfigError, match="--assume engine-across-nodes"):
