@@ -10,8 +10,6 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Iterable
 
-from moe_rl.common.errors import ConfigError
-
 ASSUMPTIONS = {
     "engine-across-nodes": (
         "an engine's tensor parallelism spans nodes: rollout.tensor_parallel_size 16, 32 or 64 (vLLM over Ray, as "
@@ -31,14 +29,6 @@ ASSUMPTIONS = {
 """Name -> what it assumes, who relies on it, and what moe-rl does instead."""
 
 ENGINE_TP_ACROSS_NODES = (16, 32, 64)  # engine TPs the search adds with engine-across-nodes
-
-
-def assumptions(names: Iterable[str] | None) -> frozenset[str]:
-    """The set of `names`, each one of ASSUMPTIONS (ConfigError naming the unknown one and the choices)."""
-    out = frozenset(names or ())
-    for name in sorted(out - ASSUMPTIONS.keys()):
-        raise ConfigError(f"--assume {name}: not an assumption; choose from {', '.join(ASSUMPTIONS)}")
-    return out
 
 
 def describe(assumed: Iterable[str]) -> list[str]:

@@ -26,7 +26,7 @@ import sys
 from collections import Counter
 
 from moe_rl.common.errors import ConfigError
-from moe_rl.plan.assume import ASSUMPTIONS, assumptions, describe
+from moe_rl.plan.assume import ASSUMPTIONS, describe
 from moe_rl.plan.memory import GIB
 from moe_rl.plan.planner import make_plan, render
 from moe_rl.plan.search import KEYS, engine_never_fits, search, smallest, stderr
@@ -88,7 +88,7 @@ def _run(a: argparse.Namespace) -> int:
     spec = load_spec(a.model)
     cfg = build_config(a.overrides)
     gpu_bytes = int(a.gpu_memory_gib * GIB)
-    assumed = assumptions(a.assume)
+    assumed = frozenset(a.assume)  # argparse's choices refused any other name
     if not a.search:
         plan = make_plan(spec, cfg, a.gpus, gpu_bytes, assumed=assumed)
         print(json.dumps(plan.as_dict(), indent=1) if a.json else render(plan, cfg))
