@@ -44,6 +44,13 @@ CPU_LIBRARY_WARNINGS = (
     "full scope is deprecated. Use empty cuda_graph_scope",
     "`torch.distributed.reduce_op` is deprecated",
 )
+# Deprecations that megatron-core's checkpoint loading raises inside megatron and torch on every resume, GPU or CPU (8
+# lines on the default run's console): (where the warning is raised, what it says). Only these places are matched, so
+# the same deprecation raised from a user's own code still shows.
+LIBRARY_DEPRECATIONS = (
+    ("megatron/core/dist_checkpointing/", "`load_state_dict` is deprecated"),
+    ("torch/distributed/checkpoint/", "we are deprecating ShardedTensor"),
+)
 # vLLM's loader warns once per weight when it narrows a weight to the engine's dtype: at the engine's load of a
 # float32 checkpoint and at every weight sync from a float32 actor under rollout.dtype=bfloat16 (54 lines a step on
 # the tiny model's two engines, thousands on a real MoE). That cast is what rollout.dtype asks for; the run header
@@ -54,8 +61,9 @@ NARROWING = ({"torch.float32", "torch.float64"}, {"torch.bfloat16", "torch.float
 
 class QuietCpuEngineNotes(logging.Filter):
     """Console filter (conf/train_moe.yaml, hydra.job_logging): drops vLLM's CPU_ENGINE_NOTES and its per-weight
-    notes of a float32 -> 16-bit cast on load (CAST_ON_LOAD), and without CUDA the CPU_LIBRARY_WARNINGS; every other
-    record, vLLM's other warnings (another dtype pair included), passes. The file keeps them all."""
+    notes of a float32 -> 16-bit cast on load (CAST_ON_LOAD), the LIBRARY_DEPRECATIONS, and without CUDA the
+    CPU_LIBRARY_WARNINGS; every other record, vLLM's other warnings (another dtype pair included), passes. The file
+    keeps them all."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "py.warnings":
@@ -63,6 +71,8 @@ class QuietCpuEngineNotes(logging.Filter):
             import torch
 
             message = record.getMessage()
+            if any(where in message and what in message for where, what in LIBRARY_DEPRECATIONS):
+                return False
             return torch.cuda.is_available() or not any(w in message for w in CPU_LIBRARY_WARNINGS)
         if not record.name.startswith("vllm"):
             return True
@@ -129,7 +139,8 @@ def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> li
         f"({len(moe.moe_layers)} MoE), {moe.num_experts} experts, top-{moe.topk}, {cfg.model.dtype}",
         f"layout: world {world} = DP {dp} x TP {p.tp} x PP {p.pp}{stages} x CP {p.cp}, EP {p.ep}, ETP {p.etp}; "
         f"{engines}",
-        f"{cfg.trainer.mode}: {cfg.trainer.steps} steps x {cfg.data.prompts_per_step} prompts x {cfg.sampling.n} "
+        f"{cfg.trainer.mode}: {cfg.trainer.steps} step{'' if cfg.trainer.steps == 1 else 's'} x "
+        f"{cfg.data.prompts_per_step} prompts x {cfg.sampling.n} "
         f"samples per DP rank; {objective}; router replay {replay}"
         + (f"; up to {cfg.trainer.max_staleness} version(s) off-policy" if cfg.trainer.max_staleness else ""),
     ]
