@@ -12,6 +12,7 @@ for `live` the dump it analysed (dump/step_000000/rank_*.safetensors).
 
 Examples:
   moe-rl-diagnose live --model /data/Qwen3-30B-A3B --prompts prompts.jsonl --dtype bfloat16 --out diag/
+  moe-rl-diagnose live --model /tmp/sft --prompts p.jsonl --dtype bfloat16 --actor-dtype float32 --out diag/
   torchrun --nproc-per-node=2 -m moe_rl.diagnostics live --model /tmp/tiny --prompts p.txt --ep 2 --out diag/
   moe-rl-diagnose offline --dump runs/2026-11-22_08-00-00/dumps --out diag-run/
   moe-rl-diagnose offline --dump runs/my-run/dumps --step 20 --worst 20 --out diag-step20/
@@ -56,7 +57,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     live.add_argument("--model", required=True, help="HF MoE model folder")
     live.add_argument("--prompts", required=True, help="jsonl with a `prompt` field, or text with one prompt a line")
-    live.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="engine and actor dtype")
+    live.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="engine (and actor) dtype")
+    live.add_argument(
+        "--actor-dtype",
+        choices=("float32", "bfloat16"),
+        help="the actor's dtype when it differs from the engine's (a bf16 engine and an fp32 trainer: --dtype "
+        "bfloat16 --actor-dtype float32); default: --dtype",
+    )
+    live.add_argument(
+        "--head-dtype",
+        default="model",
+        choices=("model", "float32"),
+        help="the engine's lm_head (rollout.head_dtype): model (in --dtype, vLLM's default) | float32",
+    )
     live.add_argument("--samples", type=int, default=16, help="prompts to use, one response each (default 16)")
     live.add_argument("--max-tokens", type=int, default=32, help="response length limit (default 32)")
     live.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")

@@ -49,7 +49,7 @@ def live(args) -> dict | None:
     from moe_rl.common.distributed import world_max
     from moe_rl.diagnostics.report import load_dumps
     from moe_rl.rollout import dump
-    from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
+    from moe_rl.rollout.engine import HeadDtype, RolloutConfig, RolloutEngine, SamplingConfig
 
     if not Path(args.model, "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: no config.json there")
@@ -65,7 +65,12 @@ def live(args) -> dict | None:
     out = Path(args.out)
     tok = AutoTokenizer.from_pretrained(args.model)
     rollout_cfg = RolloutConfig(
-        model=args.model, dtype=args.dtype, capture="auto", seed=args.seed, kv_cache_gib=args.kv_cache_gib
+        model=args.model,
+        dtype=args.dtype,
+        head_dtype=HeadDtype(args.head_dtype),
+        capture="auto",
+        seed=args.seed,
+        kv_cache_gib=args.kv_cache_gib,
     )
     with RolloutEngine(rollout_cfg, layout.moe_layers, layout.num_experts, layout.topk) as engine:
         sampling = SamplingConfig(
@@ -75,7 +80,8 @@ def live(args) -> dict | None:
     longest = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True))
     padded = batch.to_padded(pad_id=tok.pad_token_id or 0, min_length=world_max(longest)[0])
 
-    chunks = load_model(args.model, parallel, ModelOptions(dtype=args.dtype)).chunks
+    actor_dtype = args.actor_dtype or args.dtype
+    chunks = load_model(args.model, parallel, ModelOptions(dtype=actor_dtype)).chunks
     replay = RouteReplay(chunks, layout.moe_layers, verify="count")
     views = routing_views(chunks, padded.input_ids, padded.attention_mask, None, replay, padded.routes)
     dump.write_rank(
@@ -86,7 +92,7 @@ def live(args) -> dict | None:
         replay.dispatch_check(),
         model_path=str(args.model),
         model=dump.model_fingerprint(hf_cfg, layout),
-        actor_dtype=args.dtype,
+        actor_dtype=actor_dtype,
         rollout_dtype=args.dtype,
         router_replay="r3",
         n=1,

@@ -66,6 +66,23 @@ def print_report(report: dict) -> None:
     for k, v in m["without_replay"].items():
         t.add_row(k, fmt(v), fmt(None if m["with_replay"] is None else m["with_replay"][k]))
     console.print(t)
+    split = report.get("mismatch_by_routing")
+    if split is not None:
+        t = Table(
+            title="k3 by routing in the token's context (engine vs the actor's own routing, any earlier position)"
+        )
+        for col in ("tokens", "count", "k3 without replay", "with replay", "share without", "share with"):
+            t.add_column(col, justify="left" if col == "tokens" else "right")
+        for group, row in split.items():
+            t.add_row(
+                group.replace("_", " "),
+                str(row["tokens"]),
+                fmt(row["k3_kl_without_replay"]),
+                fmt(row["k3_kl_with_replay"]),
+                fmt(row["k3_share_without_replay"]),
+                fmt(row["k3_share_with_replay"]),
+            )
+        console.print(t)
     if report["worst_tokens"]:
         t = Table(title="worst tokens (|log pi_old - log mu|, no replay)")
         for col in ("sample", "pos", "token", "log mu", "replay", "no replay", "layers differing"):

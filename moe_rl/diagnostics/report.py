@@ -18,6 +18,13 @@ report.json schema (version 1; keys are stable, new keys may be added):
   mismatch
     without_replay / with_replay {each key of moe_rl.objectives.mismatch_metrics (pi_old vs mu),
                                   k_above_tis_cap_fraction}; with_replay is None without routes
+  mismatch_by_routing   (None without routes) response tokens split by whether any position of their context
+                        (the positions before them, the one that scores them included) was routed differently
+                        by the engine and the actor's own routing in some MoE layer: {routed_differently,
+                        routed_alike}, each {tokens, k3_kl_without_replay, k3_kl_with_replay,
+                        k3_share_without_replay, k3_share_with_replay}; a share is that group's part of the
+                        batch's k3 sum, a mean is None for a group without tokens. Replay can only change the
+                        first group's log-probs: the second's routes are the same either way
   thresholds            {icepop_low, icepop_high, tis_cap}
   worst_tokens          N response tokens with the largest |log pi_old(no replay) - log mu|:
                         {sample, position, token_id, text, logprob_mu, logprob_replay,
@@ -121,6 +128,34 @@ def mismatch_block(logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, low
     return out
 
 
+def k3_per_token(logp: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """k3 = k - 1 - log k with k = pi / mu, the estimator `mismatch/k3_kl` averages."""
+    log_k = (logp - mu).double()
+    return log_k.exp() - 1.0 - log_k
+
+
+def by_routing_block(data: dict[str, torch.Tensor]) -> dict:
+    """How much of the k3 mismatch sits on tokens whose context the two routers disagreed on somewhere, and how much
+    of it replay removes there; the rest is beyond replay's reach (the same experts, other arithmetic)."""
+    mask = data["loss_mask"].bool()
+    differ, _ = route_sets_differ(data["routes"], data["routes_live"])  # [B, T, L]
+    at = differ.any(-1) & routed_positions(data["attention_mask"])
+    flipped = torch.zeros_like(mask)
+    flipped[:, 1:] = at.cummax(dim=1).values[:, :-1]  # token t: positions 0 .. t - 1 (attention reaches them all)
+    passes = {"without_replay": data["logprobs_live"], "with_replay": data.get("logprobs_replay")}
+    k3 = {name: None if lp is None else k3_per_token(lp, data["rollout_logprobs"]) for name, lp in passes.items()}
+    out = {}
+    for group, where in (("routed_differently", mask & flipped), ("routed_alike", mask & ~flipped)):
+        n = int(where.sum())
+        row: dict = {"tokens": n}
+        for name, k in k3.items():
+            total = None if k is None else float(k[mask].sum())
+            row[f"k3_kl_{name}"] = None if k is None or n == 0 else float(k[where].mean())
+            row[f"k3_share_{name}"] = None if k is None or not total else float(k[where].sum()) / total
+        out[group] = row
+    return out
+
+
 def worst_tokens(data: dict[str, torch.Tensor], n: int, moe_layers, tokenizer=None) -> list[dict]:
     mask = data["loss_mask"].bool()
     gap = (data["logprobs_live"] - data["rollout_logprobs"]).abs().masked_fill(~mask, -1.0)
@@ -190,6 +225,7 @@ def build_report(
             "without_replay": mismatch_block(data["logprobs_live"], data["rollout_logprobs"], mask, low, high, tis_cap),
             "with_replay": with_replay,
         },
+        "mismatch_by_routing": by_routing_block(data) if has_routes else None,
         "thresholds": {"icepop_low": low, "icepop_high": high, "tis_cap": tis_cap},
         "worst_tokens": worst_tokens(data, worst, moe_layers, tokenizer),
     }

@@ -37,7 +37,7 @@ def bf16_model(tmp_path_factory):
 def _independent(files: list) -> dict:
     """Router disagreement with Python sets and mismatch numbers from their formulas."""
     per_layer_differ, per_layer_n, token_any, tokens = {}, {}, 0, 0
-    log_k, log_k_replay = [], []
+    log_k, log_k_replay, flipped = [], [], []
     for f in files:
         t, meta = dump.read(f)
         layers = meta["model"]["moe_layers"]
@@ -57,6 +57,13 @@ def _independent(files: list) -> dict:
                     mu = float(t["rollout_logprobs"][b, pos])
                     log_k.append(float(t["logprobs_live"][b, pos]) - mu)
                     log_k_replay.append(float(t["logprobs_replay"][b, pos]) - mu)
+                    flipped.append(
+                        any(
+                            set(t["routes"][b, q, i].tolist()) != set(t["routes_live"][b, q, i].tolist())
+                            for q in range(pos)
+                            for i in range(len(layers))
+                        )
+                    )
     return {
         "per_layer": {str(k): per_layer_differ[k] / per_layer_n[k] for k in per_layer_differ},
         "token_any": token_any / tokens,
@@ -65,6 +72,8 @@ def _independent(files: list) -> dict:
         "outside": sum(abs(x) > math.log(2.0) for x in log_k) / len(log_k),
         "above_cap": sum(x > math.log(2.0) for x in log_k) / len(log_k),
         "response_tokens": len(log_k),
+        "flipped_k3": [math.exp(x) - 1 - x for x, f in zip(log_k, flipped, strict=True) if f],
+        "flipped_k3_replay": [math.exp(x) - 1 - x for x, f in zip(log_k_replay, flipped, strict=True) if f],
     }
 
 
@@ -80,6 +89,13 @@ def _check(report: dict, files: list) -> None:
     assert m["with_replay"]["kl"] == pytest.approx(ref["kl_replay"], abs=1e-5)
     assert m["without_replay"]["k_outside_0.5_2_fraction"] == pytest.approx(ref["outside"], abs=1e-6)
     assert m["without_replay"]["k_above_tis_cap_fraction"] == pytest.approx(ref["above_cap"], abs=1e-12)
+    split = report["mismatch_by_routing"]["routed_differently"]
+    assert split["tokens"] == len(ref["flipped_k3"])
+    if ref["flipped_k3"]:
+        assert split["k3_kl_without_replay"] == pytest.approx(sum(ref["flipped_k3"]) / len(ref["flipped_k3"]))
+        assert split["k3_kl_with_replay"] == pytest.approx(
+            sum(ref["flipped_k3_replay"]) / len(ref["flipped_k3_replay"])
+        )
     print(
         f"\nbf16 router disagreement without replay {r['disagreement']:.4f} (any layer per token "
         f"{r['token_any_disagreement']:.4f}); with replay {r['with_replay_disagreement']}; "

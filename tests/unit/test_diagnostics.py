@@ -96,6 +96,19 @@ def test_offline_report_numbers_are_exact(tmp_path, capsys):
     assert with_replay["kl"] == 0.0 and with_replay["chi2_token"] == 0.0 and with_replay["ess"] == 1.0
     assert with_replay["k_outside_0.5_2_fraction"] == 0.0
 
+    # s0's tokens 3 and 4 have positions the routers disagreed on (1 and 2) in their context, s1's none (its one
+    # difference is an order); with replay every k3 is 0, so no share
+    k3 = {pos: math.exp(lk) - 1 - lk for pos, lk in LOG_K.items()}
+    split = report["mismatch_by_routing"]
+    differently, alike = split["routed_differently"], split["routed_alike"]
+    assert (differently["tokens"], alike["tokens"]) == (2, 2)
+    assert differently["k3_kl_without_replay"] == pytest.approx((k3[0, 3] + k3[0, 4]) / 2, abs=1e-6)
+    assert alike["k3_kl_without_replay"] == pytest.approx((k3[1, 2] + k3[1, 3]) / 2, abs=1e-6)
+    share = (k3[0, 3] + k3[0, 4]) / sum(k3.values())
+    assert differently["k3_share_without_replay"] == pytest.approx(share, abs=1e-6)
+    assert differently["k3_share_without_replay"] + alike["k3_share_without_replay"] == pytest.approx(1.0)
+    assert differently["k3_kl_with_replay"] == 0.0 and differently["k3_share_with_replay"] is None
+
     worst = report["worst_tokens"]
     assert [(w["sample"], w["position"]) for w in worst] == [(0, 4), (0, 3), (1, 2)]
     assert worst[1]["layers_differing"] == [1]  # position 2's layer-1 routes score token 3
@@ -109,7 +122,7 @@ def test_offline_report_numbers_are_exact(tmp_path, capsys):
         assert img.shape[0] > 200 and img.shape[1] > 200, name
         assert img[..., :3].std() > 0.05, f"{name} is blank"
     out = capsys.readouterr().out
-    assert "router: engine vs actor" in out and "worst tokens" in out
+    assert "router: engine vs actor" in out and "worst tokens" in out and "routed differently" in out
 
 
 def test_replay_dispatch_mismatches_are_reported_not_hidden(tmp_path):
