@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
     live.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     live.add_argument("--ep", type=int, default=1, help="actor expert parallel size (torchrun world)")
-    live.add_argument("--kv-cache-gib", type=float, default=1, help="CPU engine KV cache (default 1 GiB)")
+    live.add_argument("--kv-cache-gib", type=int, default=1, help="CPU engine KV cache in whole GiB (default 1)")
     report_args(live)
 
     off = sub.add_parser(
