@@ -8,15 +8,19 @@ mini-batches and one step of staleness, so pi_theta drifts from pi_old and mu). 
 last step and of the step that validation picks, the reward curve, mismatch/k3_kl (mean, median, largest step),
 icepop/masked_fraction, router/agreement, grad-norm spikes
 (a step above 10x the median of the steps before it) and a collapse flag (validation pass@1 ends >= 0.10 below its
-best, or a 5-step mean reward falls below half of the best one before it).
+best, or a 5-step mean reward falls below half of the best one before it). Once per lab, on the SFT model itself,
+`moe-rl-diagnose live` with the matrix's default dtypes (bf16 engine, fp32 actor) on 400 train problems: how many
+tokens see a routing difference in their context, and how much of the k3 mismatch sits on them with and without
+replay (`routing_split`: what replay can reach at all).
 
   python bench/stability.py --quick --sft OUT/sft/hf            # 3 cells, one seed (bf16 engine + fp32 actor)
   python bench/stability.py --sft OUT/sft/hf --out /tmp/lab      # the whole matrix, 2 seeds
   python bench/stability.py --quick                              # builds the SFT model first (the recipe's stage)
   python bench/stability.py --report --out /tmp/lab              # the table and curves again from its JSON
 
-Prints one JSON line {"cells": [...], "settings": {...}}; OUT holds it (stability.json), each run's folder and log,
-the curves (reward.png, k3_kl.png, val_pass1.png) and the table (table.md) that docs/stability.md shows.
+Prints one JSON line {"cells": [...], "routing_split": {...}, "settings": {...}}; OUT holds it (stability.json), each
+run's folder and log, the curves (reward.png, k3_kl.png, val_pass1.png) and the table (table.md) that
+docs/stability.md shows.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SFT_STEPS = 900  # the recipe's SFT stage (launch/recipes/arithmetic.sh)
 TEST_PROBLEMS = 500
+SPLIT_PROBLEMS = 400  # routing_split: train problems sampled once each from the SFT model
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,60 @@ def test_pass1(checkpoint: Path, work: Path, name: str) -> float:
     run(evaluate, work / f"{name}_eval.log", 900)
     shutil.rmtree(hf)
     return json.loads(result.read_text())["pass@1"]
+
+
+def routing_split(sft: Path, out: Path) -> dict:
+    """`moe-rl-diagnose live` on the SFT model (bf16 engine, fp32 actor, the matrix's defaults): its report's router
+    disagreement, k3 with and without replay, and `mismatch_by_routing`."""
+    work = out / "routing_split"
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = work / "prompts.jsonl"
+    tasks = [sys.executable, "-m", "moe_rl.data.tasks", "arithmetic", "--split", "train"]
+    run([*tasks, "--n", str(SPLIT_PROBLEMS), "--seed", "5", "--out", str(prompts)], work / "prompts.log", 300)
+    diagnose = [sys.executable, "-m", "moe_rl.diagnostics", "live", "--model", str(sft), "--prompts", str(prompts)]
+    diagnose += ["--dtype", "bfloat16", "--actor-dtype", "float32", "--samples", str(SPLIT_PROBLEMS)]
+    diagnose += ["--max-tokens", "24", "--out", str(work), "--no-plots"]
+    run(diagnose, work / "diagnose.log", 900)
+    return split_summary(json.loads((work / "report.json").read_text()))
+
+
+def split_summary(report: dict) -> dict:
+    """The part of a moe-rl-diagnose report the lab keeps."""
+    m = report["mismatch"]
+    return {
+        "samples": report["source"]["samples"],
+        "response_tokens": report["source"]["response_tokens"],
+        "token_layer_disagreement": report["router"]["disagreement"],
+        "token_any_disagreement": report["router"]["token_any_disagreement"],
+        "k3_kl_without_replay": m["without_replay"]["k3_kl"],
+        "k3_kl_with_replay": m["with_replay"]["k3_kl"],
+        **report["mismatch_by_routing"],
+    }
+
+
+def split_lines(split: dict) -> str:
+    """routing_split as Markdown for table.md."""
+    d, a = split["routed_differently"], split["routed_alike"]
+    total = d["tokens"] + a["tokens"]
+
+    def g(v: float | None, spec: str) -> str:  # a group without tokens (or without k3) has no mean or share
+        return "–" if v is None else format(v, spec)
+
+    return (
+        f"\nRouting on the SFT model (bf16 engine, fp32 actor, {split['samples']} samples): "
+        f"{100 * split['token_layer_disagreement']:.2f} % of token-layers and "
+        f"{100 * split['token_any_disagreement']:.1f} % of tokens routed differently; "
+        f"k3 {split['k3_kl_without_replay']:.3g} without replay, "
+        f"{split['k3_kl_with_replay']:.3g} with.\n\n"
+        "| response tokens | share | k3 without replay | k3 with replay | share of k3 without | share of k3 with |\n"
+        "|---|---|---|---|---|---|\n"
+        + "".join(
+            f"| {label} | {r['tokens'] / total:.2f} | {g(r['k3_kl_without_replay'], '.3g')} | "
+            f"{g(r['k3_kl_with_replay'], '.3g')} | {g(r['k3_share_without_replay'], '.2f')} | "
+            f"{g(r['k3_share_with_replay'], '.2f')} |\n"
+            for label, r in (("a routing difference in their context", d), ("none", a))
+        )
+    )
 
 
 def spikes(grad_norms: list[float], factor: float = 10.0, warmup: int = 5) -> int:
@@ -323,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[stability] {skipped['name']}: not run on this machine: {skipped['why']}", file=sys.stderr, flush=True)
     cells = [c for c in cells if c.name not in {n["name"] for n in not_run}]
     sft = a.sft.resolve() if a.sft else build_sft(a.out.resolve())
+    split = routing_split(sft, a.out.resolve())
     results = []
     for i, (cell, seed) in enumerate((c, s) for c in cells for s in seeds):
         r = run_cell(cell, seed, sft, a.out.resolve(), a.steps, a.val_every)
@@ -333,16 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"sft": str(sft), "steps": a.steps, "val_every": a.val_every, "seeds": seeds, "quick": a.quick}
     settings["not_run"] = not_run
     settings["minutes"] = round((time.perf_counter() - start) / 60, 1)
-    return write_report({"cells": results, "settings": settings}, a.out)
+    return write_report({"cells": results, "routing_split": split, "settings": settings}, a.out)
 
 
 def write_report(report: dict, out: Path) -> int:
     """stability.json, table.md and the curves in `out`; the JSON line (without the curves) on stdout."""
     (out / "stability.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "table.md").write_text(table(report["cells"]))
+    split = report.get("routing_split")  # absent in a stability.json written before it was measured
+    (out / "table.md").write_text(table(report["cells"]) + (split_lines(split) if split else ""))
     plots(report["cells"], out)
     cells = [{k: v for k, v in r.items() if k != "curves"} for r in report["cells"]]
-    print(json.dumps({"cells": cells, "settings": report["settings"]}))
+    print(json.dumps({"cells": cells, "routing_split": split, "settings": report["settings"]}))
     return 0
 
 

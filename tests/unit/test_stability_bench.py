@@ -64,3 +64,24 @@ def test_k3_stats_separate_the_typical_step_from_the_rare_one():
     assert stats["k3_kl_median"] == 1.1e-4 and stats["k3_kl_max"] == 2.5e-3
     assert stats["k3_kl_mean"] > 5 * stats["k3_kl_median"]
     assert lab.k3_stats([]) == {"k3_kl_mean": None, "k3_kl_median": None, "k3_kl_max": None}
+
+
+def test_routing_split_keeps_the_reports_numbers_and_tabulates_them():
+    """The lab's routing_split is moe-rl-diagnose's report, cut down: what it keeps and the table it writes."""
+    group = {"k3_kl_without_replay": 1.6e-4, "k3_kl_with_replay": 1.3e-4, "k3_share_with_replay": 0.56}
+    report = {
+        "source": {"samples": 400, "response_tokens": 3687},
+        "router": {"disagreement": 0.0067, "token_any_disagreement": 0.0385},
+        "mismatch": {"without_replay": {"k3_kl": 8.9e-5, "kl": 1e-4}, "with_replay": {"k3_kl": 8.0e-5}},
+        "mismatch_by_routing": {
+            "routed_differently": {"tokens": 1246, **group, "k3_share_without_replay": 0.61},
+            "routed_alike": {"tokens": 0, **dict.fromkeys(group), "k3_share_without_replay": None},
+        },
+    }
+    split = lab.split_summary(report)
+    assert split["k3_kl_without_replay"] == 8.9e-5 and split["k3_kl_with_replay"] == 8.0e-5
+    assert split["routed_differently"]["tokens"] == 1246 and split["token_any_disagreement"] == 0.0385
+    lines = lab.split_lines(split)
+    assert "0.67 % of token-layers and 3.9 % of tokens" in lines
+    assert "| a routing difference in their context | 1.00 | 0.00016 | 0.00013 | 0.61 | 0.56 |" in lines
+    assert "| none | 0.00 | – | – | – | – |" in lines  # a group without tokens has no mean
