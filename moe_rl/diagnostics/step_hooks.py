@@ -1,5 +1,6 @@
 """Diagnostics taken inside a training step, before the update changes the actor: rollout dumps
-(for moe-rl-diagnose and trainer.mode=from_dump) and the router agreement metric."""
+(for moe-rl-diagnose and trainer.mode=from_dump), the router agreement metric and, from the same two passes, the
+mismatch with and without the engine's routes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from moe_rl.actor.forward import routing_views
 from moe_rl.actor.replay import router_agreement
 from moe_rl.common.batch import ProxPolicy
-from moe_rl.common.distributed import all_gather_objects
+from moe_rl.common.distributed import all_gather_objects, global_sums
+from moe_rl.objectives.metrics import mismatch_sums
 from moe_rl.rollout import dump
 from moe_rl.routing.layout import layer_columns
 
@@ -45,6 +47,7 @@ class StepDiagnostics:
         metrics = {}
         if agree_now:
             metrics["router/agreement"] = self.router_agreement(padded, views["routes_live"])
+            metrics |= routing_k3(views, padded)
         if dump_now:
             self.write_dump(step, padded, rewards, views, rollout.policy_version, rollout.turn_index)
         return metrics
@@ -100,6 +103,21 @@ class StepDiagnostics:
             policy_version=policy_version,
             turn_index=turn_index,
         )
+
+
+def routing_k3(views: dict[str, torch.Tensor | None], padded) -> dict[str, float]:
+    """k3 KL of the response tokens against mu two ways, over the data-parallel ranks' tokens as mismatch/k3_kl is:
+    with the actor's own routing (router/k3_kl_own_routing) and with the engine's routes replayed
+    (router/k3_kl_engine_routes), whatever actor.router_replay trains with. Their difference is what replay removes
+    in this run. Collective over the data- and context-parallel ranks."""
+    views_by_name = {"own_routing": views["logprobs_live"], "engine_routes": views["logprobs_replay"]}
+    passes = {name: lp for name, lp in views_by_name.items() if lp is not None}
+    local = []
+    for lp in passes.values():
+        sums, _ = mismatch_sums(lp, padded.rollout_logprobs, padded.loss_mask)
+        local += [float(sums["k3_kl"]), float(sums["tokens"])]
+    total = global_sums(local)
+    return {f"router/k3_kl_{name}": total[2 * i] / max(total[2 * i + 1], 1.0) for i, name in enumerate(passes)}
 
 
 def all_layers(routes: torch.Tensor | None, layers: list[int], moe_layers: list[int]) -> torch.Tensor | None:

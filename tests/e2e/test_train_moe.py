@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,10 @@ def test_default_run_learns_the_toy_task(default_run):
     # fp32 actor and engine route identically on almost every token-layer
     agreement = [h["router/agreement"] for h in history if "router/agreement" in h]
     assert len(agreement) == 3 and min(agreement) > 0.99  # steps 1, 11, 21 (logging.router_agreement_every=10)
+    # ... whose two passes also give the mismatch with and without replay: under R3 the replayed one is the step's
+    for h in (h for h in history if "router/agreement" in h):
+        assert h["router/k3_kl_engine_routes"] == pytest.approx(h["mismatch/k3_kl"], rel=1e-4, abs=1e-12)
+        assert math.isfinite(h["router/k3_kl_own_routing"])  # fp32 on both sides: ~1e-7, float32 rounding's sign
     # no step-1 gradient-norm spike (the tiny model has no all-zero embedding row), nothing skipped
     norms = [h["actor/grad_norm"] for h in history]
     assert norms[0] <= 10 * max(norms[1], norms[2]), norms[:3]
@@ -103,6 +108,8 @@ def test_overrides_r2_ep2_tis(tmp_path):
     assert max(abs(h["actor/first_minibatch_ppo_kl"]) for h in history) < 1e-4
     assert "tis/capped_fraction" in history[0]
     assert 0.99 < history[0]["router/agreement"] <= 1.0
+    # R2 trains on the actor's own routing: that pass is pi_old, the engine's routes the other one
+    assert history[0]["router/k3_kl_own_routing"] == pytest.approx(history[0]["mismatch/k3_kl"], rel=1e-4, abs=1e-12)
 
     # The same checkpoint on one rank: model and optimizer reshard; the per-rank RNG states stay behind, and each
     # rank's data position (12 prompts on each of 2 data-parallel ranks) becomes the global count on the one rank.

@@ -69,6 +69,8 @@ LOGGED_KEYS = [
     "val/length_mean",
     "val/prompts",
     "router/agreement",
+    "router/k3_kl_own_routing",
+    "router/k3_kl_engine_routes",
     "router/replay_checked",
     "router/replay_mismatches",
     "routes/recomputed_fraction",
