@@ -160,7 +160,7 @@ def compare(a: str, b: str, out: str | None = None) -> dict:
             raise ValueError(f"{path} is not JSON: {e}") from None
         if not isinstance(r, dict) or r.get("schema_version") != 1:
             raise ValueError(f"{path} is not a moe-rl-diagnose report (schema_version 1)")
-        reports.append({k: v for k, v in r.items() if k in ("router", "mismatch")})
+        reports.append({k: v for k, v in r.items() if k in ("router", "mismatch", "mismatch_by_routing")})
     sa, sb = (_scalars(r) for r in reports)
     rows = {k: {"a": sa.get(k), "b": sb.get(k)} for k in sorted(set(sa) | set(sb))}
     for row in rows.values():

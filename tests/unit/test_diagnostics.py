@@ -150,6 +150,7 @@ def test_compare_reports_side_by_side(tmp_path, capsys):
     rows = json.loads((tmp_path / "cmp.json").read_text())["metrics"]
     assert rows["router.with_replay_disagreement"] == {"a": 0.0, "b": 0.1, "delta": 0.1}
     assert rows["mismatch.without_replay.kl"]["delta"] == 0.0
+    assert rows["mismatch_by_routing.routed_differently.tokens"] == {"a": 2.0, "b": 2.0, "delta": 0.0}
     assert "router.with_replay_disagreement" in capsys.readouterr().out
 
 
