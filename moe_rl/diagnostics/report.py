@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from moe_rl.objectives import mismatch_metrics
+from moe_rl.objectives.metrics import mismatch_sums
 from moe_rl.rollout import dump
 from moe_rl.routing.compare import route_sets_differ, routed_positions
 
@@ -128,12 +129,6 @@ def mismatch_block(logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, low
     return out
 
 
-def k3_per_token(logp: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
-    """k3 = k - 1 - log k with k = pi / mu, the estimator `mismatch/k3_kl` averages."""
-    log_k = (logp - mu).double()
-    return log_k.exp() - 1.0 - log_k
-
-
 def by_routing_block(data: dict[str, torch.Tensor]) -> dict:
     """How much of the k3 mismatch sits on tokens whose context the two routers disagreed on somewhere, and how much
     of it replay removes there; the rest is beyond replay's reach (the same experts, other arithmetic)."""
@@ -143,15 +138,19 @@ def by_routing_block(data: dict[str, torch.Tensor]) -> dict:
     flipped = torch.zeros_like(mask)
     flipped[:, 1:] = at.cummax(dim=1).values[:, :-1]  # token t: positions 0 .. t - 1 (attention reaches them all)
     passes = {"without_replay": data["logprobs_live"], "with_replay": data.get("logprobs_replay")}
-    k3 = {name: None if lp is None else k3_per_token(lp, data["rollout_logprobs"]) for name, lp in passes.items()}
+
+    def k3_sum(lp: torch.Tensor, where: torch.Tensor) -> float:  # mismatch/k3_kl's own sum
+        return float(mismatch_sums(lp, data["rollout_logprobs"], where)[0]["k3_kl"])
+
+    totals = {name: None if lp is None else k3_sum(lp, mask) for name, lp in passes.items()}
     out = {}
     for group, where in (("routed_differently", mask & flipped), ("routed_alike", mask & ~flipped)):
         n = int(where.sum())
         row: dict = {"tokens": n}
-        for name, k in k3.items():
-            total = None if k is None else float(k[mask].sum())
-            row[f"k3_kl_{name}"] = None if k is None or n == 0 else float(k[where].mean())
-            row[f"k3_share_{name}"] = None if k is None or not total else float(k[where].sum()) / total
+        for name, lp in passes.items():
+            part = None if lp is None else k3_sum(lp, where)
+            row[f"k3_kl_{name}"] = None if part is None or n == 0 else part / n
+            row[f"k3_share_{name}"] = None if part is None or not totals[name] else part / totals[name]
         out[group] = row
     return out
 

@@ -92,10 +92,10 @@ def _check(report: dict, files: list) -> None:
     split = report["mismatch_by_routing"]["routed_differently"]
     assert split["tokens"] == len(ref["flipped_k3"])
     if ref["flipped_k3"]:
-        assert split["k3_kl_without_replay"] == pytest.approx(sum(ref["flipped_k3"]) / len(ref["flipped_k3"]))
-        assert split["k3_kl_with_replay"] == pytest.approx(
-            sum(ref["flipped_k3_replay"]) / len(ref["flipped_k3_replay"])
-        )
+        # the report sums in float32 as mismatch/k3_kl does
+        k3, k3_replay = (sum(ref[k]) / len(ref[k]) for k in ("flipped_k3", "flipped_k3_replay"))
+        assert split["k3_kl_without_replay"] == pytest.approx(k3, rel=1e-4)
+        assert split["k3_kl_with_replay"] == pytest.approx(k3_replay, rel=1e-4)
     print(
         f"\nbf16 router disagreement without replay {r['disagreement']:.4f} (any layer per token "
         f"{r['token_any_disagreement']:.4f}); with replay {r['with_replay_disagreement']}; "
