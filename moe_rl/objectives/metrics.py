@@ -82,7 +82,9 @@ def mismatch_sums(
         "rollout_ppl": masked_sum((-mean_roll).exp(), seq),
         "rollout_log_ppl": masked_sum(-mean_roll, seq),
         "kl": masked_sum(roll - old, m),
-        "k3_kl": masked_sum(k - log_k - 1.0, m),
+        # expm1: in float32 exp(x) - 1 - x loses every digit of x^2 / 2 when x is small; between an fp32 engine and
+        # actor (|log k| ~ 1e-5) that made the sum negative (-8e-11 instead of +7e-11)
+        "k3_kl": masked_sum(torch.expm1(log_k) - log_k, m),
         "log_ppl_diff": masked_sum(d, seq),
         "log_ppl_abs_diff": masked_sum(d.abs(), seq),
         "ppl_ratio": masked_sum(d.exp(), seq),

@@ -448,6 +448,18 @@ def test_mismatch_metrics_match_definitions():
         assert got[key] == pytest.approx(v, rel=1e-5, abs=1e-6), key
 
 
+def test_k3_of_a_tiny_mismatch_keeps_its_sign_and_digits():
+    """fp32 engine and actor differ by |log k| ~ 1e-5: k3 ~ 5e-11 per token, which exp(x) - 1 - x in float32 rounds
+    to garbage of either sign; the metric must stay >= 0 and near the float64 value."""
+    _, old, _, mask, _ = _rand_batch(4, 12)
+    old = old.float()  # the engine's and the actor's log-probs arrive in float32
+    roll = old + 1e-5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
+    got = float(O.mismatch_metrics(old, roll, mask)["k3_kl"])
+    lk = (old.double() - roll.double())[mask.bool()]
+    ref = float((lk.exp() - 1 - lk).mean())
+    assert got > 0 and got == pytest.approx(ref, rel=1e-2)
+
+
 def test_mismatch_metrics_identical_policies_and_errors():
     _, old, _, mask, _ = _rand_batch(3, 5)
     m = O.mismatch_metrics(old, old.clone(), mask)
