@@ -16,6 +16,7 @@ replay (`routing_split`: what replay can reach at all).
   python bench/stability.py --quick --sft OUT/sft/hf            # 3 cells, one seed (bf16 engine + fp32 actor)
   python bench/stability.py --sft OUT/sft/hf --out /tmp/lab      # the whole matrix, 2 seeds
   python bench/stability.py --quick                              # builds the SFT model first (the recipe's stage)
+  python bench/stability.py --quick --size deep --out /tmp/deep  # the same stages on the 12-layer model (~35 min)
   python bench/stability.py --report --out /tmp/lab              # the table and curves again from its JSON
 
 Prints one JSON line {"cells": [...], "routing_split": {...}, "settings": {...}}; OUT holds it (stability.json), each
@@ -106,11 +107,11 @@ def torchrun(script: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script, *args]
 
 
-def build_sft(out: Path) -> Path:
-    """The recipe's model and SFT stages: OUT/sft/hf."""
+def build_sft(out: Path, size: str = "small") -> Path:
+    """The recipe's model and SFT stages, with the built-in model of `size` (the recipe's: small): OUT/sft/hf."""
     if (out / "sft" / "hf" / "config.json").is_file():
         return out / "sft" / "hf"
-    run([sys.executable, "-m", "moe_rl.tools.tiny_model", "--size", "small", "--out", str(out / "model")],
+    run([sys.executable, "-m", "moe_rl.tools.tiny_model", "--size", size, "--out", str(out / "model")],
         out / "model.log", 300)  # fmt: skip
     sft_args = [f"hydra.run.dir={out / 'sft'}", f"model.path={out / 'model'}", f"trainer.steps={SFT_STEPS}"]
     sft_args += ["trainer.val_every=100", "trainer.checkpoint_every=0", "logging.wandb.mode=disabled"]
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 cells (no replay + no correction, IcePop alone, "
                         "R3 + IcePop; bf16 engine, fp32 actor), one seed")  # fmt: skip
     parser.add_argument("--sft", type=Path, help="the SFT model (an HF folder); default: build it (the recipe's SFT)")
+    parser.add_argument("--size", choices=("small", "deep"), default="small", help="without --sft: the built-in "
+                        "model the SFT stage starts from (small: the recipe's 6 layers; deep: 12 layers)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("/tmp/stability"), help="where runs, plots and JSON go")
     parser.add_argument("--steps", type=int, default=30, help="RL steps per run (30: the full matrix fits 90 min)")
     parser.add_argument("--val-every", type=int, default=10, help="validation (and checkpoint) interval")
@@ -381,7 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     for skipped in not_run:
         print(f"[stability] {skipped['name']}: not run on this machine: {skipped['why']}", file=sys.stderr, flush=True)
     cells = [c for c in cells if c.name not in {n["name"] for n in not_run}]
-    sft = a.sft.resolve() if a.sft else build_sft(a.out.resolve())
+    if a.sft is None and (built := a.out / "model" / "config.json").is_file():  # an earlier lab's, reused
+        # heavy: moe-rl (torch), imported on first use
+        from moe_rl.models.tiny import SIZES
+
+        layers = json.loads(built.read_text())["num_hidden_layers"]
+        if layers != SIZES[a.size]["layers"]:
+            parser.error(f"--out {a.out} holds a {layers}-layer model, not --size {a.size}'s: use another --out")
+    sft = a.sft.resolve() if a.sft else build_sft(a.out.resolve(), a.size)
     split = routing_split(sft, a.out.resolve())
     results = []
     for i, (cell, seed) in enumerate((c, s) for c in cells for s in seeds):
@@ -390,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[stability] {i + 1}/{len(cells) * len(seeds)} {r['name']} seed {seed}: test pass@1 "
               f"{r['test_pass@1']:.3f} (best-val step {r['best_step']}: {r['best_test_pass@1']:.3f}), k3 "
               f"{r['k3_kl_mean']}, {r['minutes']} min", file=sys.stderr, flush=True)  # fmt: skip
-    settings = {"sft": str(sft), "steps": a.steps, "val_every": a.val_every, "seeds": seeds, "quick": a.quick}
+    settings = {"sft": str(sft), "size": None if a.sft else a.size, "steps": a.steps, "val_every": a.val_every}
+    settings.update(seeds=seeds, quick=a.quick)
     settings["not_run"] = not_run
     settings["minutes"] = round((time.perf_counter() - start) / 60, 1)
     return write_report({"cells": results, "routing_split": split, "settings": settings}, a.out)

@@ -107,7 +107,8 @@ class ModelConfig:
     """Architecture of the built-in tiny model (qwen3_moe | mixtral | olmoe | glm4_moe | deepseek_v3 | gpt_oss)."""
     tiny_size: Size = Size.tiny
     """Size of the built-in model: tiny (1.1M parameters, the toy task) | small (10.9M: hidden 256, 6 layers, expert
-    FFN 256; learns arithmetic on 2 CPU cores in minutes)."""
+    FFN 256; learns arithmetic on 2 CPU cores in minutes) | deep (12.0M: hidden 192, 12 layers, expert FFN 192; the
+    stability lab's model where routing differences cascade, about twice small's step time)."""
     dtype: Dtype = Dtype.float32
     """Actor dtype: float32 | bfloat16 (bf16 weights and compute, fp32 master weights and Adam moments in the
     optimizer; at scale bfloat16)."""

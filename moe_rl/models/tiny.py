@@ -39,11 +39,13 @@ class Size(StrEnum):
 
     tiny = "tiny"  # 1.1M parameters (qwen3_moe): the toy task, the tests
     small = "small"  # 10.9M (qwen3_moe): learns arithmetic on 2 CPU cores in minutes (docs/guides/sft.md)
+    deep = "deep"  # 12.0M (qwen3_moe): 12 narrower layers; routing differences cascade over depth (docs/stability.md)
 
 
 SIZES: dict[str, dict[str, int]] = {
     Size.tiny: {},
     Size.small: {"hidden": 256, "heads": 8, "kv_heads": 4, "layers": 6, "moe_intermediate": 256, "intermediate": 512},
+    Size.deep: {"hidden": 192, "heads": 6, "kv_heads": 2, "layers": 12, "moe_intermediate": 192, "intermediate": 384},
 }
 """What each size sets; TinySpec's own defaults are the tiny one."""
 # Families with sigmoid grouped routing, an expert bias, shared experts and leading dense layers.

@@ -3,6 +3,7 @@
 Examples:
   python -m moe_rl.tools.tiny_model --arch qwen3_moe --out /tmp/tiny-qwen3
   python -m moe_rl.tools.tiny_model --size small --out /tmp/small-qwen3      # 10.9M: learns arithmetic
+  python -m moe_rl.tools.tiny_model --size deep --out /tmp/deep-qwen3        # 12.0M in 12 layers (bench/stability.py)
   python -m moe_rl.tools.tiny_model --arch mixtral --out /tmp/tiny-mixtral --dtype bfloat16
   python -m moe_rl.tools.tiny_model --arch qwen3_moe --dense-layers 0 --layers 3 --out /tmp/q
   python -m moe_rl.tools.tiny_model --arch olmoe --num-experts 320 --topk 4 --out /tmp/big-e
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         choices=[s.value for s in Size],
         default=Size.tiny.value,
         help="preset of --hidden, --heads, --kv-heads, --layers, --moe-intermediate, --intermediate "
-        "(tiny: 1.1M parameters; small: 10.9M, learns arithmetic); an explicit flag overrides it",
+        "(tiny: 1.1M parameters; small: 10.9M, learns arithmetic; deep: 12.0M in 12 layers, the stability lab's); "
+        "an explicit flag overrides it",
     )
     a = p.parse_args(argv)
     for key in ("layers", "hidden", "heads", "kv_heads", "moe_intermediate", "intermediate"):

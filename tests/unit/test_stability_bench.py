@@ -85,3 +85,13 @@ def test_routing_split_keeps_the_reports_numbers_and_tabulates_them():
     assert "0.67 % of token-layers and 3.9 % of tokens" in lines
     assert "| a routing difference in their context | 1.00 | 0.00016 | 0.00013 | 0.61 | 0.56 |" in lines
     assert "| none | 0.00 | – | – | – | – |" in lines  # a group without tokens has no mean
+
+
+def test_an_out_folder_holding_another_sizes_model_is_refused_before_any_work(tmp_path, capsys):
+    """--size deep on an --out whose model/ an earlier --size small lab built: refused by name, nothing runs."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"num_hidden_layers": 6}')
+    with pytest.raises(SystemExit):
+        lab.main(["--quick", "--size", "deep", "--out", str(tmp_path)])
+    assert "holds a 6-layer model, not --size deep's" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
