@@ -92,7 +92,9 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
         ("reward", "reward/mean", ".3f"),
         ("len", "response/length_mean", ".1f"),
         ("turns", "multi_turn/turns_mean", ".2f"),
-        ("kl(mu||pi_old)", "mismatch/kl", ".2e"),
+        # k3, E_mu[r - 1 - log r] with r = pi_old/mu: an estimate of KL(mu||pi_old) that is never negative, where
+        # mismatch/kl (k1, the mean log ratio) is float noise of either sign when the two policies are equal
+        ("kl(mu||pi_old)", "mismatch/k3_kl", ".2e"),
         ("clipfrac", "actor/clipfrac", ".3f"),
         ("gnorm", "actor/grad_norm", ".3f"),
     )

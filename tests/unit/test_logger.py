@@ -130,7 +130,8 @@ def test_a_step_without_an_update_shows_no_nan():
     `clipfrac nan gnorm nan`); a training step's line keeps its fields in their order."""
     from moe_rl.trainer.logger import step_line
 
-    common = {"reward/mean": 0.2, "response/length_mean": 22.7, "mismatch/kl": 5.86e-08, "memory/peak_rss_gib": 0.64}
+    common = {"reward/mean": 0.2, "response/length_mean": 22.7, "mismatch/kl": -9.94e-08, "mismatch/k3_kl": 5.86e-08}
+    common["memory/peak_rss_gib"] = 0.64  # the console's KL is k3 (never negative), not k1 (float noise of any sign)
     line = step_line(1, 2, common | {"time/rollout": 6.9})
     assert line == "step 1/2 reward 0.200 len 22.7 kl(mu||pi_old) 5.86e-08 rss 0.64G | rollout=6.9s"
     trained = step_line(1, 2, common | {"actor/clipfrac": 0.232, "actor/grad_norm": 3.113})
