@@ -400,10 +400,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[stability] {i + 1}/{len(cells) * len(seeds)} {r['name']} seed {seed}: test pass@1 "
               f"{r['test_pass@1']:.3f} (best-val step {r['best_step']}: {r['best_test_pass@1']:.3f}), k3 "
               f"{r['k3_kl_mean']}, {r['minutes']} min", file=sys.stderr, flush=True)  # fmt: skip
-    settings = {"sft": str(sft), "size": None if a.sft else a.size, "steps": a.steps, "val_every": a.val_every}
-    settings.update(seeds=seeds, quick=a.quick)
-    settings["not_run"] = not_run
-    settings["minutes"] = round((time.perf_counter() - start) / 60, 1)
+    settings = {
+        "sft": str(sft),
+        "size": None if a.sft else a.size,
+        "steps": a.steps,
+        "val_every": a.val_every,
+        "seeds": seeds,
+        "quick": a.quick,
+        "not_run": not_run,
+        "minutes": round((time.perf_counter() - start) / 60, 1),
+    }
     return write_report({"cells": results, "routing_split": split, "settings": settings}, a.out)
 
 

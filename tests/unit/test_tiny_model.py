@@ -142,14 +142,11 @@ def test_the_deep_size_is_the_stability_labs_12_layer_model(tmp_path):
     """--size deep: 12 narrower layers at about small's parameter count (docs/stability.md)."""
     import json
 
-    from safetensors import safe_open
-
     from moe_rl.tools.tiny_model import main
+    from moe_rl.trainer.logger import model_parameters
 
     main(["--size", "deep", "--out", str(tmp_path / "deep")])
     cfg = json.loads((tmp_path / "deep" / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]) == (192, 12, 6)
     assert (cfg["moe_intermediate_size"], cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (192, 8, 2)
-    with safe_open(tmp_path / "deep" / "model.safetensors", "pt") as f:
-        parameters = sum(f.get_tensor(k).numel() for k in f.keys())
-    assert parameters == 12_017_088
+    assert model_parameters(str(tmp_path / "deep")) == 12_017_088
