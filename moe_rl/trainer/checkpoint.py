@@ -366,6 +366,13 @@ def load_model(path: str | Path, chunks, extra: dict | None = None) -> dict:
     return loaded
 
 
+def saved_step(path: str | Path) -> int | None:
+    """The step the checkpoint at `path` was saved at (its trainer.json); None where that file is missing (load
+    refuses such a checkpoint)."""
+    saved = Path(path) / "trainer.json"
+    return json.loads(saved.read_text())["step"] if saved.is_file() else None
+
+
 def saved_world(path: str | Path) -> int | None:
     """How many ranks wrote the checkpoint at `path` (from its per-rank RNG entries); None if it holds none."""
     # heavy: torch.distributed.checkpoint, imported on first use

@@ -56,6 +56,10 @@ from moe_rl.trainer.watchdog import watching
 from moe_rl.weight_sync import WeightSync, sync_metrics
 
 
+class NothingToTrain(Exception):
+    """The checkpoint resumed is already at trainer.steps."""
+
+
 class Trainer:
     """Builds every part from the config once (the mode picks the parts); `step()` runs one RL step."""
 
@@ -69,6 +73,12 @@ class Trainer:
         # A damaged checkpoint fails (or is skipped under auto_skip_damaged) before any other work.
         self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
         self.resume_path = checkpoint.resume_point(self.checkpoint_dir, t.resume, self.rank)
+        if self.resume_path is not None and (done := checkpoint.saved_step(self.resume_path) or 0) >= t.steps:
+            # a requeued job that had finished, or trainer.steps lowered: said before a model, engine or wandb run
+            raise NothingToTrain(
+                f"nothing to train: the checkpoint is at step {done} and trainer.steps={t.steps} ({self.resume_path}; "
+                "raise trainer.steps to go on)"
+            )
         m = cfg.model
         self.model_path = m.path or built_in_model(run_dir, m.tiny_arch, m.tiny_size, cfg.trainer.seed)
         hf_config = load_hf_config(self.model_path)
@@ -329,11 +339,6 @@ class Trainer:
             say(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}")
             for note in notes:
                 say(f"[moe-rl] WARNING: {note}")
-            if self.step_index >= self.cfg.trainer.steps:  # a requeued finished job, or trainer.steps lowered
-                say(
-                    f"[moe-rl] nothing to train: the checkpoint is at step {self.step_index} and trainer.steps="
-                    f"{self.cfg.trainer.steps} (raise trainer.steps to go on)"
-                )
         dp = _data_parallel_size()  # data_position counts per rank: keep the global count
         state["data_position"] = state["data_position"] * state.get("data_parallel_size", dp) // dp
         return state
@@ -564,7 +569,12 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     stop_with_launcher()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, run_dir)
+    try:
+        trainer = Trainer(cfg, run_dir)
+    except NothingToTrain as e:
+        if dist.get_rank() == 0:
+            say(f"[moe-rl] {e}")
+        return []
     t = cfg.trainer
     saves = t.mode != "rollout_only"
     history = []

@@ -122,10 +122,12 @@ def test_overrides_r2_ep2_tis(tmp_path):
     saved = json.loads((one / "checkpoints" / "step_000004" / "trainer.json").read_text())
     assert (saved["step"], saved["data_position"], saved["world_size"], saved["data_parallel_size"]) == (4, 28, 1, 1)
     assert abs(json.loads((one / "metrics.jsonl").read_text())["actor/first_minibatch_ppo_kl"]) < 1e-4
-    # Launched again (a requeued job that had finished): it says so and trains nothing
+    # Launched again (a requeued job that had finished): it says so and trains nothing, before it starts an engine
+    engine_starts = (one / "train_moe.log").read_text().count("Initializing a V1 LLM engine")
     again = run_job([*w1, f"hydra.run.dir={one}", "trainer.steps=4", *overrides[1:]], timeout=600)
     assert "nothing to train: the checkpoint is at step 4 and trainer.steps=4" in again, again[-3000:]
     assert len((one / "metrics.jsonl").read_text().splitlines()) == 1
+    assert (one / "train_moe.log").read_text().count("Initializing a V1 LLM engine") == engine_starts >= 1
 
     import shutil
 
