@@ -54,6 +54,9 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    from moe_rl.common.gc_startup import defer_full_collections
+
+    defer_full_collections()  # until the trainer is built: its imports and model make objects that all stay alive
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     # The libraries' Python warnings go through logging as well: all to the run's log, to the console less those the
     # console filter (trainer/logger.py: QuietCpuEngineNotes) leaves out.

@@ -55,6 +55,9 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    from moe_rl.common.gc_startup import defer_full_collections
+
+    defer_full_collections()  # until the trainer is built: its imports and model make objects that all stay alive
     # vLLM logs through the root logger that Hydra configures (the run's train_moe.log; WARNING and above on the
     # console) instead of its own handler on stdout.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

@@ -25,6 +25,7 @@ from moe_rl.actor.replay import holds_routes
 from moe_rl.common import progress
 from moe_rl.common.batch import ProxPolicy
 from moe_rl.common.distributed import all_gather_objects
+from moe_rl.common.gc_startup import start_up_done
 from moe_rl.config import TrainConfig, validate
 from moe_rl.critic.critic import Critic, gae_targets
 from moe_rl.data.prompts import PromptSource
@@ -575,6 +576,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
         if dist.get_rank() == 0:
             say(f"[moe-rl] {e}")
         return []
+    start_up_done()
     t = cfg.trainer
     saves = t.mode != "rollout_only"
     history = []

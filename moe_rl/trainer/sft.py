@@ -22,6 +22,7 @@ from moe_rl.actor.model import check_divisibility, get_converter, load_hf_config
 from moe_rl.actor.parallel import init_distributed
 from moe_rl.common import progress
 from moe_rl.common.distributed import world_max
+from moe_rl.common.gc_startup import start_up_done
 from moe_rl.config import SFTConfig, validate_sft
 from moe_rl.data.prompts import DataError, PromptSource
 from moe_rl.data.rewards import load_reward
@@ -228,6 +229,7 @@ def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = SFTTrainer(cfg, run_dir)
+    start_up_done()
     t = cfg.trainer
     history = []
     try:
