@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import os
 
-_NEVER = 2**30  # a collection count the oldest generation's threshold is never reached at
+_NEVER = 2**30  # the oldest generation's threshold while deferred: a count of younger collections never reached
 _deferred: tuple[int, int, int] | None = None  # the thresholds to put back, while full collections are deferred
 
 
