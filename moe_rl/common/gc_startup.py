@@ -29,19 +29,18 @@ def defer_full_collections() -> None:
 def start_up_done() -> None:
     """Freeze the start-up's objects and collect fully again; a no-op where nothing was deferred (a trainer built in a
     process that did not start through a launch script)."""
-    global _deferred
     if _deferred is not None:
         gc.freeze()
-        gc.set_threshold(*_deferred)
-        _deferred = None
+        _collect_fully_again()
 
 
-def _forked_child() -> None:
-    """A process forked during start-up (an engine core) collects as any process does."""
+def _collect_fully_again() -> None:
+    """The thresholds as they were; also a process forked during start-up (an engine core), which then collects as
+    any process does."""
     global _deferred
     if _deferred is not None:
         gc.set_threshold(*_deferred)
         _deferred = None
 
 
-os.register_at_fork(after_in_child=_forked_child)
+os.register_at_fork(after_in_child=_collect_fully_again)

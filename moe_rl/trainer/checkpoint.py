@@ -366,11 +366,11 @@ def load_model(path: str | Path, chunks, extra: dict | None = None) -> dict:
     return loaded
 
 
-def saved_step(path: str | Path) -> int | None:
-    """The step the checkpoint at `path` was saved at (its trainer.json); None where that file is missing (load
-    refuses such a checkpoint)."""
+def saved_state(path: str | Path) -> dict:
+    """The trainer state (trainer.json: step, data position, sizes, wandb run id) of the checkpoint at `path`, without
+    loading it; {} where that file is missing (`load` refuses such a checkpoint)."""
     saved = Path(path) / "trainer.json"
-    return json.loads(saved.read_text())["step"] if saved.is_file() else None
+    return json.loads(saved.read_text()) if saved.is_file() else {}
 
 
 def saved_world(path: str | Path) -> int | None:

@@ -7,7 +7,6 @@ of routing replay (R3 by default), and GSPO's ratio is per sequence.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -74,7 +73,8 @@ class Trainer:
         # A damaged checkpoint fails (or is skipped under auto_skip_damaged) before any other work.
         self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
         self.resume_path = checkpoint.resume_point(self.checkpoint_dir, t.resume, self.rank)
-        if self.resume_path is not None and (done := checkpoint.saved_step(self.resume_path) or 0) >= t.steps:
+        done = checkpoint.saved_state(self.resume_path).get("step", 0) if self.resume_path is not None else 0
+        if self.resume_path is not None and done >= t.steps:
             # a requeued job that had finished, or trainer.steps lowered: said before a model, engine or wandb run
             raise NothingToTrain(
                 f"nothing to train: the checkpoint is at step {done} and trainer.steps={t.steps} ({self.resume_path}; "
@@ -330,8 +330,8 @@ class Trainer:
         """Restore the checkpoint chosen (and verified) at start; None for a fresh run."""
         if self.resume_path is None:
             return None
-        saved = self.resume_path / "trainer.json"  # its absence is checkpoint.load's error
-        notes = self._resume_elsewhere(json.loads(saved.read_text()) if saved.is_file() else {})  # may refuse
+        # may refuse; a missing trainer.json is checkpoint.load's error
+        notes = self._resume_elsewhere(checkpoint.saved_state(self.resume_path))
         state = checkpoint.load(self.resume_path, self.actor.chunks, self.actor.optimizer)
         if self.critic is not None:
             checkpoint.load_part(self.resume_path / "critic", self.critic.chunks, self.critic.optimizer)

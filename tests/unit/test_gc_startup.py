@@ -9,7 +9,7 @@ import os
 from moe_rl.common import gc_startup
 
 
-def _full_collections_while_allocating(n: int = 300_000) -> int:
+def _full_collections_while_allocating(n: int) -> int:
     """Full (generation-2) collections while `n` long-lived containers are made, as a start-up's imports make them."""
     full = []
 
@@ -28,13 +28,15 @@ def _full_collections_while_allocating(n: int = 300_000) -> int:
 
 def test_start_up_makes_no_full_collection_a_fork_collects_as_usual_and_the_survivors_are_frozen():
     before, frozen = gc.get_threshold(), gc.get_freeze_count()
-    assert _full_collections_while_allocating() > 0  # what the deferral removes
+    # A full collection waits for the heap to grow by a quarter: enough objects for one whatever this process holds
+    n = max(300_000, len(gc.get_objects()))
+    assert _full_collections_while_allocating(n) > 0  # what the deferral removes
 
     read, write = os.pipe()
     gc_startup.defer_full_collections()
     try:
         assert gc.get_threshold()[:2] == before[:2]  # the young generations are collected as before
-        assert _full_collections_while_allocating() == 0
+        assert _full_collections_while_allocating(n) == 0
         pid = os.fork()
         if pid == 0:  # an engine core forked from a rank during its start-up
             os.write(write, json.dumps(gc.get_threshold()).encode())
