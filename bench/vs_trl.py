@@ -15,6 +15,7 @@ steps 2k-1 and 2k). The mean step leaves the first out (start-up work both sides
   python bench/vs_trl.py                         # both sizes (about 10 minutes on 2 cores)
   python bench/vs_trl.py --sizes toy             # the built-in model, 30 steps
   python bench/vs_trl.py --sizes 107m --steps 4  # fewer steps at the 107M size
+  python bench/vs_trl.py --sizes toy --repeats 3 # 3 rounds, which side goes first alternating: the ratios' medians
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -99,7 +101,12 @@ def moe_rl_run(size: str, model: Path, steps: int, run_dir: Path) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     whole = time.perf_counter() - began
     if proc.returncode:
-        sys.exit(f"[vs_trl] moe-rl run failed ({' '.join(cmd)}):\n{(proc.stdout + proc.stderr)[-5000:]}")
+        said = "\n".join(line for line in proc.stdout.splitlines() if line.startswith("[moe-rl]"))  # its own lines
+        sys.exit(
+            f"[vs_trl] moe-rl run failed ({' '.join(cmd)}); its folder is kept: {run_dir} (every rank's log: "
+            f"{run_dir / 'train_moe.log'}). Its [moe-rl] lines:\n{said}\nThe end of its output:\n"
+            f"{(proc.stdout + proc.stderr)[-5000:]}"
+        )
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = {h["step"]: h for h in history}  # the last record of each step
     records = [last[s] for s in sorted(last)]
@@ -161,16 +168,33 @@ def trl_run(python: Path, spec: dict, work: Path) -> dict:
     )
     whole = time.perf_counter() - began
     if proc.returncode:
-        sys.exit(f"[vs_trl] TRL run failed:\n{(proc.stdout + proc.stderr)[-5000:]}")
+        sys.exit(
+            f"[vs_trl] TRL run failed (its folder is kept: {spec['out_dir']}):\n{(proc.stdout + proc.stderr)[-5000:]}"
+        )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["whole_seconds"] = whole  # the process's wall time, as for moe-rl's command
     return out
 
 
-def compare(size: str, steps: int, python: Path, work: Path, settings: dict) -> dict:
+def _summary(ours: dict, theirs: dict) -> dict:
+    """One round's comparison: the mean step leaves the first out (start-up work both sides do there)."""
+    mean_ours = statistics.mean(ours["step_seconds"][1:])
+    mean_theirs = statistics.mean(theirs["step_seconds"][1:])
+    return {
+        "moe_rl_mean_step_seconds": mean_ours,
+        "trl_mean_step_seconds": mean_theirs,
+        "step_ratio": mean_ours / mean_theirs,
+        "moe_rl_whole_seconds": ours["whole_seconds"],
+        "trl_whole_seconds": theirs["whole_seconds"],
+        "whole_ratio": ours["whole_seconds"] / theirs["whole_seconds"],
+        "reward_difference": statistics.mean(ours["rewards"]) - statistics.mean(theirs["rewards"]),
+    }
+
+
+def compare(size: str, steps: int, python: Path, work: Path, settings: dict, repeats: int = 1) -> dict:
+    """`repeats` rounds of both runs, which side goes first alternating; the ratios are the rounds' medians and
+    `moe_rl` / `trl` the first round's runs in full."""
     model = build_model(size, work / f"model_{size}", settings["seed"])
-    print(f"[vs_trl] {size}: moe-rl, {steps} steps", file=sys.stderr, flush=True)
-    ours = moe_rl_run(size, model, steps, work / f"moe_rl_{size}")
     spec = {
         **settings,
         "repo": str(REPO),
@@ -179,36 +203,59 @@ def compare(size: str, steps: int, python: Path, work: Path, settings: dict) -> 
         "max_tokens": SIZES[size]["max_tokens"],
         "steps": steps,
         "threads": 2,
-        "out_dir": str(work / f"trl_{size}"),
     }
-    print(f"[vs_trl] {size}: TRL {TRL_VERSION}, {steps} steps", file=sys.stderr, flush=True)
-    theirs = trl_run(python, spec, work)
-    mean_ours = statistics.mean(ours["step_seconds"][1:])
-    mean_theirs = statistics.mean(theirs["step_seconds"][1:])
-    return {
+    runs = []
+    for r in range(repeats):
+        got = {}
+        for side in ("moe_rl", "trl") if r % 2 == 0 else ("trl", "moe_rl"):
+            what = "moe-rl" if side == "moe_rl" else f"TRL {TRL_VERSION}"
+            print(f"[vs_trl] {size}: round {r + 1}/{repeats}: {what}, {steps} steps", file=sys.stderr, flush=True)
+            if side == "moe_rl":  # a run folder per round: the same one would resume the last round's checkpoint
+                got[side] = moe_rl_run(size, model, steps, work / f"moe_rl_{size}_{r}")
+            else:
+                got[side] = trl_run(python, {**spec, "out_dir": str(work / f"trl_{size}_{r}")}, work)
+        runs.append(got)
+    rounds = [_summary(g["moe_rl"], g["trl"]) for g in runs]
+    ours, theirs = runs[0]["moe_rl"], runs[0]["trl"]
+    out = {
         "parameters": theirs["parameters"],
         "max_tokens": SIZES[size]["max_tokens"],
         "steps": steps,
-        "moe_rl": {**ours, "mean_step_seconds": mean_ours, "mean_reward": statistics.mean(ours["rewards"])},
-        "trl": {**theirs, "mean_step_seconds": mean_theirs, "mean_reward": statistics.mean(theirs["rewards"])},
-        "step_ratio": mean_ours / mean_theirs,
-        "whole_ratio": ours["whole_seconds"] / theirs["whole_seconds"],
-        "reward_difference": statistics.mean(ours["rewards"]) - statistics.mean(theirs["rewards"]),
+        "moe_rl": {**ours, "mean_step_seconds": rounds[0]["moe_rl_mean_step_seconds"]},
+        "trl": {**theirs, "mean_step_seconds": rounds[0]["trl_mean_step_seconds"]},
+        **{k: statistics.median(r[k] for r in rounds) for k in ("step_ratio", "whole_ratio", "reward_difference")},
     }
+    out["moe_rl"]["mean_reward"] = statistics.mean(ours["rewards"])
+    out["trl"]["mean_reward"] = statistics.mean(theirs["rewards"])
+    if repeats > 1:
+        out["rounds"] = rounds
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES))
     p.add_argument("--steps", type=int, help="RL steps per run (default: the size's; at least 2)")
-    p.add_argument("--work", help="keep the runs here (default: a temporary folder)")
+    p.add_argument("--work", help="keep the runs here (default: a temporary folder, removed unless a run fails)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of both runs per size, which goes first alternating; the ratios printed are the rounds' medians "
+        "(on a shared 2-core machine one run's times move by 10-20%% from run to run)",
+    )
     a = p.parse_args()
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats}: at least 1")
     python = trl_python()
     settings = moe_rl_settings()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(a.work or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        results = {size: compare(size, a.steps or SIZES[size]["steps"], python, work, settings) for size in a.sizes}
+    work = Path(a.work or tempfile.mkdtemp(prefix="vs_trl-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = {
+        size: compare(size, a.steps or SIZES[size]["steps"], python, work, settings, a.repeats) for size in a.sizes
+    }
+    if not a.work:  # a failed run exits above and leaves the folder for its logs
+        shutil.rmtree(work)
     print(
         json.dumps(
             {"trl_version": TRL_VERSION, "settings": settings, "moe_rl_overrides": MOE_RL_OVERRIDES, "sizes": results}

@@ -65,3 +65,32 @@ def test_the_toy_size_is_the_built_in_model_and_the_large_one_has_over_100m_para
     large = TinySpec(**bench.SIZES["107m"]["model"])
     large.validate()
     assert 100e6 <= _parameters(large) < 110e6 and bench.SIZES["107m"]["max_tokens"] >= 128
+
+
+def test_repeated_rounds_alternate_sides_use_a_run_folder_each_and_report_the_median(monkeypatch, tmp_path):
+    calls = []
+
+    def run(step, whole):
+        return {"step_seconds": [9.0, step, step], "rewards": [0.5, 0.5, 0.5], "whole_seconds": whole}
+
+    ours = iter([(1.0, 40.0), (2.0, 50.0), (1.5, 45.0)])
+    theirs = iter([(1.0, 20.0), (1.0, 50.0), (1.0, 30.0)])
+
+    def moe_rl_run(size, model, steps, run_dir):
+        calls.append(("moe_rl", str(run_dir)))
+        return run(*next(ours))
+
+    def trl_run(python, spec, work):
+        calls.append(("trl", spec["out_dir"]))
+        return {**run(*next(theirs)), "parameters": 7}
+
+    monkeypatch.setattr(bench, "moe_rl_run", moe_rl_run)
+    monkeypatch.setattr(bench, "trl_run", trl_run)
+    monkeypatch.setattr(bench, "build_model", lambda size, out, seed: out)
+    monkeypatch.setattr(bench, "toy_prompts", lambda seed: ["p"])
+    out = bench.compare("toy", 3, Path("python"), tmp_path, {"seed": 1}, repeats=3)
+    assert [side for side, _ in calls] == ["moe_rl", "trl", "trl", "moe_rl", "moe_rl", "trl"]
+    assert len({folder for _, folder in calls}) == 6  # a folder reused by moe-rl would resume its checkpoint
+    assert [r["step_ratio"] for r in out["rounds"]] == [1.0, 2.0, 1.5] and out["step_ratio"] == 1.5
+    assert [r["whole_ratio"] for r in out["rounds"]] == [2.0, 1.0, 1.5] and out["whole_ratio"] == 1.5
+    assert out["moe_rl"]["mean_step_seconds"] == 1.0 and out["trl"]["whole_seconds"] == 20.0  # round 1 in full
