@@ -1,9 +1,9 @@
-"""Workaround for megatron-core's (0.16.x) torch_dist checkpoint writer: the one place that
-reaches into its process-global state. Delete when upstream lets a synchronous save report
-its write results without a Manager process."""
+"""Workarounds for megatron-core's (0.16.x) checkpointing: the one place that reaches into its torch_dist writer's
+process-global state and its optimizers' parameter mapping. Delete each when upstream stops needing it."""
 
 from __future__ import annotations
 
+import functools
 import queue
 
 
@@ -20,3 +20,37 @@ def results_in_this_process() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._results_queue = queue.Queue()
+
+
+def optimizers_map_their_own_parameters() -> None:
+    """megatron's FP32Optimizer and Float16OptimizerWithFloat16Params find their parameters' sharded tensors with
+    `get_param_id_to_sharded_param_map(model_sharded_state_dict, params)`, which formats every model tensor the
+    optimizer does not hold into a debug message (an f-string: built whether or not debug logging is on). moe-rl
+    chains a dense and an expert optimizer, so each optimizer's part of every save and load printed the other's
+    parameters in full: about 30 tensor reprs per save on the built-in model, 30-45 ms of a 0.5 s save, and the only
+    work an optimizer save does on the parameters themselves (a repr makes views of them; a rare save failure seen
+    on rank 0, "Attempted to make a tensor into a differentiable view", came from an optimizer save). Here each
+    optimizer is shown the model tensors of its own parameters only: the same mapping, nothing formatted.
+    Idempotent."""
+    # heavy: megatron-core, imported on first use
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    original = megatron_optimizer.get_param_id_to_sharded_param_map
+    if getattr(original, "own_parameters_only", False):
+        return
+
+    @functools.wraps(original)
+    def own_parameters_only(model_sharded_state_dict, optim_params_iter):
+        params = list(optim_params_iter)  # their order numbers the optimizer's state
+        ids = {id(p) for p in params}
+
+        def held(v) -> bool:
+            return isinstance(v, (ShardedTensor, ShardedTensorFactory)) and id(v.data) in ids
+
+        own, _ = extract_matching_values(model_sharded_state_dict, held)
+        return original(own, params)
+
+    own_parameters_only.own_parameters_only = True
+    megatron_optimizer.get_param_id_to_sharded_param_map = own_parameters_only

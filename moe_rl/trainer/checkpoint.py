@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from moe_rl.common import progress
 from moe_rl.common.distributed import all_gather_objects
-from moe_rl.compat.megatron_checkpoint import results_in_this_process
+from moe_rl.compat.megatron_checkpoint import optimizers_map_their_own_parameters, results_in_this_process
 from moe_rl.trainer.logger import say
 
 
@@ -405,18 +405,23 @@ def load(path: str | Path, chunks, optimizer) -> dict:
     return json.loads((path / "trainer.json").read_text())
 
 
+def _optimizer_sharded_state_dict(chunks, optimizer, is_loading: bool = False) -> dict:
+    optimizers_map_their_own_parameters()  # the dense and the expert optimizer: each finds its own parameters only
+    return optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=is_loading)
+
+
 def _save_optimizer(folder: Path, chunks, optimizer) -> None:
     # heavy: megatron-core, imported on first use
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save({"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks))}, str(folder))
+    dist_checkpointing.save({"optimizer": _optimizer_sharded_state_dict(chunks, optimizer)}, str(folder))
 
 
 def _load_optimizer(folder: Path, chunks, optimizer) -> None:
     # heavy: megatron-core, imported on first use
     from megatron.core import dist_checkpointing
 
-    sharded = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True)}
+    sharded = {"optimizer": _optimizer_sharded_state_dict(chunks, optimizer, is_loading=True)}
     optimizer.load_state_dict(dist_checkpointing.load(sharded, str(folder))["optimizer"])
 
 

@@ -224,6 +224,36 @@ def test_a_save_leaves_no_process_and_reads_no_earlier_save_s_results(trained):
     assert checkpoint.load(saved, chunks, opt)["step"] == 3
 
 
+def test_the_optimizers_find_their_parameters_without_formatting_the_others(trained, monkeypatch):
+    """megatron's mapping from an optimizer's parameters to the model's sharded tensors formats every model tensor the
+    optimizer does not hold (a debug f-string): the dense and the expert optimizer printed each other's parameters on
+    every save and load. Each now sees its own parameters only: the same mapping, and no parameter is formatted."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    chunks, opt, path = trained
+    patched = megatron_optimizer.get_param_id_to_sharded_param_map
+    assert getattr(patched, "own_parameters_only", False)  # installed by the fixture's save
+
+    def entries(mapping) -> list:
+        monkeypatch.setattr(megatron_optimizer, "get_param_id_to_sharded_param_map", mapping)
+        sharded = opt.sharded_state_dict(checkpoint.model_sharded_state_dict(chunks))
+        return sorted((v.key, id(v.data)) for v in nested_values(sharded) if hasattr(v, "key"))
+
+    assert len(opt.chained_optimizers) == 2  # dense and expert: each holds parameters the other does not
+    assert entries(patched.__wrapped__) == entries(patched)  # megatron's own mapping, given the whole model
+    formatted = []
+    monkeypatch.setattr(torch.nn.Parameter, "__repr__", lambda p: formatted.append(p.shape) or "Parameter")
+    monkeypatch.setattr(megatron_optimizer, "get_param_id_to_sharded_param_map", patched.__wrapped__)
+    opt.sharded_state_dict(checkpoint.model_sharded_state_dict(chunks))
+    assert formatted  # megatron's: the other optimizer's parameters, in full
+    formatted.clear()
+    monkeypatch.setattr(megatron_optimizer, "get_param_id_to_sharded_param_map", patched)
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
+    saved = checkpoint.save(path.parent, 3, chunks, opt, state)
+    assert checkpoint.load(saved, chunks, opt)["step"] == 3 and formatted == []
+
+
 def _two_checkpoints(trained):
     chunks, opt, path = trained  # step 2
     state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
