@@ -207,12 +207,19 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
     if dist.is_initialized():
         dist.barrier()
 
+    states: dict[str, dict] = {}
+
+    def prepare() -> None:  # what this rank saves, built without a collective: a rank that fails here fails before
+        # any rank starts megatron's collective writes, and the gather after it tells every rank (a failure between
+        # two writes left the other rank inside the next write's collectives: the gathers fell out of step)
+        states["model"] = {**model_sharded_state_dict(chunks), "rng_state": _rng_object()}
+        states["optimizer"] = {"optimizer": _optimizer_sharded_state_dict(chunks, optimizer)}
+
     def write() -> None:  # every rank's files (megatron's writes are collective: a failure raises on every rank)
         results_in_this_process()
-        state = {**model_sharded_state_dict(chunks), "rng_state": _rng_object()}
-        dist_checkpointing.save(state, str(partial / "model"))
+        dist_checkpointing.save(states["model"], str(partial / "model"))
         progress.mark()
-        _save_optimizer(partial / "optimizer", chunks, optimizer)
+        dist_checkpointing.save(states["optimizer"], str(partial / "optimizer"))
         progress.mark()
         if rank == 0:
             (partial / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
@@ -223,6 +230,7 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
         with _signals_held():
             _commit(root, path, partial)
 
+    _agreed(prepare, root, step, partial)
     _agreed(write, root, step, partial)
     _agreed(lambda: write_manifest(partial), root, step, partial)  # after every rank's files, before `latest`
     _agreed(commit if rank == 0 else lambda: None, root, step, partial)

@@ -341,6 +341,31 @@ def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch, cap
     assert checkpoint.resolve_resume(path.parent, "auto") == (path, [])  # latest still names step 2
 
 
+def test_a_rank_that_cannot_build_its_state_fails_the_save_before_any_collective_write(trained, monkeypatch):
+    """What a rank saves is built (model, then optimizer) before megatron's collective writes start, and the ranks
+    compare notes in between: a rank that failed while building the optimizer's state after the model's write had
+    left the others inside the optimizer write's collectives (seen: "the ranks' collectives fell out of step")."""
+    from megatron.core import dist_checkpointing
+
+    chunks, opt, path = trained
+    writes = []
+    real_save = dist_checkpointing.save
+    monkeypatch.setattr(dist_checkpointing, "save", lambda state, folder, *a, **k: writes.append(folder))
+
+    def fails(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(checkpoint, "_optimizer_sharded_state_dict", fails)
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
+    with pytest.raises(checkpoint.CheckpointSaveError, match=r"rank 0: RuntimeError: injected"):
+        checkpoint.save(path.parent, 3, chunks, opt, state)
+    assert writes == [] and not (path.parent / ".step_000003.partial").exists()
+    monkeypatch.undo()
+    assert real_save is dist_checkpointing.save
+    saved = checkpoint.save(path.parent, 3, chunks, opt, state)  # the next save is whole
+    assert checkpoint.problems(saved) == [] and checkpoint.load(saved, chunks, opt)["step"] == 3
+
+
 def test_a_first_save_cut_short_starts_fresh_and_says_so(tmp_path):
     root = tmp_path / "checkpoints"
     assert checkpoint.resolve_resume(root, "auto") == (None, [])  # nothing there: fresh, silently
