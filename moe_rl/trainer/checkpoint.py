@@ -418,13 +418,6 @@ def _optimizer_sharded_state_dict(chunks, optimizer, is_loading: bool = False) -
     return optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=is_loading)
 
 
-def _save_optimizer(folder: Path, chunks, optimizer) -> None:
-    # heavy: megatron-core, imported on first use
-    from megatron.core import dist_checkpointing
-
-    dist_checkpointing.save({"optimizer": _optimizer_sharded_state_dict(chunks, optimizer)}, str(folder))
-
-
 def _load_optimizer(folder: Path, chunks, optimizer) -> None:
     # heavy: megatron-core, imported on first use
     from megatron.core import dist_checkpointing
@@ -445,9 +438,11 @@ def save_part(folder: str | Path, chunks, optimizer) -> None:
         (folder / "optimizer").mkdir()
     if dist.is_initialized():
         dist.barrier()
+    model_state = model_sharded_state_dict(chunks)  # both built before this part's collective writes, as in `save`
+    optimizer_state = {"optimizer": _optimizer_sharded_state_dict(chunks, optimizer)}
     results_in_this_process()
-    dist_checkpointing.save(model_sharded_state_dict(chunks), str(folder / "model"))
-    _save_optimizer(folder / "optimizer", chunks, optimizer)
+    dist_checkpointing.save(model_state, str(folder / "model"))
+    dist_checkpointing.save(optimizer_state, str(folder / "optimizer"))
 
 
 def load_part(folder: str | Path, chunks, optimizer) -> None:
