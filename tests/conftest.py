@@ -104,20 +104,27 @@ def run_job(cmd: list[str], timeout: int = 600, env: dict | None = None) -> str:
 
     Output goes to a file, not a pipe, and the whole session is killed afterwards: a process
     orphaned by a crashed rank (e.g. a vLLM engine core) can neither hang the test nor linger.
-    A `python -m torch.distributed.run ...` command runs forked from this process's warm server
-    (tests/warm_torchrun.py) unless MOE_RL_TEST_WARM_LAUNCH=0.
+    A `python ...` command runs forked from this process's warm server (`launch`).
     """
-    env = dict(job_env(), **(env or {}))
-    if cmd[:3] == TORCHRUN and warm_torchrun.enabled():
-        with tempfile.NamedTemporaryFile(mode="w+") as log:
-            code = _warm_server().run(cmd[3:], REPO, env, log.name, timeout)
-            out = log.read()
-    else:
-        code, out = _run_in_session(cmd, env, timeout)
+    code, out = launch(cmd, timeout, env)
     if code != 0:
         status = "timed out" if code is None else f"failed ({code})"
         pytest.fail(f"{' '.join(cmd)} {status}:\n{out[-10000:]}")
     return out
+
+
+def launch(cmd: list[str], timeout: int = 600, env: dict | None = None) -> tuple[int | None, str]:
+    """(exit code or None when it ran past `timeout`, output) of a command run from the repo root in its own session
+    (see run_job). `python -m torch.distributed.run ...`, `python script.py ...` and `python -m module ...` run forked
+    from this process's warm server (tests/warm_torchrun.py) unless MOE_RL_TEST_WARM_LAUNCH=0."""
+    env = dict(job_env(), **(env or {}))
+    python = cmd[0] == sys.executable and len(cmd) > 1 and (cmd[1] == "-m" or cmd[1].endswith(".py"))
+    if python and warm_torchrun.enabled():
+        torchrun = cmd[:3] == TORCHRUN
+        with tempfile.NamedTemporaryFile(mode="w+") as log:
+            code = _warm_server().run(cmd[3:] if torchrun else cmd[1:], REPO, env, log.name, timeout, not torchrun)
+            return code, log.read()
+    return _run_in_session(cmd, env, timeout)
 
 
 def job_env() -> dict[str, str]:

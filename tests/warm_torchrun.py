@@ -1,5 +1,7 @@
 """torchrun launches for the test suite from a process that has imported torch, megatron-core, vLLM and
-transformers once, so that a launch's agent and ranks are forked from it instead of importing them again.
+transformers once, so that a launch's agent and ranks are forked from it instead of importing them again; and
+plain `python script args` / `python -m module args` launches (world-1 runs of the trainers and tools), forked
+from it as well.
 
 Imports are about half of a short launch's CPU time (a 2-rank, 3-step run: 46 CPU-s fresh, 26 forked from here;
 `python bench/launch_cpu.py --warm`, docs/performance.md), and the suite starts about 60 launches on 2 cores. Here
@@ -54,6 +56,19 @@ def enabled() -> bool:
 # ----------------------------------------------------------------------------------------------- the ranks
 
 
+def _run_main(cmd_args: list[str]) -> None:
+    """Run `script args` or `-m module args` (what follows `python`) as `__main__`, as a fresh interpreter would."""
+    args = [a for a in cmd_args if a != "-u"]
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(args[0])
+        sys.argv = [args[0], *args[1:]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+
+
 def _rank(*cmd_args: str) -> None:
     """A forked rank: run the script (or `-m module`) as `__main__`, as torchrun's `python -u ...` would."""
     import torch.multiprocessing
@@ -68,15 +83,7 @@ def _rank(*cmd_args: str) -> None:
     # multiprocessing ends this process itself once torch's wrapper has reported the return value: the rank ends
     # as run_then_exit ends it (threads joined, atexit handlers run, output flushed), less the os._exit
     rank_signals.run_then_exit = functools.partial(rank_signals.run_then_exit, end=_end_by_returning)
-    args = [a for a in cmd_args if a != "-u"]
-    if args[0] == "-m":
-        sys.argv = [args[1], *args[2:]]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        script = os.path.abspath(args[0])
-        sys.argv = [args[0], *args[1:]]
-        sys.path[0] = os.path.dirname(script)
-        runpy.run_path(script, run_name="__main__")
+    _run_main(list(cmd_args))
 
 
 def _end_by_returning(code: int) -> None:
@@ -94,7 +101,8 @@ def _fork_launch(config, entrypoint):
 
 
 def _launch(request: dict) -> None:
-    """The forked launch process: torchrun's main in the request's folder, environment and log; never returns."""
+    """The forked launch process: torchrun's main (or, for a `python` request, the script or module itself) in the
+    request's folder, environment and log; never returns."""
     os.setsid()  # the client kills the whole session afterwards, as run_job does
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -106,11 +114,14 @@ def _launch(request: dict) -> None:
     os.environ.update(request["env"])
     code = 1
     try:
-        import torch.distributed.run as torchrun
+        if request.get("python"):
+            _run_main(request["argv"])  # a program that ends itself (run_then_exit) never comes back here
+        else:
+            import torch.distributed.run as torchrun
 
-        torchrun.elastic_launch = _fork_launch
-        sys.argv = ["torchrun", *request["argv"]]
-        torchrun.main(request["argv"])
+            torchrun.elastic_launch = _fork_launch
+            sys.argv = ["torchrun", *request["argv"]]
+            torchrun.main(request["argv"])
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -189,11 +200,15 @@ class Server:
         if line.strip() != "ready":
             raise RuntimeError(f"the warm torchrun server did not start: see {workdir / 'warm_torchrun.log'}")
 
-    def run(self, argv: list[str], cwd: Path, env: dict[str, str], log: str, timeout: float) -> int | None:
-        """`torchrun argv` forked from the server; its exit code, or None when it ran past timeout (killed)."""
+    def run(
+        self, argv: list[str], cwd: Path, env: dict[str, str], log: str, timeout: float, python: bool = False
+    ) -> int | None:
+        """`torchrun argv` (`python`: `python argv`) forked from the server; its exit code, or None when it ran past
+        timeout (killed)."""
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "log": log, "python": python}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(self.path)
-            conn.sendall((json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "log": log}) + "\n").encode())
+            conn.sendall((json.dumps(request) + "\n").encode())
             pid = int(_read_line(conn))
             conn.settimeout(timeout)
             try:

@@ -4,14 +4,12 @@ stops the run naming the sample (nothing is saved)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import launch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -26,20 +24,7 @@ SMALL = [
 
 
 def _run(run_dir, overrides):
-    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "VLLM_CONFIGURE_LOGGING": "0"}
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")},
-        **env,
-    }
-    proc = subprocess.run(
-        [*TRAIN1, f"hydra.run.dir={run_dir}", *SMALL, *overrides],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return proc.returncode, proc.stdout + proc.stderr
+    return launch([*TRAIN1, f"hydra.run.dir={run_dir}", *SMALL, *overrides], timeout=600)
 
 
 def test_file_data_with_numeric_answer_reward_trains_a_step(tmp_path):

@@ -7,14 +7,13 @@ file and line before the model is built."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, job_env, preempt, run_job, untimed
+from tests.conftest import launch, preempt, run_job, untimed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -172,16 +171,9 @@ def test_bad_input_is_refused_naming_the_row_or_key(rows, overrides, message, tm
     data.write_text("".join(json.dumps(r) + "\n" for r in [good, *rows]))
     overrides = [o.format(data=data) for o in overrides]
     task = [] if overrides and overrides[0].startswith("data.arithmetic") else ["data.task=file", f"data.path={data}"]
-    proc = subprocess.run(
-        [*SFT, f"hydra.run.dir={tmp_path / 'run'}", *COMMON, *task, *overrides],
-        cwd=REPO,
-        env=job_env(),  # not this process's world-1 rendezvous port
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("[moe-rl]")]
-    assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    code, out = launch([*SFT, f"hydra.run.dir={tmp_path / 'run'}", *COMMON, *task, *overrides], timeout=300)
+    assert code == 2, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("[moe-rl]")]
+    assert len(lines) == 1 and message in lines[0], out[-3000:]
+    assert "Traceback" not in out
     assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any training
