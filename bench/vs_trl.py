@@ -221,12 +221,18 @@ def compare(size: str, steps: int, python: Path, work: Path, settings: dict, rep
         "parameters": theirs["parameters"],
         "max_tokens": SIZES[size]["max_tokens"],
         "steps": steps,
-        "moe_rl": {**ours, "mean_step_seconds": rounds[0]["moe_rl_mean_step_seconds"]},
-        "trl": {**theirs, "mean_step_seconds": rounds[0]["trl_mean_step_seconds"]},
+        "moe_rl": {
+            **ours,
+            "mean_step_seconds": rounds[0]["moe_rl_mean_step_seconds"],
+            "mean_reward": statistics.mean(ours["rewards"]),
+        },
+        "trl": {
+            **theirs,
+            "mean_step_seconds": rounds[0]["trl_mean_step_seconds"],
+            "mean_reward": statistics.mean(theirs["rewards"]),
+        },
         **{k: statistics.median(r[k] for r in rounds) for k in ("step_ratio", "whole_ratio", "reward_difference")},
     }
-    out["moe_rl"]["mean_reward"] = statistics.mean(ours["rewards"])
-    out["trl"]["mean_reward"] = statistics.mean(theirs["rewards"])
     if repeats > 1:
         out["rounds"] = rounds
     return out
