@@ -9,6 +9,7 @@ span two nodes on one machine.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -50,8 +51,21 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 NODES = ("n1", "n2")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def free_port() -> int:
+    """A free port below the kernel's ephemeral range: the daemons and the jobs take ephemeral ports (listeners
+    bound to port 0, outgoing connections) after this one is chosen and before it is bound, and one of them could
+    otherwise be this one."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.is_file() else 32768
+    below = range(10000, low)
+    for port in random.Random().sample(below, min(200, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # none free below the range: any free port
         s.bind(("", 0))
         return s.getsockname()[1]
 
@@ -72,7 +86,7 @@ class LocalSlurm:
         for sub in ("state", "spool"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname().split(".")[0]
-        ports = dict(ctld_port=_free_port(), port_1=_free_port(), port_2=_free_port())
+        ports = dict(ctld_port=free_port(), port_1=free_port(), port_2=free_port())
         self.conf.write_text(CONF.format(host=host, cpus=os.cpu_count(), root=self.root, **ports))
         subprocess.run(["slurmctld", "-f", str(self.conf)], env=self.env, check=True, timeout=30)
         for node in NODES:  # `-N`: the slurmd of that node name (both on this host)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.slurm.local_cluster import LocalSlurm, SlurmUnavailable
+from tests.slurm.local_cluster import LocalSlurm, SlurmUnavailable, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow, pytest.mark.isolated]
 
@@ -154,9 +154,7 @@ def test_multi_node_template_runs_an_agent_per_node_and_trains_what_one_node_doe
     """multi_node.sbatch on nodes n1 and n2 (one rank each; c10d rendezvous at the head node's NodeAddr,
     since the node names do not resolve): each node's slurmd launches the step, and step 1 samples and
     updates exactly as the single-node job's 2 ranks did (the same data-parallel layout)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     run_dir = tmp_path / "run"
     args = [f"--output={tmp_path / 'job-%j.out'}", "launch/slurm/multi_node.sbatch", "trainer.steps=2", *COMMON]
     job = slurm.sbatch(args, cwd=REPO, env={**_job_env(run_dir, 1), "RDZV_PORT": str(port)})
