@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -97,6 +99,25 @@ def world1():
 
     init_distributed(ParallelConfig())
     yield
+
+
+def free_port() -> int:
+    """A free port below the kernel's ephemeral range, for a launch that binds it later (a rendezvous, a daemon):
+    listeners bound to port 0 and outgoing connections, which other tests and daemons open in the meantime, take
+    ephemeral ports, and one of them could otherwise be this one."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.is_file() else 32768
+    below = range(10000, low)
+    for port in random.Random().sample(below, min(200, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # none free below the range: any free port
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def run_job(cmd: list[str], timeout: int = 600, env: dict | None = None) -> str:

@@ -13,12 +13,11 @@ process each joined by c10d rendezvous on localhost: two simulated nodes.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TORCHRUN, run_job
+from tests.conftest import TORCHRUN, free_port, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
@@ -42,24 +41,17 @@ def _train(run_dir: Path, nproc: int, overrides: list[str], timeout: int = 900) 
 
 
 def _train_two_nodes(run_dir: Path, overrides: list[str], timeout: int = 900) -> list[dict]:
-    """Two torchrun agents (--nnodes=2 --nproc-per-node=1) meeting through c10d rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    agent = [
-        *TORCHRUN,
-        "--nnodes=2",
-        "--nproc-per-node=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=moe-rl-two-nodes",
-        "launch/train_moe.py",
-        f"hydra.run.dir={run_dir}",
-        *COMMON,
-        *overrides,
-    ]
-    line = " ".join(f"'{a}'" for a in agent)
-    script = f"{line} > {run_dir}.node0.log 2>&1 & a=$!; {line} > {run_dir}.node1.log 2>&1 & b=$!; "
+    """Two torchrun agents (--nnodes=2 --nproc-per-node=1) meeting through c10d rendezvous; the first hosts its
+    store, as launch/slurm/multi_node.sbatch says (on one host torch's guess makes both agents try to)."""
+    port = free_port()
+
+    def agent(host: bool) -> str:
+        rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf=is_host={str(host).lower()}"]
+        args = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", *rdzv, "--rdzv-id=moe-rl-two-nodes"]
+        args += ["launch/train_moe.py", f"hydra.run.dir={run_dir}", *COMMON, *overrides]
+        return " ".join(f"'{a}'" for a in args)
+
+    script = f"{agent(True)} > {run_dir}.node0.log 2>&1 & a=$!; {agent(False)} > {run_dir}.node1.log 2>&1 & b=$!; "
     script += "wait $a; ra=$?; wait $b; rb=$?; cat " + f"{run_dir}.node0.log {run_dir}.node1.log; exit $((ra | rb))"
     run_job(["bash", "-c", script], timeout=timeout)
     return _history(run_dir)

@@ -9,13 +9,14 @@ span two nodes on one machine.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+from tests.conftest import free_port
 
 
 class SlurmUnavailable(RuntimeError):
@@ -51,25 +52,6 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 NODES = ("n1", "n2")
 
 
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range: the daemons and the jobs take ephemeral ports (listeners
-    bound to port 0, outgoing connections) after this one is chosen and before it is bound, and one of them could
-    otherwise be this one."""
-    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    low = int(ephemeral.read_text().split()[0]) if ephemeral.is_file() else 32768
-    below = range(10000, low)
-    for port in random.Random().sample(below, min(200, len(below))):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # none free below the range: any free port
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class LocalSlurm:
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -77,7 +59,7 @@ class LocalSlurm:
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
 
     def start(self, timeout: float = 60) -> LocalSlurm:
-        missing = [b for b in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(b) is None]
+        missing = [b for b in ("slurmctld", "slurmd", "munged", "munge", "sbatch") if shutil.which(b) is None]
         if missing:
             raise SlurmUnavailable(f"{missing} not installed (Debian: apt-get install slurm-wlm munge)")
         if os.geteuid() != 0:
@@ -103,8 +85,10 @@ class LocalSlurm:
         raise SlurmUnavailable(f"the local nodes did not become idle (sinfo: {state!r}); see {self.root}/*.log")
 
     def _start_munge(self) -> None:
+        """A munged that answers: one that runs but whose socket another munged (of another pid namespace, since
+        gone) replaced does not, and slurmd then hangs at its start; `--force` takes the socket over."""
         key = Path("/etc/munge/munge.key")
-        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
+        if subprocess.run(["munge", "-n"], capture_output=True, timeout=30).returncode == 0:
             return
         if not key.is_file():
             key.parent.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.slurm.local_cluster import LocalSlurm, SlurmUnavailable, free_port
+from tests.conftest import REPO, free_port
+from tests.slurm.local_cluster import LocalSlurm, SlurmUnavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow, pytest.mark.isolated]
 
