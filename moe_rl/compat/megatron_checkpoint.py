@@ -7,19 +7,46 @@ import functools
 import queue
 
 
-def results_in_this_process() -> None:
-    """megatron's torch_dist writer reports its write results through one process-global queue
-    (filesystem_async._results_queue), by default a queue of a spawned multiprocessing Manager: a
-    process that imports torch to unpickle the results (about 5 s of CPU per rank, on every run's
-    first save here, docs/performance.md), and that breaks every later save with BrokenPipeError if
-    it dies (killed with other children of this process). moe-rl saves synchronously
-    (`dist_checkpointing.save` without async_sharded_save): the results are put and taken in this
-    process, so a plain in-process queue carries them. A new one per save: nothing a failed save
-    left behind can be read by the next."""
+def writes_in_this_process() -> None:
+    """Called before each save. megatron's torch_dist writer (filesystem_async.FileSystemWriterAsync) forks a process
+    per file it writes (2 per `dist_checkpointing.save` on each rank: the model's and the optimizer's 4 a checkpoint),
+    so that an asynchronous save can go on beside training. moe-rl saves synchronously (`dist_checkpointing.save`
+    without async_sharded_save), where the forks only cost: forking a rank that holds torch, vLLM and the model
+    took about 0.7 s of CPU over the default run's 3 checkpoints (docs/performance.md). Here the same per-file
+    function (`write_preloaded_data`: the same bytes, fsync'd) runs in this process, file after file, and reports
+    its results as the forked workers did.
+
+    The writer reports through one process-global queue (filesystem_async._results_queue), by default a queue of a
+    spawned multiprocessing Manager: a process that imports torch to unpickle the results (about 5 s of CPU per rank
+    on every run's first save here), and that breaks every later save with BrokenPipeError if it dies (killed with
+    other children of this process). Written and read in this process, a plain queue carries them: a new one per
+    save, so nothing a failed save left behind can be read by the next."""
     # heavy: megatron-core, imported on first use
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._results_queue = queue.Queue()
+    writer = filesystem_async.FileSystemWriterAsync
+    if getattr(writer.write_preloaded_data_multiproc, "in_this_process", False):
+        return
+
+    def write_in_this_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+        results: queue.Queue = queue.Queue()
+        done: queue.Queue = queue.Queue()  # the workers' count queue: each takes one item and marks it done
+        outcome: dict | Exception = {}
+        for i, bucket in enumerate(write_buckets):
+            done.put(i)
+            writer.write_preloaded_data(
+                transform_list, i, bucket, results, done, True, **({"use_msc": True} if use_msc else {})
+            )
+            index, written = results.get_nowait()
+            if isinstance(written, Exception):
+                outcome = written
+                break
+            outcome[index] = written
+        global_results_queue.put(outcome)
+
+    write_in_this_process.in_this_process = True
+    writer.write_preloaded_data_multiproc = staticmethod(write_in_this_process)
 
 
 def optimizers_map_their_own_parameters() -> None:

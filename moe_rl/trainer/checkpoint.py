@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from moe_rl.common import progress
 from moe_rl.common.distributed import all_gather_objects
-from moe_rl.compat.megatron_checkpoint import optimizers_map_their_own_parameters, results_in_this_process
+from moe_rl.compat.megatron_checkpoint import optimizers_map_their_own_parameters, writes_in_this_process
 from moe_rl.trainer.logger import say
 
 
@@ -216,7 +216,7 @@ def save(root: str | Path, step: int, chunks, optimizer, trainer_state: dict, ke
         states["optimizer"] = {"optimizer": _optimizer_sharded_state_dict(chunks, optimizer)}
 
     def write() -> None:  # every rank's files (megatron's writes are collective: a failure raises on every rank)
-        results_in_this_process()
+        writes_in_this_process()
         dist_checkpointing.save(states["model"], str(partial / "model"))
         progress.mark()
         dist_checkpointing.save(states["optimizer"], str(partial / "optimizer"))
@@ -440,7 +440,7 @@ def save_part(folder: str | Path, chunks, optimizer) -> None:
         dist.barrier()
     model_state = model_sharded_state_dict(chunks)  # both built before this part's collective writes, as in `save`
     optimizer_state = {"optimizer": _optimizer_sharded_state_dict(chunks, optimizer)}
-    results_in_this_process()
+    writes_in_this_process()
     dist_checkpointing.save(model_state, str(folder / "model"))
     dist_checkpointing.save(optimizer_state, str(folder / "optimizer"))
 

@@ -202,23 +202,27 @@ def test_keep_deletes_older_checkpoints(trained, tmp_path):
     assert checkpoint.latest(path.parent).name == "step_000004"
 
 
-def test_a_save_leaves_no_process_and_reads_no_earlier_save_s_results(trained):
-    """megatron's writer reports through a process-global queue, by default a spawned Manager's (a process that
-    imports torch, and whose death broke every later save). moe-rl's synchronous saves keep the results in this
-    process, in a new queue each time: a save starts no process that outlives it, and what an earlier save left
-    in the queue (one cut short between its put and its get) is never taken for this save's results."""
-    import multiprocessing
+def test_a_save_starts_no_process_and_reads_no_earlier_save_s_results(trained, monkeypatch):
+    """megatron's writer forks a process per file and reports through a process-global queue, by default a spawned
+    Manager's (a process that imports torch, and whose death broke every later save). moe-rl's synchronous saves
+    write the files and keep the results in this process, in a new queue each time: a save starts no process, and
+    what an earlier save left in the queue (one cut short between its put and its get) is never taken for this
+    save's results."""
+    import os
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def no_fork():
+        raise AssertionError("a checkpoint save forked a process")
 
     chunks, opt, path = trained
     state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
     filesystem_async._results_queue = queue.Queue()
     filesystem_async._results_queue.put({0: []})  # a result no save of this checkpoint wrote
-    before = set(multiprocessing.active_children())
+    monkeypatch.setattr(os, "fork", no_fork)
     saved = checkpoint.save(path.parent, 3, chunks, opt, state)
-    assert set(multiprocessing.active_children()) == before
+    monkeypatch.undo()
     assert filesystem_async._results_queue.empty()
     assert checkpoint.problems(saved) == []
     assert checkpoint.load(saved, chunks, opt)["step"] == 3
@@ -339,6 +343,24 @@ def test_a_save_that_fails_midway_never_becomes_latest(trained, monkeypatch, cap
     assert not (path.parent / ".step_000003.partial").exists()  # the half-written save is removed
     assert not (path.parent / "step_000003").exists()
     assert checkpoint.resolve_resume(path.parent, "auto") == (path, [])  # latest still names step 2
+
+
+def test_a_file_that_cannot_be_written_fails_the_save_naming_the_error(trained, monkeypatch):
+    """The files are written in this process (compat.megatron_checkpoint.writes_in_this_process): an error writing
+    one reaches the save's caller as megatron's forked writers reported it, and the half-written save is removed."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+
+    chunks, opt, path = trained
+    monkeypatch.setattr(filesystem_async, "_write_item", disk_full)
+    state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
+    with pytest.raises(checkpoint.CheckpointSaveError, match=r"No space left on device \(injected\)"):
+        checkpoint.save(path.parent, 3, chunks, opt, state)
+    assert not (path.parent / ".step_000003.partial").exists() and not (path.parent / "step_000003").exists()
+    monkeypatch.undo()
+    assert checkpoint.problems(checkpoint.save(path.parent, 3, chunks, opt, state)) == []  # the next save is whole
 
 
 def test_a_rank_that_cannot_build_its_state_fails_the_save_before_any_collective_write(trained, monkeypatch):
