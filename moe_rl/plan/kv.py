@@ -35,3 +35,14 @@ def kv_bytes_per_token(spec: ModelSpec, tensor_parallel_size: int, dtype: str) -
     else:
         per_layer = 2 * max(1, spec.num_kv_heads // tensor_parallel_size) * spec.head_dim * size
     return per_layer * spec.num_layers
+
+
+KV_BLOCK_MARGIN = 256  # tokens per sequence for its last, partly filled KV block: vLLM's largest CPU block size
+
+
+def cpu_kv_cache_gib(spec: ModelSpec, tensor_parallel_size: int, dtype: str, sequences: int, tokens: int) -> float:
+    """rollout.kv_cache_gib for a CPU engine that holds at most `sequences` sequences of at most `tokens` tokens at
+    once: every one at its longest, with one block of margin each (dtype auto: 4-byte elements, the most it
+    resolves to)."""
+    dtype = "float32" if str(dtype) == "auto" else str(dtype)
+    return sequences * (tokens + KV_BLOCK_MARGIN) * kv_bytes_per_token(spec, tensor_parallel_size, dtype) / 2**30

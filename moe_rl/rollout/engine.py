@@ -146,8 +146,13 @@ class RolloutConfig:
     way (moe_rl.compat.vllm.keep_seeded_samples_across_chunks). Below vLLM's max_num_seqs (256 on CPU) the engine
     schedules at most this many sequences per step. MLA models on CPU cannot chunk a prefill: vLLM raises the
     budget there to at least the context length."""
-    kv_cache_gib: int = 1
-    """CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_cache_gib: float | None = None
+    """CPU engines: the KV cache in GiB (vLLM's kv_cache_memory_bytes). null: the trainer sizes it for the most an
+    engine holds at once, its share of a step's samples (or of a validation pass's, if more) each at its longest
+    (the prompt limit + max_tokens, within the context) plus one KV block, so that no sample waits for KV
+    (moe_rl/plan/kv.py `cpu_kv_cache_gib`): 144 MiB per engine in the default run (float32), 72 MiB in bfloat16.
+    An engine built outside the trainer gets 1 GiB. GPU engines ignore it: their KV is what
+    rollout.gpu_memory_utilization leaves."""
     cpu_busy_loop_s: float | None = 0.05
     """CPU, engines with tensor_parallel_size > 1: how long the engine's core and worker processes spin for the next
     message after one before they sleep on a socket (vLLM's own default, null here: 1 s). Their spin competes with
@@ -215,6 +220,8 @@ class RolloutConfig:
             for reason, refused in why.items():
                 if refused:
                     refuse("rollout.sleep_while_training", f"true {reason}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            refuse("rollout.kv_cache_gib", f"{self.kv_cache_gib}: must be > 0 (or null: sized by the trainer)")
         if self.tensor_parallel_size < 1:
             refuse("rollout.tensor_parallel_size", f"{self.tensor_parallel_size}: must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -239,9 +246,11 @@ def _set_vllm_env(cfg: RolloutConfig) -> None:
     os.environ[CPU_ENGINE_ENV] = "1"
     if cfg.cpu_busy_loop_s is not None:
         os.environ[BUSY_LOOP_ENV] = str(cfg.cpu_busy_loop_s)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+DEFAULT_KV_CACHE_GIB = 1.0  # a CPU engine's KV cache where nothing sized it (rollout.kv_cache_gib)
 
 
 def _default_max_num_seqs(world_size: int) -> int:
@@ -415,6 +424,9 @@ class RolloutEngine:
             default_seqs = _default_max_num_seqs(cfg.tensor_parallel_size)
             if cfg.max_num_batched_tokens < default_seqs:
                 kwargs["max_num_seqs"] = cfg.max_num_batched_tokens
+        if not torch.cuda.is_available():
+            self.kv_cache_bytes = int((cfg.kv_cache_gib or DEFAULT_KV_CACHE_GIB) * 2**30)
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
         if cfg.sleep_while_training:
             kwargs["enable_sleep_mode"] = True
         self._asleep: set[str] = set()  # what sleep() released: "weights", "kv_cache"

@@ -33,7 +33,9 @@ from moe_rl.diagnostics.step_hooks import StepDiagnostics
 from moe_rl.models.tiny import built_in_model
 from moe_rl.objectives import Objective
 from moe_rl.objectives.proximal import loglinear_alpha
+from moe_rl.plan.kv import cpu_kv_cache_gib
 from moe_rl.plan.preflight import preflight
+from moe_rl.plan.spec import load_spec
 from moe_rl.rollout import dump, placement
 from moe_rl.rollout.ahead import AheadSource
 from moe_rl.rollout.balance import balance_rollout
@@ -145,6 +147,8 @@ class Trainer:
             os.environ.update(batch_invariant.engine_environment() if gpu else engine_ops.engine_environment())
             if not gpu and (note := engine_ops.vllm_version_warning()) and self.rank == 0:
                 say(f"[moe-rl] WARNING: {note}")
+        validating = bool(t.val_every or t.val_before_train)
+        self.val_prompts = self._read_val_prompts() if validating else None  # before the engines: they size KV for it
         self.source, engine = self._build_source()
         self.engine = engine  # this rank's, or None
         self.weight_sync = None
@@ -153,7 +157,7 @@ class Trainer:
             leaders = self.source.groups.leaders
             self.weight_sync = WeightSync(self.actor, engine, leaders, r.weight_sync_bucket_mb, r.weight_transport)
         self.updates = t.mode != "rollout_only"
-        self.validator = self._build_validator(engine) if t.val_every or t.val_before_train else None
+        self.validator = self._build_validator(engine) if validating else None
         if resumed:
             if cfg.buffer.enable:
                 self.source.buffer.load(self._buffer_file(self.resume_path))
@@ -246,7 +250,11 @@ class Trainer:
             )
             return source, None
         groups = engine_groups(cfg.rollout.engines, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-        rollout_cfg = type(cfg.rollout)(**{**cfg.rollout.__dict__, "model": self.model_path, "seed": cfg.trainer.seed})
+        kv = cfg.rollout.kv_cache_gib
+        if kv is None and not torch.cuda.is_available():
+            kv = self._engine_kv_cache_gib(len(groups.served), len(groups.leaders))
+        fill = {"model": self.model_path, "seed": cfg.trainer.seed, "kv_cache_gib": kv}
+        rollout_cfg = type(cfg.rollout)(**{**cfg.rollout.__dict__, **fill})
         engine, trainer_cores, engine_cores = None, None, None
         if groups.is_leader:
             if cfg.rollout.placement == "separate":
@@ -309,7 +317,24 @@ class Trainer:
     def _buffer_file(self, checkpoint_path: Path) -> Path:
         return checkpoint_path / "buffer" / f"rank_{self.rank:05d}.safetensors"
 
-    def _build_validator(self, engine):
+    def _engine_kv_cache_gib(self, served: int, engines: int) -> float:
+        """rollout.kv_cache_gib left null, CPU: what this rank's engine holds at most at once, at full length, its
+        share of a step's samples or of a validation pass's, whichever takes more (plan/kv.py cpu_kv_cache_gib)."""
+        cfg = self.cfg
+        context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
+
+        def longest(prompts: PromptSource, max_tokens: int) -> int:  # a multi-turn sample grows to the context
+            single = cfg.rollout.multi_turn.env == "none" and prompts.token_limit is not None
+            return min(context, prompts.token_limit + max_tokens) if single else context
+
+        need = [(cfg.data.prompts_per_step * served * cfg.sampling.n, longest(self.data, cfg.sampling.max_tokens))]
+        if self.val_prompts is not None:
+            share = -(-len(self.val_prompts.items) // engines)
+            need.append((share * cfg.val.n, longest(self.val_prompts, cfg.val.max_tokens or cfg.sampling.max_tokens)))
+        spec, r = load_spec(self.model_path), cfg.rollout
+        return max(cpu_kv_cache_gib(spec, r.tensor_parallel_size, r.dtype, n, tokens) for n, tokens in need)
+
+    def _read_val_prompts(self) -> PromptSource:
         cfg = self.cfg
         max_tokens = cfg.val.max_tokens or cfg.sampling.max_tokens
         d, answers = cfg.data, self._answers_for(training=False)
@@ -318,13 +343,17 @@ class Trainer:
         else:  # the task's val split
             problems = (d.arithmetic, "val", d.val_problems)
             val = self._read_prompts("", 0, 1, max_tokens, d.task, answers_for=answers, problems=problems)
-        prompts = val.items  # in file order, every rank the same list
         if self.rank == 0:
             dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
-            say(f"[moe-rl] validation: {len(prompts)} prompts of {d.val_path or 'the arithmetic val split'}{dropped}")
-        groups = self.source.groups
+            where = d.val_path or "the arithmetic val split"
+            say(f"[moe-rl] validation: {len(val.items)} prompts of {where}{dropped}")
+        return val
+
+    def _build_validator(self, engine):
+        cfg = self.cfg
+        prompts = self.val_prompts.items  # in file order, every rank the same list
         args = (self.tokenizer, self.reward_fn, cfg.val, cfg.sampling, self._engine_may_stop)
-        return Validator(prompts, groups, engine, *args, reward_timeout_s=d.reward_timeout_s)
+        return Validator(prompts, self.source.groups, engine, *args, reward_timeout_s=cfg.data.reward_timeout_s)
 
     def _resume(self) -> dict | None:
         """Restore the checkpoint chosen (and verified) at start; None for a fresh run."""

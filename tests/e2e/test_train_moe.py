@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,9 @@ def test_default_run_learns_the_toy_task(default_run):
     assert list(tmp_path.glob("wandb/offline-run-*")), "wandb offline files missing"
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000030"
     assert (tmp_path / "checkpoints" / "step_000030" / "optimizer" / "metadata.json").is_file()
+    # each engine's KV cache holds its 32 samples of 2,048 tokens (+ a block each) in float32, 0.14 GiB, not 1 GiB
+    sized = re.findall(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache", (tmp_path / "train_moe.log").read_text())
+    assert sized == ["0.14", "0.14"], sized
     # fp32 actor and engine route identically on almost every token-layer
     agreement = [h["router/agreement"] for h in history if "router/agreement" in h]
     assert len(agreement) == 3 and min(agreement) > 0.99  # steps 1, 11, 21 (logging.router_agreement_every=10)

@@ -135,15 +135,22 @@ def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core(engines):
 
 def test_the_planners_kv_bytes_per_token_size_the_engines_cache(engines, tiny_models):
     """moe-rl-plan's KV bytes per token (moe_rl/plan/kv.py) times the block size divide the CPU engine's KV cache
-    (rollout.kv_cache_gib) into the number of blocks the engine reports."""
-    from moe_rl.plan.kv import kv_bytes_per_token
+    (rollout.kv_cache_gib) into the number of blocks the engine reports; the trainer's sizing of that cache
+    (cpu_kv_cache_gib) leaves every sequence room for its last, partly filled block."""
+    from moe_rl.plan.kv import KV_BLOCK_MARGIN, cpu_kv_cache_gib, kv_bytes_per_token
     from moe_rl.plan.spec import load_spec
 
     eng = engines("qwen3_moe")
     cache = eng.llm.llm_engine.vllm_config.cache_config
-    per_token = kv_bytes_per_token(load_spec(str(tiny_models["qwen3_moe"])), 1, "float32")
+    spec = load_spec(str(tiny_models["qwen3_moe"]))
+    per_token = kv_bytes_per_token(spec, 1, "float32")
     print(f"\nengine: {cache.num_gpu_blocks} blocks of {cache.block_size} tokens; plan: {per_token} B per token")
-    assert cache.num_gpu_blocks == eng.cfg.kv_cache_gib * 2**30 // (cache.block_size * per_token)
+    assert eng.cfg.kv_cache_gib is None and eng.kv_cache_bytes == 2**30  # built outside the trainer: 1 GiB
+    assert cache.num_gpu_blocks == eng.kv_cache_bytes // (cache.block_size * per_token)
+    assert cache.block_size <= KV_BLOCK_MARGIN
+    for sequences, tokens in [(32, 2048), (7, 1000), (1, 1)]:
+        sized = int(cpu_kv_cache_gib(spec, 1, "float32", sequences, tokens) * 2**30)
+        assert sized // (cache.block_size * per_token) >= sequences * -(-tokens // cache.block_size)
 
 
 def test_cpu_engine_processes_run_the_sampler_eagerly_and_the_trainer_keeps_torch_compile(engines):

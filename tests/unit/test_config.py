@@ -311,7 +311,7 @@ def test_every_key_has_a_comment_and_keys_prints_it():
         cwd=Path(CONF).parent,
         timeout=120,
     )
-    assert out.returncode == 0 and out.stdout.startswith("rollout.kv_cache_gib = 1\n    "), out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.startswith("rollout.kv_cache_gib = None\n    "), out.stdout + out.stderr
 
 
 def test_group_free_advantage_accepts_one_sample_per_prompt():
