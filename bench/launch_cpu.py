@@ -2,17 +2,19 @@
 
 A short run's cost is mostly its processes' start (imports, engine start, checkpoint writer), and part of it lands
 in processes nobody waits for (`/usr/bin/time` misses those). This samples the job's process tree with psutil every
-0.2 s and reports each process's last CPU time (user + system) and the total, for each variant of
-`torchrun --nproc-per-node=N launch/train_moe.py trainer.steps=S logging.wandb.mode=disabled`, run one after the
-other, and whether their step lines (up to the memory and timing fields) are identical.
+0.2 s and reports each process's last CPU time (user + system), the total and each process's peak resident memory
+for each variant of `torchrun --nproc-per-node=N launch/train_moe.py trainer.steps=S logging.wandb.mode=disabled`,
+run one after the other, and whether their step lines (up to the memory and timing fields) are identical.
 
 `--warm` compares a fresh torchrun with the test suite's warm launch instead (tests/warm_torchrun.py: the same
 torchrun with its agent and ranks forked from a process that imported torch, megatron-core and vLLM once; that
-process's own start is reported apart, since the suite pays it once per pytest process).
+process's own start is reported apart, since the suite pays it once per pytest process). `--kv` compares the engines'
+KV cache as the trainer sizes it (rollout.kv_cache_gib null, the default) with 1 GiB per engine.
 
   python bench/launch_cpu.py                 # 2 ranks, 3 steps: engines forked (default) vs spawned
   python bench/launch_cpu.py --steps 1 --nproc 1
   python bench/launch_cpu.py --warm          # fresh torchrun vs the tests' warm launch
+  python bench/launch_cpu.py --kv            # KV cache sized by the trainer vs vLLM-CPU's 1 GiB per engine
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"fork": [], "spawn": ["rollout.cpu_start_method=spawn"]}
+KV_VARIANTS = {"sized": [], "one_gib": ["rollout.kv_cache_gib=1"]}  # rollout.kv_cache_gib null: sized by the trainer
 
 
-def _watch(root: psutil.Process, running, with_root: bool = True) -> dict[int, tuple[float, str]]:
-    """CPU seconds and name of every process under `root` (and root itself), sampled every 0.2 s while running()."""
-    seen: dict[int, tuple[float, str]] = {}
+def _watch(root: psutil.Process, running, with_root: bool = True) -> dict[int, tuple[float, str, int]]:
+    """CPU seconds, name and peak resident bytes (of the samples) of every process under `root` (and root itself),
+    sampled every 0.2 s while running()."""
+    seen: dict[int, tuple[float, str, int]] = {}
     while running():
         try:
             tree = [*([root] if with_root else []), *root.children(recursive=True)]
@@ -44,8 +48,8 @@ def _watch(root: psutil.Process, running, with_root: bool = True) -> dict[int, t
         for p in tree:
             try:
                 with p.oneshot():
-                    cpu = p.cpu_times()
-                    seen[p.pid] = (cpu.user + cpu.system, p.name())
+                    cpu, rss = p.cpu_times(), p.memory_info().rss
+                    seen[p.pid] = (cpu.user + cpu.system, p.name(), max(rss, seen.get(p.pid, (0, "", 0))[2]))
             except psutil.Error:
                 pass
         time.sleep(0.2)
@@ -72,10 +76,18 @@ def sample(cmd: list[str], env: dict, log: Path, warm=None) -> dict:
     if code != 0:
         sys.exit(f"{' '.join(cmd)} failed ({code}); log: {log}")
     by_name: dict[str, float] = {}
-    for cpu, name in seen.values():
+    peak_rss: dict[str, list[float]] = {}  # each process's peak, GiB
+    for cpu, name, rss in seen.values():
         by_name[name] = by_name.get(name, 0.0) + cpu
+        peak_rss.setdefault(name, []).append(round(rss / 2**30, 3))
     steps = [line.split(" rss ")[0] for line in log.read_text().splitlines() if line.startswith("step ")]
-    return {"cpu_s": sum(by_name.values()), "wall_s": wall, "cpu_s_by_process_name": by_name, "steps": steps}
+    return {
+        "cpu_s": sum(by_name.values()),
+        "wall_s": wall,
+        "cpu_s_by_process_name": by_name,
+        "peak_rss_gib_by_process_name": {name: sorted(v, reverse=True) for name, v in peak_rss.items()},
+        "steps": steps,
+    }
 
 
 def main() -> None:
@@ -84,9 +96,10 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
     p.add_argument("--warm", action="store_true", help="fresh torchrun vs the test suite's warm launch")
+    p.add_argument("--kv", action="store_true", help="KV cache sized by the trainer vs 1 GiB per engine")
     a = p.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", VLLM_CONFIGURE_LOGGING="0")
-    variants = {"warm": [], "fresh": []} if a.warm else VARIANTS
+    variants = {"warm": [], "fresh": []} if a.warm else KV_VARIANTS if a.kv else VARIANTS
     first, second = variants
     runs, extra = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
