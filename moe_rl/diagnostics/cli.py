@@ -33,6 +33,13 @@ from moe_rl.rollout.dump import DumpError, model_fingerprint
 from moe_rl.routing.model_layout import moe_layout
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="moe-rl-diagnose", description=__doc__, formatter_class=fmt)
@@ -75,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
     live.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     live.add_argument("--ep", type=int, default=1, help="actor expert parallel size (torchrun world)")
-    live.add_argument("--kv-cache-gib", type=int, default=1, help="CPU engine KV cache in whole GiB (default 1)")
+    live.add_argument("--kv-cache-gib", type=_positive, default=1.0, help="CPU engine KV cache in GiB (default 1)")
     report_args(live)
 
     off = sub.add_parser(

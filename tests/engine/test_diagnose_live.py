@@ -126,7 +126,10 @@ def test_live_world1_bf16(bf16_model, tmp_path):
 @pytest.mark.distributed
 def test_live_torchrun_world2_ep2(bf16_model, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
-    report, files = _run([*torchrun, "moe_rl.diagnostics"], bf16_model, tmp_path, ["--ep", "2"])
+    # a KV cache of a fraction of a GiB (vLLM's kv_cache_memory_bytes)
+    report, files = _run(
+        [*torchrun, "moe_rl.diagnostics"], bf16_model, tmp_path, ["--ep", "2", "--kv-cache-gib", "0.05"]
+    )
     assert len(files) == 2 and report["source"]["samples"] == 6
     # EP ranks pad to one length; each rank scored its own 3 prompts
     shapes = {tuple(dump.read(f)[0]["input_ids"].shape) for f in files}
