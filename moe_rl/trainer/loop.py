@@ -85,6 +85,8 @@ class Trainer:
         m = cfg.model
         self.model_path = m.path or built_in_model(run_dir, m.tiny_arch, m.tiny_size, cfg.trainer.seed)
         hf_config = load_hf_config(self.model_path)
+        # the engines' context: prompt limits, the agent loop's turns and the KV cache's size follow it
+        self.context = cfg.rollout.max_model_len or hf_config.max_position_embeddings
         check_divisibility(get_converter(hf_config), cfg.parallel)  # before anything is built
         # Data and reward before the model and engines: a bad file fails in seconds.
         self._build_data()
@@ -212,7 +214,6 @@ class Trainer:
         """A PromptSource over `path` (this data-parallel rank's shard), rendered, tokenized and length-checked
         as data.* says, for responses of up to `max_tokens`; `answers_for`, `problems`: see PromptSource."""
         cfg, d = self.cfg, self.cfg.data
-        context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
         return PromptSource(
             task,
             path,
@@ -225,7 +226,7 @@ class Trainer:
             tokenizer=self.tokenizer,
             apply_chat_template=d.apply_chat_template,
             max_prompt_tokens=d.max_prompt_tokens,
-            context_limit=context - max_tokens,
+            context_limit=self.context - max_tokens,
             overlong=d.overlong_prompts,
             answers_for=answers_for,
             problems=problems,
@@ -264,8 +265,7 @@ class Trainer:
             engine = RolloutEngine(rollout_cfg, a.layout.moe_layers, a.layout.num_experts, a.layout.topk)
         agent = None
         if engine is not None and cfg.rollout.multi_turn.env != "none":
-            context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
-            agent = AgentLoop(engine, cfg.rollout.multi_turn, self.tokenizer, context)
+            agent = AgentLoop(engine, cfg.rollout.multi_turn, self.tokenizer, self.context)
         if trainer_cores is not None:  # after the engine's processes started
             placement.pin(trainer_cores, engine_cores)
             if self.rank == 0:
@@ -320,11 +320,10 @@ class Trainer:
     def _engine_kv_cache_gib(self, served: int, engines: int) -> float:
         """rollout.kv_cache_gib left null, CPU: what this rank's engine holds at most at once, at full length, its
         share of a step's samples or of a validation pass's, whichever takes more (plan/kv.py cpu_kv_cache_gib)."""
-        cfg = self.cfg
-        context = cfg.rollout.max_model_len or load_hf_config(self.model_path).max_position_embeddings
+        cfg, context = self.cfg, self.context
 
         def longest(prompts: PromptSource, max_tokens: int) -> int:  # a multi-turn sample grows to the context
-            single = cfg.rollout.multi_turn.env == "none" and prompts.token_limit is not None
+            single = cfg.rollout.multi_turn.env == "none"  # token_limit: _read_prompts always gives a context limit
             return min(context, prompts.token_limit + max_tokens) if single else context
 
         need = [(cfg.data.prompts_per_step * served * cfg.sampling.n, longest(self.data, cfg.sampling.max_tokens))]
