@@ -10,7 +10,9 @@ thread per rank) plus MOE_RL_OVERRIDES; TRL runs in one process with 2 threads, 
 an environment of its own that this bench creates once (TRL is not a dependency of moe-rl).
 
 A step is one RL step: the generation of its 64 samples and the 2 mini-batch updates on them (TRL: optimizer
-steps 2k-1 and 2k). The mean step leaves the first out (start-up work both sides do there).
+steps 2k-1 and 2k). The mean step leaves the first out (start-up work both sides do there). Each round also gives
+each side's time outside its steps (the whole command less every step: start-up, checkpoints, exit), and the bench
+times once what each side's process imports before it can start (`import_seconds`), a floor under that time.
 
   python bench/vs_trl.py                         # both sizes (about 10 minutes on 2 cores)
   python bench/vs_trl.py --sizes toy             # the built-in model, 30 steps
@@ -177,7 +179,8 @@ def trl_run(python: Path, spec: dict, work: Path) -> dict:
 
 
 def _summary(ours: dict, theirs: dict) -> dict:
-    """One round's comparison: the mean step leaves the first out (start-up work both sides do there)."""
+    """One round's comparison: the mean step leaves the first out (start-up work both sides do there). Outside the
+    steps: the whole command's time less every step's (start-up, checkpoints, exit)."""
     mean_ours = statistics.mean(ours["step_seconds"][1:])
     mean_theirs = statistics.mean(theirs["step_seconds"][1:])
     return {
@@ -187,8 +190,36 @@ def _summary(ours: dict, theirs: dict) -> dict:
         "moe_rl_whole_seconds": ours["whole_seconds"],
         "trl_whole_seconds": theirs["whole_seconds"],
         "whole_ratio": ours["whole_seconds"] / theirs["whole_seconds"],
+        "moe_rl_outside_steps_seconds": ours["whole_seconds"] - sum(ours["step_seconds"]),
+        "trl_outside_steps_seconds": theirs["whole_seconds"] - sum(theirs["step_seconds"]),
         "reward_difference": statistics.mean(ours["rewards"]) - statistics.mean(theirs["rewards"]),
     }
+
+
+# The round figures reported as their median over rounds.
+MEDIANS = (
+    "step_ratio",
+    "whole_ratio",
+    "moe_rl_outside_steps_seconds",
+    "trl_outside_steps_seconds",
+    "reward_difference",
+)
+
+# What each side's process imports before its first step (a moe-rl rank: its trainer, megatron-core, transformers,
+# vLLM's client and wandb, after torchrun's launcher has imported torch; TRL: bench/trl_side.py's imports), timed in
+# a process of its own: a floor under each side's time outside its steps.
+IMPORTS = {
+    "moe_rl": "import torch, megatron.core.models.gpt, transformers, wandb, moe_rl.trainer.loop; from vllm import LLM",
+    "trl": "import torch, datasets, transformers, trl; from trl import GRPOConfig, GRPOTrainer",
+}
+
+
+def import_seconds(python: Path | str, imports: str) -> float:
+    """Seconds a fresh `python -c` takes to make these imports (without the interpreter's start and teardown)."""
+    timed = f"t = time.perf_counter()\n{imports}\nprint(time.perf_counter() - t, flush=True)"
+    code = f"import os, time\n{timed}\nos._exit(0)"
+    proc = subprocess.run([str(python), "-c", code], cwd=REPO, check=True, capture_output=True, text=True)
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 def compare(size: str, steps: int, python: Path, work: Path, settings: dict, repeats: int = 1) -> dict:
@@ -231,7 +262,7 @@ def compare(size: str, steps: int, python: Path, work: Path, settings: dict, rep
             "mean_step_seconds": rounds[0]["trl_mean_step_seconds"],
             "mean_reward": statistics.mean(theirs["rewards"]),
         },
-        **{k: statistics.median(r[k] for r in rounds) for k in ("step_ratio", "whole_ratio", "reward_difference")},
+        **{k: statistics.median(r[k] for r in rounds) for k in MEDIANS},
     }
     if repeats > 1:
         out["rounds"] = rounds
@@ -257,6 +288,8 @@ def main() -> None:
     settings = moe_rl_settings()
     work = Path(a.work or tempfile.mkdtemp(prefix="vs_trl-"))
     work.mkdir(parents=True, exist_ok=True)
+    print("[vs_trl] timing each side's imports", file=sys.stderr, flush=True)
+    imports = {side: import_seconds(sys.executable if side == "moe_rl" else python, IMPORTS[side]) for side in IMPORTS}
     results = {
         size: compare(size, a.steps or SIZES[size]["steps"], python, work, settings, a.repeats) for size in a.sizes
     }
@@ -264,7 +297,13 @@ def main() -> None:
         shutil.rmtree(work)
     print(
         json.dumps(
-            {"trl_version": TRL_VERSION, "settings": settings, "moe_rl_overrides": MOE_RL_OVERRIDES, "sizes": results}
+            {
+                "trl_version": TRL_VERSION,
+                "settings": settings,
+                "moe_rl_overrides": MOE_RL_OVERRIDES,
+                "import_seconds": imports,
+                "sizes": results,
+            }
         )
     )
 

@@ -5,9 +5,11 @@ built-in model, and the large size has at least 100M parameters, as #54 asks."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from megatron.core.optimizer import OptimizerConfig
@@ -93,4 +95,15 @@ def test_repeated_rounds_alternate_sides_use_a_run_folder_each_and_report_the_me
     assert len({folder for _, folder in calls}) == 6  # a folder reused by moe-rl would resume its checkpoint
     assert [r["step_ratio"] for r in out["rounds"]] == [1.0, 2.0, 1.5] and out["step_ratio"] == 1.5
     assert [r["whole_ratio"] for r in out["rounds"]] == [2.0, 1.0, 1.5] and out["whole_ratio"] == 1.5
+    # outside the steps: the whole command less every step (the first one included)
+    assert [r["moe_rl_outside_steps_seconds"] for r in out["rounds"]] == [29.0, 37.0, 33.0]
+    assert [r["trl_outside_steps_seconds"] for r in out["rounds"]] == [9.0, 39.0, 19.0]
+    assert out["moe_rl_outside_steps_seconds"] == 33.0 and out["trl_outside_steps_seconds"] == 19.0
     assert out["moe_rl"]["mean_step_seconds"] == 1.0 and out["trl"]["whole_seconds"] == 20.0  # round 1 in full
+
+
+def test_import_seconds_times_the_imports_in_a_fresh_process():
+    slow_import = "import time as t2\nt2.sleep(0.3)"
+    assert 0.3 <= bench.import_seconds(sys.executable, slow_import) < 0.3 + 2.0
+    with pytest.raises(subprocess.CalledProcessError):  # a side whose imports fail stops the bench
+        bench.import_seconds(sys.executable, "import no_such_module_here")
