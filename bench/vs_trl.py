@@ -39,8 +39,16 @@ sys.path.insert(0, str(REPO))
 # Settings the moe-rl side runs with beyond its defaults, at both sizes (empty: the defaults). Each must keep the
 # comparison fair: the same algorithm, batch, precision and synchronous sampling as the TRL side, which follows
 # model.dtype (bfloat16: TRL's bf16=True, accelerate's autocast over fp32 weights; moe-rl: bf16 weights with fp32
-# masters, and the engine in bf16, as transformers' generation runs under that autocast).
-MOE_RL_OVERRIDES: list[str] = ["model.dtype=bfloat16", "rollout.dtype=bfloat16"]
+# masters, and the engine in bf16, as transformers' generation runs under that autocast). The other three give moe-rl
+# the TRL side's bookkeeping (bench/trl_side.py: report_to="none", save_strategy="no", no routing diagnostic): no
+# wandb run, no checkpoint, no router-agreement forward (a diagnostic TRL has no counterpart of).
+MOE_RL_OVERRIDES: list[str] = [
+    "model.dtype=bfloat16",
+    "rollout.dtype=bfloat16",
+    "logging.wandb.mode=disabled",
+    "trainer.checkpoint_every=-1",
+    "logging.router_agreement_every=0",
+]
 
 TRL_VERSION = "1.16.0"
 TRL_ENV = Path(os.environ.get("MOE_RL_TRL_ENV", Path.home() / ".cache" / "moe-rl-bench" / f"trl-{TRL_VERSION}"))

@@ -335,6 +335,13 @@ def _check_hang_timeout(seconds: float) -> None:
         )
 
 
+def _check_checkpoint_every(every: int) -> None:
+    if every < -1:
+        refuse(
+            "trainer.checkpoint_every", f"{every}: choose N > 0 (every N steps), 0 (the last step only) or -1 (never)"
+        )
+
+
 @dataclass
 class TrainerConfig:
     steps: int = 30
@@ -354,7 +361,8 @@ class TrainerConfig:
     """train | rollout_only (rollout + old log-probs + a dump each step, no update) | from_dump
     (train on the dumps in dump_dir, cycling through its steps; no engine)."""
     checkpoint_every: int = 10
-    """Save a checkpoint every N steps (also at the last step and on SIGTERM); 0 = only those."""
+    """Save a checkpoint every N steps (also at the last step and on SIGTERM); 0 = only those; -1 = never, not even
+    those (benchmarks, sweeps: as verl's save_freq=-1, TRL's save_strategy="no")."""
     checkpoint_dir: str = ""
     """Empty: <run dir>/checkpoints."""
     checkpoint_keep: int = 3
@@ -417,9 +425,10 @@ class TrainerConfig:
             refuse("trainer.dump_dir", "mode=from_dump needs the folder of an earlier run's dumps")
         if self.mode == "from_dump" and self.dump_every:
             refuse("trainer.dump_every", "mode=from_dump reads dumps; it cannot also write them")
-        for key in ("steps", "checkpoint_every", "checkpoint_keep", "dump_every", "val_every"):
+        for key in ("steps", "checkpoint_keep", "dump_every", "val_every"):
             if getattr(self, key) < 0:
                 refuse(f"trainer.{key}", "must be >= 0")
+        _check_checkpoint_every(self.checkpoint_every)
         _check_hang_timeout(self.hang_timeout_s)
         if self.max_skipped_steps < 1:
             refuse("trainer.max_skipped_steps", f"{self.max_skipped_steps}: must be >= 1 (1 = stop at the first skip)")
@@ -669,7 +678,7 @@ class SFTTrainerConfig:
     seed: int = 1234
     """Seeds the model init (tiny model), the problems drawn and the order of the examples."""
     checkpoint_every: int = 100
-    """Save every N steps (0 = only at the end and on SIGTERM)."""
+    """Save every N steps (0 = only at the end and on SIGTERM; -1 = never)."""
     checkpoint_dir: str = ""
     """Default: <run dir>/checkpoints."""
     checkpoint_keep: int = 2
@@ -691,9 +700,10 @@ class SFTTrainerConfig:
 
     def check(self) -> None:
         """This section's own rules."""
-        for key in ("steps", "checkpoint_every", "checkpoint_keep", "val_every"):
+        for key in ("steps", "checkpoint_keep", "val_every"):
             if getattr(self, key) < 0:
                 refuse(f"trainer.{key}", "must be >= 0")
+        _check_checkpoint_every(self.checkpoint_every)
         _check_hang_timeout(self.hang_timeout_s)
 
 

@@ -52,6 +52,12 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def save_due(step: int, steps: int, every: int) -> bool:
+    """Whether trainer.checkpoint_every (`every`: N > 0 every N steps, 0 the last step only, -1 never) saves after
+    `step` of `steps`. A stop signal's save is due unless `every` is -1."""
+    return every >= 0 and (step == steps or (every > 0 and step % every == 0))
+
+
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 

@@ -606,7 +606,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
         return []
     start_up_done()
     t = cfg.trainer
-    saves = t.mode != "rollout_only"
+    saves = t.mode != "rollout_only" and t.checkpoint_every >= 0
     history = []
     try:
         with watching(t.hang_timeout_s, trainer.engine, run_dir):
@@ -620,10 +620,10 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
                 if trainer.stop.agreed():
                     if saves:
                         trainer.save_checkpoint()
-                    trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
+                    trainer.logger.warn(trainer.step_index, f"stopped by a signal {_saved_or_not(t)}")
                     break
                 last = trainer.step_index == t.steps
-                if saves and (last or (t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0)):
+                if saves and checkpoint.save_due(trainer.step_index, t.steps, t.checkpoint_every):
                     try:
                         trainer.save_checkpoint()
                     except CheckpointSaveError as e:  # raised on every rank alike: all go on, or all stop
@@ -637,6 +637,12 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     finally:
         trainer.close()
     return history
+
+
+def _saved_or_not(t) -> str:
+    if t.mode == "rollout_only":
+        return "(trainer.mode=rollout_only saves no checkpoint)"
+    return "after saving a checkpoint" if t.checkpoint_every >= 0 else "(no checkpoint: trainer.checkpoint_every=-1)"
 
 
 def _data_parallel_size() -> int:

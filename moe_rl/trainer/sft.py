@@ -239,12 +239,13 @@ def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:
             while trainer.step_index < t.steps:
                 history.append(trainer.step())
                 if trainer.stop.agreed():
-                    trainer.save_checkpoint()
-                    trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
+                    if t.checkpoint_every >= 0:
+                        trainer.save_checkpoint()
+                        trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
+                    else:
+                        trainer.logger.warn(trainer.step_index, "stopped by a signal (trainer.checkpoint_every=-1)")
                     return history
-                if trainer.step_index == t.steps or (
-                    t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0
-                ):
+                if checkpoint.save_due(trainer.step_index, t.steps, t.checkpoint_every):
                     trainer.save_checkpoint()
         if t.export_hf:
             a = trainer.actor

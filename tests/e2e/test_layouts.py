@@ -21,7 +21,7 @@ from tests.conftest import TORCHRUN, free_port, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
 
-COMMON = ["logging.wandb.mode=disabled", "rollout.dtype=bfloat16", "trainer.checkpoint_every=0"]
+COMMON = ["logging.wandb.mode=disabled", "rollout.dtype=bfloat16", "trainer.checkpoint_every=-1"]  # no saves
 EXACT = ("reward/mean", "response/length_mean")  # same samples
 CLOSE = ("actor/grad_norm", "actor/entropy", "actor/clipfrac", "mismatch/kl", "mismatch/k3_kl")
 REL_TOL = 1e-4
@@ -118,6 +118,7 @@ def test_tp2_pp2_and_cp2_learn_and_step_1_equals_one_rank(layout, one_rank, tmp_
     assert last >= 2 * first
     assert all(h["actor/skipped_steps"] == 0 for h in history)
     assert max(abs(h["actor/first_minibatch_ppo_kl"]) for h in history) < 1e-4
+    assert not (tmp_path / "checkpoints").exists()  # trainer.checkpoint_every=-1: not even the last step's save
 
 
 def test_tp2_ep2_on_4_ranks_equals_dp2_on_two_nodes(tmp_path):

@@ -193,6 +193,14 @@ def test_bf16_parameters_step_through_fp32_master_weights(tiny_models, world1):
     assert moved > 1.5 * moved_in_place, (moved, moved_in_place)
 
 
+@pytest.mark.parametrize(
+    ("every", "saved"), [(10, [10, 20, 30]), (7, [7, 14, 21, 28, 30]), (0, [30]), (-1, []), (30, [30]), (45, [30])]
+)
+def test_checkpoint_every_saves_at_these_steps(every, saved):
+    """trainer.checkpoint_every: every N steps and the last; 0 the last only; -1 never (a 30-step run)."""
+    assert [s for s in range(1, 31) if checkpoint.save_due(s, 30, every)] == saved
+
+
 def test_keep_deletes_older_checkpoints(trained, tmp_path):
     chunks, opt, path = trained  # step 2 under tmp_path/ckpt
     state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}

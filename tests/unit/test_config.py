@@ -244,6 +244,7 @@ def test_schema_errors_name_the_key(override, match):
         (["actor.micro_batch_size=0"], 1, "config actor.micro_batch_size: 0: must be >= 1"),
         (["actor.mini_batches=0"], 1, "config actor.mini_batches: 0: must be >= 1"),
         (["trainer.max_skipped_steps=0"], 1, "config trainer.max_skipped_steps"),
+        (["trainer.checkpoint_every=-2"], 1, "config trainer.checkpoint_every: -2: choose N > 0 .* or -1 \\(never\\)"),
         (["algorithm.kl_coef=-0.1"], 1, "config algorithm.kl_coef: -0.1: must be >= 0"),
         (["algorithm.kl_in_reward=true"], 1, "config algorithm.kl_in_reward: needs algorithm.kl_coef > 0"),
         (["trainer.val_every=2"], 1, "config trainer.val_every: validation needs data.val_path"),
