@@ -76,7 +76,9 @@ class SFTTrainer:
         self._val_batch = None
         if self.rank == 0:
             p = cfg.parallel
-            say(f"[moe-rl] SFT run {run_dir}: metrics.jsonl, checkpoints/, hf/ at the end")
+            checkpoints = "checkpoints/, " if t.checkpoint_every >= 0 else ""
+            hf = "hf/ at the end" if t.export_hf else "no hf/ (trainer.export_hf=false)"
+            say(f"[moe-rl] SFT run {run_dir}: metrics.jsonl, {checkpoints}{hf}")
             say(
                 f"[moe-rl] model {self.model_path} ({hf_config.model_type}); layout world {dist.get_world_size()} = "
                 f"DP {dp} x TP {p.tp} x PP {p.pp} x CP {p.cp}, EP {p.ep}; {len(train)} train and {len(val)} val "
