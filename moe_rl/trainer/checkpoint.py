@@ -54,7 +54,7 @@ def _rank_world() -> tuple[int, int]:
 
 def save_due(step: int, steps: int, every: int) -> bool:
     """Whether trainer.checkpoint_every (`every`: N > 0 every N steps, 0 the last step only, -1 never) saves after
-    `step` of `steps`. A stop signal's save is due unless `every` is -1."""
+    `step` of `steps` (a stop signal's save: whenever `every` >= 0, decided by the loops)."""
     return every >= 0 and (step == steps or (every > 0 and step % every == 0))
 
 
