@@ -419,6 +419,11 @@ class TrainerConfig:
     keep it above the slowest single piece of work (a batched reward plugin's call, one checkpoint write).
     0: off."""
 
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Whether the run writes checkpoints at all (none under mode=rollout_only or checkpoint_every=-1)."""
+        return self.mode != "rollout_only" and self.checkpoint_every >= 0
+
     def check(self) -> None:
         """This section's own rules."""
         if self.mode == "from_dump" and not self.dump_dir:
@@ -697,6 +702,11 @@ class SFTTrainerConfig:
     """As train_moe.py's: seconds without progress on any rank (a step, a micro-batch, a checkpoint file, a
     validation engine step) after which every rank ends with a report naming the rank or engine that stopped, and
     exit code 75 (retryable); 0: off. Below the 600 s collective timeout."""
+
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Whether the run writes checkpoints at all (none under checkpoint_every=-1)."""
+        return self.checkpoint_every >= 0
 
     def check(self) -> None:
         """This section's own rules."""

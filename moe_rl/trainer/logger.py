@@ -135,8 +135,7 @@ def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> li
     stages = ""
     if p.first_stage_layers or p.last_stage_layers:  # megatron's uneven stages
         stages = f" (stages of {'/'.join(map(str, p.stage_layers(moe.num_layers)))} layers)"
-    t = cfg.trainer
-    checkpoints = "checkpoints/, " if t.mode != "rollout_only" and t.checkpoint_every >= 0 else ""
+    checkpoints = "checkpoints/, " if cfg.trainer.saves_checkpoints else ""
     return [
         f"run {run_dir}: metrics.jsonl, {checkpoints}train_moe.log (these lines and every library's log)",
         f"model {source}, {params / 1e6:,.1f}M parameters, {moe.num_layers} layers "

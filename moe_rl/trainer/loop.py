@@ -606,7 +606,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
         return []
     start_up_done()
     t = cfg.trainer
-    saves = t.mode != "rollout_only" and t.checkpoint_every >= 0
+    saves = t.saves_checkpoints
     history = []
     try:
         with watching(t.hang_timeout_s, trainer.engine, run_dir):
@@ -640,9 +640,10 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
 
 
 def _saved_or_not(t) -> str:
-    if t.mode == "rollout_only":
-        return "(trainer.mode=rollout_only saves no checkpoint)"
-    return "after saving a checkpoint" if t.checkpoint_every >= 0 else "(no checkpoint: trainer.checkpoint_every=-1)"
+    if t.saves_checkpoints:
+        return "after saving a checkpoint"
+    why = "trainer.mode=rollout_only" if t.mode == "rollout_only" else "trainer.checkpoint_every=-1"
+    return f"(no checkpoint: {why})"
 
 
 def _data_parallel_size() -> int:

@@ -76,7 +76,7 @@ class SFTTrainer:
         self._val_batch = None
         if self.rank == 0:
             p = cfg.parallel
-            checkpoints = "checkpoints/, " if t.checkpoint_every >= 0 else ""
+            checkpoints = "checkpoints/, " if t.saves_checkpoints else ""
             hf = "hf/ at the end" if t.export_hf else "no hf/ (trainer.export_hf=false)"
             say(f"[moe-rl] SFT run {run_dir}: metrics.jsonl, {checkpoints}{hf}")
             say(
@@ -241,7 +241,7 @@ def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:
             while trainer.step_index < t.steps:
                 history.append(trainer.step())
                 if trainer.stop.agreed():
-                    if t.checkpoint_every >= 0:
+                    if t.saves_checkpoints:
                         trainer.save_checkpoint()
                         trainer.logger.warn(trainer.step_index, "stopped by a signal after saving a checkpoint")
                     else:
