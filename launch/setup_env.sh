@@ -4,8 +4,9 @@
 #   bash launch/setup_env.sh            # venv at $MOE_RL_VENV (default ~/.venvs/moe-rl)
 #   source "$(bash launch/setup_env.sh --print-venv)/bin/activate"
 #
-# Idempotent: when the venv already holds the dependencies of this setup.py, only the
-# editable install of this checkout is refreshed (seconds).
+# Idempotent: when the venv already holds the dependencies of this setup.py and the editable
+# install of this checkout, it only prints the versions (well under a second); a venv last
+# installed from another checkout gets its editable install pointed here (seconds).
 set -euo pipefail
 VENV="${MOE_RL_VENV:-$HOME/.venvs/moe-rl}"
 if [[ "${1:-}" == "--print-venv" ]]; then echo "$VENV"; exit 0; fi
@@ -19,7 +20,12 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PY="$VENV/bin/python"
 if [[ -f "$STAMP" ]]; then
-  PYTHONWARNINGS=ignore "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"  # quiet: setuptools warns on every editable build
+  # The stamp holds the checkout the editable install points at: moe_rl's modules are read from there, so nothing
+  # needs installing again unless setup.py (the stamp's name) or the checkout changed.
+  if [[ "$(cat "$STAMP")" != "$ROOT" ]]; then
+    PYTHONWARNINGS=ignore "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"  # quiet: setuptools warns on every editable build
+    echo "$ROOT" > "$STAMP"
+  fi
 else
   echo "[setup_env] installing moe-rl[$EXTRAS] (first time: a few minutes)"
   "$PY" -m pip install -q --upgrade pip
@@ -28,6 +34,7 @@ else
   # ("operator torchvision::nms does not exist"); moe-rl needs none of them.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   rm -f "$VENV"/.moe-rl-deps-*
-  touch "$STAMP"
+  echo "$ROOT" > "$STAMP"
 fi
-"$PY" -W ignore -c "import torch, megatron.core, transformers; print('[setup_env] torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)"
+# the installed versions from the packages' metadata (importing torch, megatron-core and transformers took seconds)
+"$PY" -c "from importlib.metadata import version as v; print('[setup_env] torch', v('torch'), '| megatron-core', v('megatron-core'), '| transformers', v('transformers'))"

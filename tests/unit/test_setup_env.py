@@ -1,0 +1,66 @@
+"""launch/setup_env.sh, which quickstart.sh and test.sh run first: a venv that already holds this setup.py's
+dependencies and the editable install of this checkout is reused without running pip; one installed from another
+checkout gets its editable install pointed here. Run against a stand-in venv whose `python` records its arguments,
+runs pip as a no-op and hands everything else to this interpreter, so no package is installed."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _venv(tmp_path: Path) -> Path:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> "{venv}/calls"\n'
+        'if [[ "$1" == "-m" && "$2" == "pip" ]]; then exit 0; fi\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return venv
+
+
+def _run(venv: Path) -> tuple[str, list[str]]:
+    calls = venv / "calls"
+    calls.unlink(missing_ok=True)
+    out = subprocess.run(
+        ["bash", str(REPO / "launch" / "setup_env.sh")],
+        env={**os.environ, "MOE_RL_VENV": str(venv), "MOE_RL_EXTRAS": "cpu,dev"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    pip = [c for c in calls.read_text().splitlines() if c.startswith("-m pip")]
+    return out.stdout, pip
+
+
+def test_setup_env_runs_pip_only_when_the_venv_lacks_this_checkout(tmp_path):
+    venv = _venv(tmp_path)
+    versions = (
+        f"[setup_env] torch {version('torch')} | megatron-core {version('megatron-core')} | "
+        f"transformers {version('transformers')}\n"
+    )
+
+    out, pip = _run(venv)  # a new venv: the dependencies, then the stamp naming this checkout
+    assert f"-m pip install -q -e {REPO}[cpu,dev]" in pip
+    (stamp,) = venv.glob(".moe-rl-deps-*")
+    assert stamp.read_text().strip() == str(REPO)
+    assert out.endswith(versions)
+
+    out, pip = _run(venv)  # the same checkout again: no pip at all
+    assert pip == [] and out == versions
+
+    stamp.write_text("/another/checkout\n")  # the venv was last installed from another checkout
+    out, pip = _run(venv)
+    assert pip == [f"-m pip install -q --no-deps --no-build-isolation -e {REPO}"]
+    assert stamp.read_text().strip() == str(REPO) and out == versions
