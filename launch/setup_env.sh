@@ -24,7 +24,6 @@ if [[ -f "$STAMP" ]]; then
   # needs installing again unless setup.py (the stamp's name) or the checkout changed.
   if [[ "$(cat "$STAMP")" != "$ROOT" ]]; then
     PYTHONWARNINGS=ignore "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"  # quiet: setuptools warns on every editable build
-    echo "$ROOT" > "$STAMP"
   fi
 else
   echo "[setup_env] installing moe-rl[$EXTRAS] (first time: a few minutes)"
@@ -34,7 +33,7 @@ else
   # ("operator torchvision::nms does not exist"); moe-rl needs none of them.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   rm -f "$VENV"/.moe-rl-deps-*
-  echo "$ROOT" > "$STAMP"
 fi
+echo "$ROOT" > "$STAMP"
 # the installed versions from the packages' metadata (importing torch, megatron-core and transformers took seconds)
 "$PY" -c "from importlib.metadata import version as v; print('[setup_env] torch', v('torch'), '| megatron-core', v('megatron-core'), '| transformers', v('transformers'))"

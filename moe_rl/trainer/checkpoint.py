@@ -58,6 +58,13 @@ def save_due(step: int, steps: int, every: int) -> bool:
     return every >= 0 and (step == steps or (every > 0 and step % every == 0))
 
 
+def signal_stop_warning(no_checkpoint_because: str | None) -> str:
+    """The warning of a run a stop signal ended: after its checkpoint, or with the setting that meant none."""
+    if no_checkpoint_because is None:
+        return "stopped by a signal after saving a checkpoint"
+    return f"stopped by a signal (no checkpoint: {no_checkpoint_because})"
+
+
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 

@@ -620,7 +620,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
                 if trainer.stop.agreed():
                     if saves:
                         trainer.save_checkpoint()
-                    trainer.logger.warn(trainer.step_index, f"stopped by a signal {_saved_or_not(t)}")
+                    trainer.logger.warn(trainer.step_index, checkpoint.signal_stop_warning(_no_checkpoint_because(t)))
                     break
                 last = trainer.step_index == t.steps
                 if saves and checkpoint.save_due(trainer.step_index, t.steps, t.checkpoint_every):
@@ -639,11 +639,10 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     return history
 
 
-def _saved_or_not(t) -> str:
+def _no_checkpoint_because(t) -> str | None:
     if t.saves_checkpoints:
-        return "after saving a checkpoint"
-    why = "trainer.mode=rollout_only" if t.mode == "rollout_only" else "trainer.checkpoint_every=-1"
-    return f"(no checkpoint: {why})"
+        return None
+    return "trainer.mode=rollout_only" if t.mode == "rollout_only" else "trainer.checkpoint_every=-1"
 
 
 def _data_parallel_size() -> int:

@@ -201,6 +201,14 @@ def test_checkpoint_every_saves_at_these_steps(every, saved):
     assert [s for s in range(1, 31) if checkpoint.save_due(s, 30, every)] == saved
 
 
+def test_a_signal_stop_says_whether_it_saved_and_why_not():
+    """The warning both loops print when a stop signal ends the run (the fault tests look for the first form)."""
+    assert checkpoint.signal_stop_warning(None) == "stopped by a signal after saving a checkpoint"
+    assert checkpoint.signal_stop_warning("trainer.checkpoint_every=-1") == (
+        "stopped by a signal (no checkpoint: trainer.checkpoint_every=-1)"
+    )
+
+
 def test_keep_deletes_older_checkpoints(trained, tmp_path):
     chunks, opt, path = trained  # step 2 under tmp_path/ckpt
     state = {"data_position": 0, "wandb_run_id": None, "model_path": ""}
