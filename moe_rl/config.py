@@ -420,9 +420,16 @@ class TrainerConfig:
     0: off."""
 
     @property
+    def no_checkpoint_because(self) -> str | None:
+        """The setting under which the run writes no checkpoint at all; None when it saves them."""
+        if self.mode == "rollout_only":
+            return "trainer.mode=rollout_only"
+        return "trainer.checkpoint_every=-1" if self.checkpoint_every < 0 else None
+
+    @property
     def saves_checkpoints(self) -> bool:
         """Whether the run writes checkpoints at all (none under mode=rollout_only or checkpoint_every=-1)."""
-        return self.mode != "rollout_only" and self.checkpoint_every >= 0
+        return self.no_checkpoint_because is None
 
     def check(self) -> None:
         """This section's own rules."""
@@ -704,9 +711,14 @@ class SFTTrainerConfig:
     exit code 75 (retryable); 0: off. Below the 600 s collective timeout."""
 
     @property
+    def no_checkpoint_because(self) -> str | None:
+        """The setting under which the run writes no checkpoint at all; None when it saves them."""
+        return "trainer.checkpoint_every=-1" if self.checkpoint_every < 0 else None
+
+    @property
     def saves_checkpoints(self) -> bool:
         """Whether the run writes checkpoints at all (none under checkpoint_every=-1)."""
-        return self.checkpoint_every >= 0
+        return self.no_checkpoint_because is None
 
     def check(self) -> None:
         """This section's own rules."""

@@ -620,7 +620,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
                 if trainer.stop.agreed():
                     if saves:
                         trainer.save_checkpoint()
-                    trainer.logger.warn(trainer.step_index, checkpoint.signal_stop_warning(_no_checkpoint_because(t)))
+                    trainer.logger.warn(trainer.step_index, checkpoint.signal_stop_warning(t.no_checkpoint_because))
                     break
                 last = trainer.step_index == t.steps
                 if saves and checkpoint.save_due(trainer.step_index, t.steps, t.checkpoint_every):
@@ -637,12 +637,6 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> list[dict[str, float]]:
     finally:
         trainer.close()
     return history
-
-
-def _no_checkpoint_because(t) -> str | None:
-    if t.saves_checkpoints:
-        return None
-    return "trainer.mode=rollout_only" if t.mode == "rollout_only" else "trainer.checkpoint_every=-1"
 
 
 def _data_parallel_size() -> int:

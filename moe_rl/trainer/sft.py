@@ -243,8 +243,7 @@ def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:
                 if trainer.stop.agreed():
                     if t.saves_checkpoints:
                         trainer.save_checkpoint()
-                    why = None if t.saves_checkpoints else "trainer.checkpoint_every=-1"
-                    trainer.logger.warn(trainer.step_index, checkpoint.signal_stop_warning(why))
+                    trainer.logger.warn(trainer.step_index, checkpoint.signal_stop_warning(t.no_checkpoint_because))
                     return history
                 if checkpoint.save_due(trainer.step_index, t.steps, t.checkpoint_every):
                     trainer.save_checkpoint()

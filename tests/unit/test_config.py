@@ -16,7 +16,9 @@ from moe_rl.config import (
     AlgorithmConfig,
     ConfigError,
     ConfigKeyError,
+    SFTTrainerConfig,
     TrainConfig,
+    TrainerConfig,
     check_overrides,
     register_configs,
     validate,
@@ -389,3 +391,17 @@ def test_an_engine_sees_its_leaders_gpu_and_the_next_ones(visible, count, first,
     assert engine_visible_devices(visible, count, first, tp) == expected
     with pytest.raises(RolloutEngineError, match="tensor_parallel_size=2: an engine led by the rank on device 3"):
         engine_visible_devices(visible, 4, 3, 2)
+
+
+def test_a_run_without_checkpoints_names_the_setting_that_turned_them_off():
+    """What the stop-signal warning cites (RL and SFT): the reason and `saves_checkpoints` come from one place."""
+    cases = [
+        (TrainerConfig(), None),
+        (TrainerConfig(checkpoint_every=-1), "trainer.checkpoint_every=-1"),
+        (TrainerConfig(mode="rollout_only"), "trainer.mode=rollout_only"),
+        (TrainerConfig(mode="rollout_only", checkpoint_every=-1), "trainer.mode=rollout_only"),
+        (SFTTrainerConfig(), None),
+        (SFTTrainerConfig(checkpoint_every=-1), "trainer.checkpoint_every=-1"),
+    ]
+    for t, why in cases:
+        assert t.no_checkpoint_because == why and t.saves_checkpoints == (why is None), (t, why)
