@@ -4,7 +4,6 @@ the HF-named weights the rollout engine receives."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from moe_rl.actor import batch_invariant as bik
 from moe_rl.actor import packing
 from moe_rl.actor.context_parallel import cp_size, seq_multiple
-from moe_rl.actor.engine_ops import EngineOpForward, check_machine, exact_values
+from moe_rl.actor.engine_ops import EngineOpForward, check_machine
 from moe_rl.actor.forward import broadcast_from_last_stage, compute_logprobs
 from moe_rl.actor.model import ModelOptions, load_model
 from moe_rl.actor.optimizer import build_distributed_optimizer, build_optimizer
@@ -24,25 +23,9 @@ from moe_rl.actor.train_step import all_finite, train_minibatch
 from moe_rl.actor.weights import full_hf_state_dict
 from moe_rl.common.batch import PaddedBatch, ProxPolicy
 from moe_rl.common.distributed import global_mean, global_sums, loss_counts
+from moe_rl.objectives.policy_loss import LossInputs
 from moe_rl.objectives.sft import nll_loss
 from moe_rl.routing.records import route_dtype
-
-
-def _recording(loss_fn, seen: dict[str, torch.Tensor], logp: torch.Tensor, mb: dict):
-    """`loss_fn(logp, mb)`, keeping this micro-batch's detached log-probs and entropy in `seen` ([B, T], rows
-    `mb["sample"]`) for the step's metrics when no old-log-prob pass ran (algorithm.prox_logp=loglinear)."""
-    rows = mb["sample"].cpu()
-    seen["logprobs"][rows] = logp.detach().float().cpu()
-    seen["entropy"][rows] = mb["entropy"].detach().float().cpu()
-    return loss_fn(logp, mb)
-
-
-def _exact_first_values(loss_fn, logp: torch.Tensor, mb: dict):
-    """`loss_fn` on log pi_theta whose response-token values are the engine-op pass's (trainer.true_on_policy:
-    the first mini-batch meets the weights that pass ran with, so these are its values bit for bit) and whose
-    gradients are megatron's."""
-    exact = mb.pop("exact_logprobs")
-    return loss_fn(exact_values(logp, exact, mb["loss_mask"] > 0), mb)
 
 
 class Actor:
@@ -94,14 +77,10 @@ class Actor:
         if a.packing:
             check_packing_supported(self.chunks[0].config)
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
-        self.reference = None
-        if reference:
-            ref_opts = ModelOptions(dtype=model.dtype, use_te=opts.use_te, batch_invariant=batch_invariant)
-            ref = load_model(model_path, parallel, ref_opts).chunks
-            for c in ref:
-                c.requires_grad_(False)
-            replay = RouteReplay(ref, self.route_layers, verify="count") if a.router_replay != "off" else None
-            self.reference = (ref, replay)
+        replay = a.router_replay != "off"
+        self.reference = (
+            reference_model(model_path, self.route_layers, replay, model, parallel, opts) if reference else None
+        )
         self.exact = None  # trainer.true_on_policy on CPU: the forward through the engine's own ops
         if batch_invariant:
             bik.enable()
@@ -109,13 +88,22 @@ class Actor:
             check_machine(getattr(torch, model.dtype))
             self.exact = EngineOpForward(self.hf_config, getattr(torch, model.dtype))
         if a.packing and parallel.pp > 1 and not (parallel.vpp or 1) > 1:
-            # Packed rows have their own lengths: pipeline stages send shapes first. (Megatron refuses this
-            # flag with the allgather dispatcher at construction; plan_packing gives the ranks that dispatch
-            # together equal row lengths, which is what that dispatcher needs.) Under the interleaved schedule
-            # the shape exchange hung here (gloo, PP=2: the previous and next stage are one rank), so there
-            # every bin gets one length instead (pack_plan).
-            for c in self.chunks + (self.reference[0] if self.reference else []):
-                c.config.variable_seq_lengths = True
+            variable_lengths(self.chunks + (self.reference[0] if self.reference else []))
+
+    @property
+    def exact_logprobs(self) -> bool:
+        """Whether log pi_old comes from the engine's own ops, bit for bit mu (trainer.true_on_policy on CPU)."""
+        return self.exact is not None
+
+    def replay_metrics(self) -> dict[str, float]:
+        """router/replay_checked and router/replay_mismatches over every rank: the replay check of every position
+        the passes since the step began replayed ({} without replay hooks). Collective."""
+        if self.replay is None:
+            return {}
+        counts = torch.tensor(self.replay.dispatch_check(), dtype=torch.long)
+        dist.all_reduce(counts)
+        checked, mismatched = map(float, counts.tolist())
+        return {"router/replay_checked": checked, "router/replay_mismatches": mismatched}
 
     # ---- passes ----------------------------------------------------------------------------
     def old_logprobs(self, padded: PaddedBatch) -> ProxPolicy:
@@ -214,89 +202,46 @@ class Actor:
         first) are kept in `self.update_policy` for the step's mismatch and entropy metrics. Nothing the caller
         passed is changed."""
         a = self.cfg
-        loglinear = old.interpolated
-        routes = self.replayed_routes(padded, old)
         b = padded.input_ids.shape[0]
         if b % a.mini_batches:
             raise ValueError(f"actor.mini_batches={a.mini_batches} does not divide this rank's {b} samples")
         per = b // a.mini_batches
         plan = self.pack_plan(padded)  # the bins of the old-log-prob pass
-        if loglinear:  # the correction runs per micro-batch inside the loss; its metrics come back with it
-            out, mask_all, weights = {}, padded.loss_mask, None
-            seen = {"logprobs": torch.zeros(padded.loss_mask.shape), "entropy": torch.zeros(padded.loss_mask.shape)}
-        else:
-            corr = objective.correct(old.logprobs, padded.rollout_logprobs, padded.loss_mask)
-            # correction metrics: token means, or sequence shares (`*_seq_*`), over the data-parallel ranks
-            tokens, seqs = float(padded.loss_mask.sum()), float((padded.loss_mask.sum(-1) > 0).sum())
-            name = objective.correction_name
-            out = global_mean(
-                {f"{name}/{k}": float(v) for k, v in corr.metrics.items()},
-                {f"{name}/{k}": seqs if "_seq_" in k else tokens for k in corr.metrics},
-            )
-            mask_all = corr.mask
-            weights = corr.weights if corr.weights is not None else torch.ones_like(corr.mask)
-        out["actor/skipped_steps"] = 0.0
-        norms = []
+        batch, metrics, weights = objective.loss_inputs(padded, old, advantages, ref_logprobs)
+        batch.routes = self.replayed_routes(padded, old)
+        # correction metrics: token means, or sequence shares (`*_seq_*`), over the data-parallel ranks
+        out = global_mean(metrics, weights) | {"actor/skipped_steps": 0.0}
+        keep = {k: torch.zeros(padded.loss_mask.shape) for k in ("logprobs", "entropy")} if old.interpolated else None
+        results, norms = [], []
         # every mini-batch's loss normalisers, in one all-reduce
-        all_counts = loss_counts([mask_all[i * per : (i + 1) * per] for i in range(a.mini_batches)])
-        for i in range(a.mini_batches):
+        for i, counts in enumerate(loss_counts([batch.mask[i * per : (i + 1) * per] for i in range(a.mini_batches)])):
             rows = slice(i * per, (i + 1) * per)
-            mask = mask_all[rows]
-            batch = {
-                "input_ids": padded.input_ids[rows],
-                "attention_mask": padded.attention_mask[rows],
-                "rollout_logprobs": padded.rollout_logprobs[rows],
-                "loss_mask": mask,
-                "advantages": advantages[rows],
-            }
-            if loglinear:
-                batch |= {"prox_alpha": old.alpha[rows], "sample": torch.arange(b)[rows]}
-            else:
-                batch |= {"old_logprobs": old.logprobs[rows], "weights": weights[rows]}
-            if routes is not None:
-                batch["routes"] = routes[rows]
-            if ref_logprobs is not None:
-                batch["ref_logprobs"] = ref_logprobs[rows]
-            loss = functools.partial(objective.loss, **all_counts[i])
-            if loglinear:
-                loss = functools.partial(_recording, loss, seen)
+            x = batch.rows(rows, **counts)
             if self.exact is not None and i == 0:  # pi_theta == pi_old here: the engine-op values, bit for bit
-                batch["exact_logprobs"] = old.logprobs[rows]
-                loss = functools.partial(_exact_first_values, loss)
-            replay = self.replay if routes is not None else None
+                x.exact_logp = old.logprobs[rows]
             m = train_minibatch(
                 self.chunks,
                 self.optimizer,
-                batch,
-                loss,
+                x,
+                objective.loss,
                 a.micro_batch_size,
-                replay,
+                self.replay if x.routes is not None else None,
                 self.fused_logprob,
-                with_entropy=loglinear or objective.entropy_coef > 0,
+                with_entropy=old.interpolated or objective.entropy_coef > 0,
                 pack=None if plan is None else plan.group(i, i * per),
                 ddp=self.ddp,
+                keep=None if keep is None else {k: v[rows] for k, v in keep.items()},
             )
-            if i == 0:  # pi_theta == pi_old before the first optimizer step
-                out["actor/first_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)
-                if "kl_ref" in m:  # and pi_theta == pi_ref on the first step
-                    out["actor/first_minibatch_kl_ref"] = m["kl_ref"]
-            if i == a.mini_batches - 1 > 0:  # the stalest: pi_theta has moved mini_batches - 1 optimizer steps
-                out["actor/last_minibatch_ppo_kl"] = m.get("ppo_kl", 0.0)
             if on_skip(bool(m.pop("skipped")), i):
                 out["actor/skipped_steps"] += 1
             norms.append(m.pop("actor/grad_norm"))
-            for k, v in m.items():
-                key = k if "/" in k else f"actor/{k}"
-                out[key] = out.get(key, 0.0) + v / a.mini_batches
+            results.append(m)
         self.version += 1
-        applied = [x for x in norms if math.isfinite(x)]
-        out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
-        self.update_policy = (
-            ProxPolicy(alpha=old.alpha, **{k: broadcast_from_last_stage(t) for k, t in seen.items()})
-            if loglinear
-            else None
-        )
-        return out | self._pass_shape(padded, plan)
+        self.update_policy = None
+        if keep is not None:
+            keep = {k: broadcast_from_last_stage(t) for k, t in keep.items()}
+            self.update_policy = ProxPolicy(alpha=old.alpha, **keep)
+        return out | update_metrics(results, norms) | self._pass_shape(padded, plan)
 
     def supervised_step(self, padded: PaddedBatch) -> dict[str, float]:
         """Supervised fine-tuning: one optimizer step of next-token cross-entropy on `padded.loss_mask`'s tokens,
@@ -304,12 +249,12 @@ class Actor:
         sft/loss (that mean, before the step), actor/grad_norm, actor/skipped_steps and the pass's shape."""
         plan = self.pack_plan(padded)
         (counts,) = loss_counts([padded.loss_mask])
-        batch = {"input_ids": padded.input_ids, "attention_mask": padded.attention_mask, "loss_mask": padded.loss_mask}
+        batch = LossInputs(input_ids=padded.input_ids, attention_mask=padded.attention_mask, mask=padded.loss_mask)
         m = train_minibatch(
             self.chunks,
             self.optimizer,
-            batch,
-            functools.partial(nll_loss, num_tokens=counts["num_tokens"]),
+            batch.rows(slice(None), **counts),
+            nll_loss,
             self.cfg.micro_batch_size,
             fused_logprob=self.fused_logprob,
             pack=plan,
@@ -350,3 +295,41 @@ class Actor:
     # ---- state -----------------------------------------------------------------------------
     def weights_finite(self) -> bool:
         return all_finite([p for c in self.chunks for p in c.parameters()])
+
+
+def update_metrics(results: list[dict[str, float]], norms: list[float]) -> dict[str, float]:
+    """The update's actor/* metrics from each mini-batch's loss metrics and gradient norm: means over the
+    mini-batches; the first's (pi_theta == pi_old, and on the first step pi_ref) and the last's (the stalest: pi_theta
+    has moved mini_batches - 1 optimizer steps) ppo_kl; the mean of the finite gradient norms (the steps taken)."""
+    out = {"actor/first_minibatch_ppo_kl": results[0].get("ppo_kl", 0.0)}
+    if "kl_ref" in results[0]:
+        out["actor/first_minibatch_kl_ref"] = results[0]["kl_ref"]
+    if len(results) > 1:
+        out["actor/last_minibatch_ppo_kl"] = results[-1].get("ppo_kl", 0.0)
+    for m in results:
+        for k, v in m.items():
+            key = k if "/" in k else f"actor/{k}"
+            out[key] = out.get(key, 0.0) + v / len(results)
+    applied = [x for x in norms if math.isfinite(x)]
+    out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
+    return out
+
+
+def reference_model(model_path: str, route_layers: list[int], replay: bool, model, parallel, opts: ModelOptions):
+    """The frozen initial weights at `model_path` in this layout, with their replay hooks when `replay`
+    (actor.router_replay is not off): (chunks, RouteReplay or None)."""
+    ref_opts = ModelOptions(dtype=model.dtype, use_te=opts.use_te, batch_invariant=opts.batch_invariant)
+    ref = load_model(model_path, parallel, ref_opts).chunks
+    for c in ref:
+        c.requires_grad_(False)
+    hooks = RouteReplay(ref, route_layers, verify="count") if replay else None
+    return ref, hooks
+
+
+def variable_lengths(chunks: list) -> None:
+    """Packed rows have their own lengths: pipeline stages send shapes first. (Megatron refuses this flag with the
+    allgather dispatcher at construction; plan_packing gives the ranks that dispatch together equal row lengths, which
+    is what that dispatcher needs.) Under the interleaved schedule the shape exchange hung here (gloo, PP=2: the
+    previous and next stage are one rank), so there every bin gets one length instead (pack_plan)."""
+    for c in chunks:
+        c.config.variable_seq_lengths = True

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moe_rl.actor.context_parallel import seq_multiple
+from moe_rl.actor.engine_ops import exact_values
 from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
 from moe_rl.actor.optimizer import is_expert
 from moe_rl.actor.packing import PackPlan
 from moe_rl.common.distributed import buckets, global_mean
-from moe_rl.objectives.policy_loss import PackedRows
+from moe_rl.objectives.policy_loss import LossInputs, PackedRows
 
 
 def _tp_reduction(name: str, p: torch.nn.Parameter) -> str | None:
@@ -104,13 +106,13 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return not bool(bad)
 
 
-LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossFn = Callable[[torch.Tensor, LossInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def train_minibatch(
     chunks: list[torch.nn.Module],
     optimizer,
-    batch: dict[str, torch.Tensor],
+    batch: LossInputs,
     loss_fn: LossFn,
     micro_batch_size: int,
     replay=None,
@@ -119,21 +121,45 @@ def train_minibatch(
     pack: PackPlan | None = None,
     head=None,
     ddp: list | None = None,
+    keep: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Forward+backward over one mini-batch and one optimizer step (`optimizer`: a megatron
     optimizer from `moe_rl.actor.optimizer.build_optimizer`).
 
-    batch: input_ids/attention_mask [b, T] plus per-token tensors the loss needs (and
-    "routes" when `replay` is given). loss_fn(logp [mb, T] aligned to tokens, micro-batch
-    tensors) -> (loss share of this micro-batch in the global mini-batch loss, metrics).
+    batch: input_ids/attention_mask [b, T] plus the per-token tensors the loss needs (and `routes` when `replay` is
+    given), with the mini-batch's counts. loss_fn(logp [mb, T] aligned to tokens, the micro-batch's LossInputs) ->
+    (loss share of this micro-batch in the global mini-batch loss, metrics). `batch.exact_logp` (true on-policy):
+    the loss sees those values of logp, with megatron's gradients.
     fused_logprob: log-probs through the fused linear -> log-prob kernel (`LogprobHead`).
-    with_entropy: the loss also gets pi_theta's per-token entropy (differentiable) as extra "entropy".
+    with_entropy: the loss also gets pi_theta's per-token entropy (differentiable) as `entropy`.
     pack: run the plan's bins as packed micro-batches (actor.packing); the loss still sees per-sample rows.
     head: per-token scores other than log-probs for loss_fn (the critic's values); default LogprobHead.
     ddp: megatron DDP wrappers of `chunks` (GPU, actor.distributed_optimizer): gradients live in their buffers
     and megatron's finalize_model_grads reduces them instead of sync_gradients (the expert bias still moves only
     after a step that was taken: a skipped step leaves it as it was).
+    keep: {"logprobs", "entropy"} [b, T] tensors that get the forward's detached values the loss saw (last stage).
     """
+    _zero_grads(chunks, optimizer, ddp)
+    mbs = split_microbatches(
+        batch.input_ids,
+        batch.attention_mask,
+        micro_batch_size,
+        pad_multiple=seq_multiple(),
+        extra=batch.tensors(),
+        pack=pack,
+    )
+    head = LogprobHead(chunks, fused_logprob) if head is None else head
+    step = _LossStep(batch, loss_fn, head, len(mbs), with_entropy, keep)
+    routing = replay.replay(mbs) if replay is not None else nullcontext()
+    with head, routing:
+        results = run_schedule(chunks, mbs, step, forward_only=False)
+    ok, norm = _optimizer_step(chunks, optimizer, step.losses, ddp)
+    update_expert_bias(chunks, apply=ok)
+    out = {"actor/grad_norm": float(norm) if ok else float("nan"), "skipped": 0.0 if ok else 1.0}
+    return out | _from_last_stage(_weighted_means([r for r in results if r]))
+
+
+def _zero_grads(chunks: list[torch.nn.Module], optimizer, ddp: list | None) -> None:
     for c in chunks:
         c.train()
         c.zero_grad(set_to_none=True)
@@ -141,46 +167,51 @@ def train_minibatch(
         optimizer.zero_grad(set_to_none=True)
     for m in ddp or ():
         m.zero_grad_buffer()
-    extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
-    mbs = split_microbatches(
-        batch["input_ids"],
-        batch["attention_mask"],
-        micro_batch_size,
-        pad_multiple=seq_multiple(),
-        extra=extra,
-        pack=pack,
-    )
-    t = batch["input_ids"].shape[1]
-    n_mb = len(mbs)
-    losses = []
-    head = LogprobHead(chunks, fused_logprob) if head is None else head
 
-    def step(output, mb):
+
+class _LossStep:
+    """The schedule's per-micro-batch step: the head's scores, the micro-batch's LossInputs, the loss."""
+
+    def __init__(self, batch: LossInputs, loss_fn: LossFn, head, n_mb: int, with_entropy: bool, keep):
+        self.batch, self.loss_fn, self.head, self.n_mb = batch, loss_fn, head, n_mb
+        self.with_entropy, self.keep = with_entropy, keep
+        self.t = batch.input_ids.shape[1]
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self, output, mb):
         if len(mb.index) == 0:  # a bin left empty so that every rank runs as many forwards
             return output.sum() * 0.0, {}
-        lp, ent = head(output, mb.input_ids, with_entropy=with_entropy)
+        t = self.t
+        lp, ent = self.head(output, mb.input_ids, with_entropy=self.with_entropy)
         logp = mb.aligned(lp, t)  # entry t scores token t of each sample
         # the loss's tensors where the log-probs are (the batch stays on the host; routes go to the replay hooks)
-        extra_t = {
+        moved = {
             k: (v[:, :t] if v.dim() >= 2 and v.shape[1] >= t else v).to(logp.device)
             for k, v in mb.extra.items()
             if k != "routes"
         }
+        x = replace(self.batch, input_ids=None, attention_mask=None, routes=None, **moved)
         if ent is not None:
-            extra_t["entropy"] = mb.aligned(ent, t)
+            x.entropy = mb.aligned(ent, t)
         if mb.pack is not None:  # a loss over sequences runs over the packed row itself
             p = mb.pack
-            extra_t["packed"] = PackedRows(p.gather, p.valid, p.cu_seqlens, p.sample.shape[0])
-        loss, metrics = loss_fn(logp, extra_t)
-        losses.append(loss.detach())
-        mask = extra_t.get("loss_mask", torch.ones(len(mb.index), 1, device=logp.device))
+            x.packed = PackedRows(p.gather, p.valid, p.cu_seqlens, p.sample.shape[0])
+        if x.exact_logp is not None:  # pi_theta == pi_old here: the engine-op values, bit for bit
+            logp = exact_values(logp, x.exact_logp, x.mask > 0)
+        if self.keep is not None:
+            rows = mb.index.cpu()
+            self.keep["logprobs"][rows] = logp.detach().float().cpu()
+            self.keep["entropy"][rows] = x.entropy.detach().float().cpu()
+        loss, metrics = self.loss_fn(logp, x)
+        self.losses.append(loss.detach())
+        mask = x.mask if x.mask is not None else torch.ones(len(mb.index), 1, device=logp.device)
         weights = {TOKENS: mask.sum().detach(), SEQS: (mask.sum(-1) > 0).sum().detach()}
         # megatron's schedule divides each micro-batch loss by the number of micro-batches
-        return loss * n_mb, {k: v.detach() for k, v in metrics.items()} | weights
+        return loss * self.n_mb, {k: v.detach() for k, v in metrics.items()} | weights
 
-    routing = replay.replay(mbs) if replay is not None else nullcontext()
-    with head, routing:
-        results = run_schedule(chunks, mbs, step, forward_only=False)
+
+def _optimizer_step(chunks: list[torch.nn.Module], optimizer, losses: list[torch.Tensor], ddp) -> tuple[bool, float]:
+    """Gradient sync, then the optimizer step when every loss and gradient is finite on every rank: (taken, norm)."""
     if ddp is None:
         sync_gradients(chunks)
         grads = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
@@ -203,9 +234,7 @@ def train_minibatch(
     if not ok:  # this rank's or another's loss/gradients are not finite (or megatron found inf)
         for c in chunks:
             c.zero_grad(set_to_none=True)
-    update_expert_bias(chunks, apply=ok)
-    out = {"actor/grad_norm": float(norm) if ok else float("nan"), "skipped": 0.0 if ok else 1.0}
-    return out | _from_last_stage(_weighted_means([r for r in results if r]))
+    return ok, norm
 
 
 TOKENS, SEQS = "_tokens", "_sequences"

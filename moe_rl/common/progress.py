@@ -29,6 +29,11 @@ def mark(phase: str | None = None) -> None:
     STATE.at = time.monotonic()
 
 
+def current_step() -> int:
+    """The RL step under way (1-based; 0: before the first)."""
+    return STATE.step
+
+
 def begin_step(step: int) -> None:
     """RL step `step` (1-based) starts."""
     STATE.step = step

@@ -20,6 +20,7 @@ from moe_rl.actor.train_step import train_minibatch
 from moe_rl.common.batch import PaddedBatch
 from moe_rl.common.distributed import global_mean, loss_counts
 from moe_rl.objectives.aggregation import masked_mean
+from moe_rl.objectives.policy_loss import LossInputs
 from moe_rl.objectives.value import masked_whiten, value_loss, value_stats
 
 
@@ -120,22 +121,21 @@ class Critic:
             raise ValueError(f"critic mini_batches={mini_batches} does not divide this rank's {b} samples")
         per, out, norms = b // mini_batches, {}, []
         all_counts = loss_counts([padded.loss_mask[i * per : (i + 1) * per] for i in range(mini_batches)])
+        whole = LossInputs(
+            input_ids=padded.input_ids,
+            attention_mask=padded.attention_mask,
+            mask=padded.loss_mask,
+            old_values=old["values"],
+            returns=returns,
+            routes=old["routes"] if self.replay is not None else None,
+        )
+
+        def loss_fn(values, x: LossInputs):
+            counts = {"num_tokens": x.num_tokens, "num_seqs": x.num_seqs}
+            return value_loss(values, x.old_values, x.returns, x.mask, clip, agg, **counts)
+
         for i in range(mini_batches):
-            rows = slice(i * per, (i + 1) * per)
-            mask = padded.loss_mask[rows]
-            batch = {
-                "input_ids": padded.input_ids[rows],
-                "attention_mask": padded.attention_mask[rows],
-                "loss_mask": mask,
-                "old_values": old["values"][rows],
-                "returns": returns[rows],
-            }
-            if self.replay is not None:
-                batch["routes"] = old["routes"][rows]
-
-            def loss_fn(values, mb, counts=all_counts[i]):
-                return value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"], clip, agg, **counts)
-
+            batch = whole.rows(slice(i * per, (i + 1) * per), **all_counts[i])
             m = train_minibatch(
                 self.chunks,
                 self.optimizer,

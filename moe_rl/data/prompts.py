@@ -108,31 +108,8 @@ class PromptSource:
         settings, the split and how many distinct problems of it to draw with `seed`."""
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong_prompts={overlong!r}: choose one of {OVERLONG_POLICIES}")
-        if task == "toy":
-            rng = random.Random(seed)
-            words = [" ".join(rng.choice(TOY_WORDS) for _ in range(rng.randint(2, 8))) for _ in range(512)]
-            self.items = [Prompt(w, source=f"toy:{i}") for i, w in enumerate(words)]
-        elif task == "arithmetic":
-            cfg, split, count = problems
-            drawn = generate(cfg, split, count, seed)
-            self.items = [Prompt(p.prompt, str(p.answer), source=f"{task}:{split}:{i}") for i, p in enumerate(drawn)]
-        else:
-            self.items = read_prompt_file(path, prompt_key, answer_key, messages_key)
-        if apply_chat_template:
-            if tokenizer is None:
-                raise ValueError("data.apply_chat_template=true needs the model's tokenizer")
-            render_chat(self.items, tokenizer)
-        else:
-            chat = next((p for p in self.items if p.messages is not None), None)
-            if chat is not None:
-                raise DataError(
-                    f"{chat.source}: a chat {messages_key!r} row needs data.apply_chat_template=true (the "
-                    "conversation is rendered by the tokenizer's chat template, never joined into plain text)"
-                )
-        if tokenizer is not None:
-            ids = tokenizer([p.text for p in self.items], add_special_tokens=not apply_chat_template)["input_ids"]
-            for p, prompt_ids in zip(self.items, ids, strict=True):
-                p.ids = prompt_ids
+        self.items = _load(task, path, prompt_key, answer_key, messages_key, seed, problems)
+        _render_and_tokenize(self.items, tokenizer, apply_chat_template, messages_key)
         # the longest prompt kept (None: no limit) and the setting it comes from, for messages
         self.token_limit, self.limit_name = _token_limit(max_prompt_tokens, context_limit)
         self.dropped = 0
@@ -152,6 +129,41 @@ class PromptSource:
         self.order: list[int] = []
         self.position = 0  # prompts consumed (saved in checkpoints to resume the stream)
 
+    @classmethod
+    def from_config(
+        cls,
+        data,
+        *,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        path: str | None = None,
+        task: str | None = None,
+        tokenizer=None,
+        context_limit: int | None = None,
+        answers_for: str | None = None,
+        problems: tuple[ArithmeticConfig, Split, int] | None = None,
+    ) -> PromptSource:
+        """The prompts data.* (moe_rl.config.DataConfig) names: its task, file, keys, chat template and limits;
+        `path` and `task` in place of data.path and data.task (validation reads data.val_path as a file)."""
+        return cls(
+            data.task if task is None else task,
+            data.path if path is None else path,
+            data.prompt_key,
+            data.answer_key,
+            seed,
+            dp_rank,
+            dp_size,
+            messages_key=data.messages_key,
+            tokenizer=tokenizer,
+            apply_chat_template=data.apply_chat_template,
+            max_prompt_tokens=data.max_prompt_tokens,
+            context_limit=context_limit,
+            overlong=data.overlong_prompts,
+            answers_for=answers_for,
+            problems=problems,
+        )
+
     def skip(self, count: int) -> None:
         """Fast-forward `count` prompts: a resumed run continues the same stream."""
         self.next(count)
@@ -165,6 +177,40 @@ class PromptSource:
             out.append(self.items[self.order.pop()])
             self.position += 1
         return out
+
+
+def _load(task: str, path: str, prompt_key: str, answer_key: str, messages_key: str, seed: int, problems) -> list:
+    """The prompts of the toy task, of a built-in task's split (`problems`), or of a prompt file."""
+    if task == "toy":
+        rng = random.Random(seed)
+        words = [" ".join(rng.choice(TOY_WORDS) for _ in range(rng.randint(2, 8))) for _ in range(512)]
+        return [Prompt(w, source=f"toy:{i}") for i, w in enumerate(words)]
+    if task == "arithmetic":
+        cfg, split, count = problems
+        drawn = generate(cfg, split, count, seed)
+        return [Prompt(p.prompt, str(p.answer), source=f"{task}:{split}:{i}") for i, p in enumerate(drawn)]
+    return read_prompt_file(path, prompt_key, answer_key, messages_key)
+
+
+def _render_and_tokenize(items: list[Prompt], tokenizer, apply_chat_template: bool, messages_key: str) -> None:
+    """Render every prompt with the chat template (data.apply_chat_template; a chat row needs it) and keep its token
+    ids: a rendered prompt tokenized without special tokens (the template holds them), a plain one as
+    `tokenizer(text)` does."""
+    if apply_chat_template:
+        if tokenizer is None:
+            raise ValueError("data.apply_chat_template=true needs the model's tokenizer")
+        render_chat(items, tokenizer)
+    else:
+        chat = next((p for p in items if p.messages is not None), None)
+        if chat is not None:
+            raise DataError(
+                f"{chat.source}: a chat {messages_key!r} row needs data.apply_chat_template=true (the "
+                "conversation is rendered by the tokenizer's chat template, never joined into plain text)"
+            )
+    if tokenizer is not None:
+        ids = tokenizer([p.text for p in items], add_special_tokens=not apply_chat_template)["input_ids"]
+        for p, prompt_ids in zip(items, ids, strict=True):
+            p.ids = prompt_ids
 
 
 def render_chat(items: list[Prompt], tokenizer) -> None:

@@ -4,13 +4,15 @@ reference policy and the entropy bonus."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from moe_rl.objectives.aggregation import masked_mean
 from moe_rl.objectives.corrections import Correction, IcePopConfig
 from moe_rl.objectives.kl import kl_penalty
 from moe_rl.objectives.policy_loss import LossInputs
-from moe_rl.objectives.proximal import PROX_LOGP, loglinear_prox_logp
+from moe_rl.objectives.proximal import PROX_LOGP, loglinear_alpha, loglinear_prox_logp
 from moe_rl.objectives.registry import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 
 
@@ -46,6 +48,8 @@ class Objective:
         if algorithm.prox_logp not in PROX_LOGP:
             raise ValueError(f"algorithm.prox_logp={algorithm.prox_logp!r}: choose one of {', '.join(PROX_LOGP)}")
         self.prox_logp = algorithm.prox_logp
+        # how the loss gets pi_prox: chosen here, once
+        self._pi_prox = self._interpolated_prox if self.prox_logp == "loglinear" else self._recomputed_prox
 
     @property
     def needs_reference(self) -> bool:
@@ -75,40 +79,66 @@ class Objective:
         """Token weights and mask that correct pi_old against the rollout engine's mu."""
         return self._correction(old_logp, rollout_logp, mask, self.correction_cfg)
 
-    def loss(self, logp: torch.Tensor, mb: dict, num_tokens: float, num_seqs: float):
-        """The loss of one micro-batch (`mb`: its per-token tensors, see Actor.train): the policy loss,
-        plus kl_coef * KL(pi_theta || ref) and minus entropy_coef * entropy, both token means over the
-        mini-batch's `num_tokens` (so their share does not depend on the micro-batch split).
+    def prox_alpha(self, behaviour_version: torch.Tensor, step: int) -> torch.Tensor | None:
+        """[B] each sample's interpolation weight under algorithm.prox_logp=loglinear (pi_prox is formed in the
+        loss: no old-log-prob pass); None when the old-log-prob pass computes pi_prox."""
+        return loglinear_alpha(behaviour_version, step) if self.prox_logp == "loglinear" else None
 
-        pi_prox is `mb["old_logprobs"]` with the correction's `weights` and mask already applied, or, when
-        `mb` carries `prox_alpha` (algorithm.prox_logp=loglinear), interpolated here from mu and pi_theta
-        and corrected here; the correction's metrics then come back with the loss's. `mb["packed"]` (PackedRows):
-        the packed row the forward ran as, for a loss over sequences."""
-        old, mask, weights, extra = mb.get("old_logprobs"), mb["loss_mask"], mb.get("weights"), {}
-        if "prox_alpha" in mb:
-            old = loglinear_prox_logp(mb["rollout_logprobs"], logp, mb["prox_alpha"])
-            corr = self.correct(old, mb["rollout_logprobs"].to(old.dtype), mask.to(old.dtype))
-            mask, weights = corr.mask, corr.weights
-            extra = {f"{self.correction_name}/{k}": v for k, v in corr.metrics.items()}
+    def loss_inputs(
+        self, padded, old, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None = None
+    ) -> tuple[LossInputs, dict[str, float], dict[str, float]]:
+        """The update's batch of every sample (`padded`: the step's PaddedBatch; `old`: its ProxPolicy), and the
+        correction's metrics of this rank with their weights (its tokens, or its sequences for `*_seq_*` shares) for
+        the mean over ranks. A recomputed pi_prox is corrected here, once for the step; an interpolated one
+        (algorithm.prox_logp=loglinear) carries each sample's weight to the loss, which corrects it."""
         x = LossInputs(
-            logp=logp,
-            old_logp=old,
-            rollout_logp=mb["rollout_logprobs"],
-            advantages=mb["advantages"],
-            mask=mask,
-            weights=weights,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            packed=mb.get("packed"),
+            input_ids=padded.input_ids,
+            attention_mask=padded.attention_mask,
+            rollout_logp=padded.rollout_logprobs,
+            advantages=advantages,
+            ref_logp=ref_logprobs,
         )
+        if self.prox_logp == "loglinear":
+            return replace(x, mask=padded.loss_mask, prox_alpha=old.alpha), {}, {}
+        corr = self.correct(old.logprobs, padded.rollout_logprobs, padded.loss_mask)
+        tokens, seqs = float(padded.loss_mask.sum()), float((padded.loss_mask.sum(-1) > 0).sum())
+        name = self.correction_name
+        metrics = {f"{name}/{k}": float(v) for k, v in corr.metrics.items()}
+        weights = {f"{name}/{k}": seqs if "_seq_" in k else tokens for k in corr.metrics}
+        token_weights = corr.weights if corr.weights is not None else torch.ones_like(corr.mask)
+        return replace(x, mask=corr.mask, old_logp=old.logprobs, weights=token_weights), metrics, weights
+
+    def loss(self, logp: torch.Tensor, x: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch `x` (its per-token tensors and its mini-batch's counts) at log pi_theta
+        `logp`: the policy loss, plus kl_coef * KL(pi_theta || ref) and minus entropy_coef * entropy, both token
+        means over the mini-batch's `num_tokens` (so their share does not depend on the micro-batch split).
+
+        pi_prox is `x.old_logp` with the correction's weights and mask already applied (Objective.correct, once per
+        step), or under algorithm.prox_logp=loglinear interpolated here from mu and pi_theta with `x.prox_alpha` and
+        corrected here; the correction's metrics then come back with the loss's. `x.packed` (PackedRows): the packed
+        row the forward ran as, for a loss over sequences."""
+        x, extra = self._pi_prox(replace(x, logp=logp))
         loss, metrics = self._loss(x, self.loss_cfg)
         metrics |= extra
         m = x.mask.to(logp.dtype)
-        if "ref_logprobs" in mb:
-            kl = kl_penalty(logp, mb["ref_logprobs"], self.kl_type)
+        if x.ref_logp is not None:
+            kl = kl_penalty(logp, x.ref_logp, self.kl_type)
             metrics["kl_ref"] = masked_mean(kl, m).detach()
             if not self.kl_in_reward:
-                loss = loss + self.kl_coef * (kl * m).sum() / max(num_tokens, 1.0)
+                loss = loss + self.kl_coef * (kl * m).sum() / max(x.num_tokens, 1.0)
         if self.entropy_coef:
-            loss = loss - self.entropy_coef * (mb["entropy"] * m).sum() / max(num_tokens, 1.0)
+            loss = loss - self.entropy_coef * (x.entropy * m).sum() / max(x.num_tokens, 1.0)
         return loss, metrics
+
+    @staticmethod
+    def _recomputed_prox(x: LossInputs) -> tuple[LossInputs, dict[str, torch.Tensor]]:
+        """pi_prox as the old-log-prob pass computed it, corrected before the update: `x` as it is."""
+        return x, {}
+
+    def _interpolated_prox(self, x: LossInputs) -> tuple[LossInputs, dict[str, torch.Tensor]]:
+        """algorithm.prox_logp=loglinear: pi_prox from mu and pi_theta (objectives/proximal.py), corrected here; the
+        correction's metrics."""
+        old = loglinear_prox_logp(x.rollout_logp, x.logp, x.prox_alpha)
+        corr = self.correct(old, x.rollout_logp.to(old.dtype), x.mask.to(old.dtype))
+        extra = {f"{self.correction_name}/{k}": v for k, v in corr.metrics.items()}
+        return replace(x, old_logp=old, mask=corr.mask, weights=corr.weights), extra

@@ -8,7 +8,7 @@ loss and are treated as constants. Every loss returns `(loss, metrics)` with det
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -151,20 +151,46 @@ class PackedRows:
 
 @dataclass
 class LossInputs:
-    """What a policy loss sees of one micro-batch ([b, T] tensors aligned to token positions).
+    """One mini- or micro-batch on its way to a loss: [b, T] tensors aligned to token positions (entry t scores
+    token t), from the batch types (PaddedBatch, ProxPolicy) through the actor's micro-batching to the loss.
 
-    `num_tokens` / `num_seqs` count the whole mini-batch over every data-parallel rank, so a
-    loss aggregated with them is the same whatever the micro-batch and DP split."""
+    The actor builds one per mini-batch; the forward splits it per micro-batch (fields that are tensors with a
+    leading batch dimension) and hands the loss its micro-batch with `entropy` and `packed` filled in; the loss
+    gets log pi_theta (or the critic's values) beside it. `num_tokens` / `num_seqs` count the whole mini-batch over
+    every data-parallel rank, so a loss aggregated with them is the same whatever the micro-batch and DP split.
+    A field a loss does not use stays None."""
 
-    logp: torch.Tensor  # log pi_theta (with gradient)
-    old_logp: torch.Tensor  # log pi_old: the actor before this step's updates
-    rollout_logp: torch.Tensor  # log mu: the rollout engine that sampled the tokens
-    advantages: torch.Tensor  # [b] or [b, T]
-    mask: torch.Tensor  # response tokens kept by the correction
-    weights: torch.Tensor | None  # the correction's per-token weights (constants)
-    num_tokens: float
-    num_seqs: float
+    logp: torch.Tensor | None = None  # log pi_theta (with gradient), set by the loss from the forward's output
+    old_logp: torch.Tensor | None = None  # log pi_prox: the actor before this step's updates (None: interpolated)
+    rollout_logp: torch.Tensor | None = None  # log mu: the rollout engine that sampled the tokens
+    advantages: torch.Tensor | None = None  # [b] or [b, T]
+    mask: torch.Tensor | None = None  # response tokens (kept by the correction, once it ran)
+    weights: torch.Tensor | None = None  # the correction's per-token weights (constants)
+    num_tokens: float = 0.0
+    num_seqs: float = 0.0
     packed: PackedRows | None = None  # the packed row the forward ran as (actor.packing), else None
+    # the forward's inputs (never reach the loss: the actor sets them to None in the micro-batch it hands over)
+    input_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    routes: torch.Tensor | None = None  # [b, T, L_moe, K] replayed by the actor's hooks (R3 / R2)
+    # the modes' inputs, present only where they apply (decided once, where the actor builds the batch)
+    prox_alpha: torch.Tensor | None = None  # [b] algorithm.prox_logp=loglinear: pi_prox interpolated in the loss
+    exact_logp: torch.Tensor | None = None  # trainer.true_on_policy, first mini-batch: the engine-op values of logp
+    ref_logp: torch.Tensor | None = None  # log pi_ref for the KL term (algorithm.kl_coef > 0)
+    entropy: torch.Tensor | None = None  # pi_theta's per-token entropy (differentiable), when the loss needs it
+    old_values: torch.Tensor | None = None  # the critic: its values pass before the update
+    returns: torch.Tensor | None = None  # the critic: the value targets
+
+    def rows(self, rows: slice, num_tokens: float, num_seqs: float) -> LossInputs:
+        """The samples `rows` of every per-sample tensor, with the counts of that mini-batch."""
+        sliced = {f.name: v[rows] for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **sliced, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The per-sample tensor fields that are set, but the forward's token inputs."""
+        skip = ("input_ids", "attention_mask")
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        return {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from moe_rl.common.distributed import all_gather_objects
+
 # Thresholds practitioners watch (verl / slime rollout-correction guides).
 HEALTH = (
     ("mismatch/kl", lambda v: abs(v) > 0.1, "|KL(mu || pi_old)| > 0.1"),
@@ -106,3 +108,32 @@ class HealthMonitor:
         if self.flat_steps:
             return [f"{self.flat_steps} step(s) had nothing to learn (every group's rewards equal)"]
         return []
+
+
+class ExactCheck:
+    """trainer.true_on_policy: a step where some response token's pi_old != mu warns (or stops the run, `strict`:
+    trainer.true_on_policy_strict) naming the first such token over the ranks."""
+
+    def __init__(self, strict: bool, logger):
+        self.strict, self.logger = strict, logger
+
+    def __call__(self, step: int, padded, old, fraction: float) -> None:
+        """Step `step`'s check; `fraction`: its mismatch/exact_fraction. Collective when it is below 1."""
+        if fraction >= 1.0:
+            return
+        differ = (old.logprobs.float() != padded.rollout_logprobs.float()) & (padded.loss_mask > 0)
+        first = None
+        if differ.any():
+            i, j = map(int, differ.nonzero()[0])
+            first = (i, j, float(old.logprobs[i, j]), float(padded.rollout_logprobs[i, j]))
+        found = [(r, f) for r, f in enumerate(all_gather_objects(first)) if f is not None]
+        if not found:  # the metric's comparison and this one are the same; nothing to name
+            return
+        rank, (i, j, pi_old, mu) = found[0]
+        message = (
+            f"trainer.true_on_policy: pi_old != mu on {1 - fraction:.3%} of response tokens; the first on rank "
+            f"{rank}, sample {i} of its batch, token position {j}: log pi_old {pi_old!r}, log mu {mu!r}"
+        )
+        if self.strict:
+            raise RuntimeError(message + " (trainer.true_on_policy_strict=true)")
+        self.logger.warn(step, message)

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from moe_rl.common import progress
 from moe_rl.routing.model_layout import moe_layout
 
 
@@ -296,6 +297,10 @@ class RunLogger:
     def warn(self, step: int, message: str) -> None:
         if self.enabled:
             self._print(f"step {step} warning: {message}")
+
+    def warn_now(self, message: str) -> None:
+        """A warning at the step under way (common/progress.py)."""
+        self.warn(progress.current_step(), message)
 
     def close(self) -> None:
         if self.progress is not None:

@@ -9,7 +9,7 @@ share, one optimizer step of next-token cross-entropy on the response tokens, th
 
 from __future__ import annotations
 
-import os
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +18,6 @@ import torch.distributed as dist
 
 from moe_rl.actor.actor import Actor
 from moe_rl.actor.hf_export import write_hf_folder
-from moe_rl.actor.model import check_divisibility, get_converter, load_hf_config
-from moe_rl.actor.parallel import init_distributed
 from moe_rl.common import progress
 from moe_rl.common.distributed import world_max
 from moe_rl.common.gc_startup import start_up_done
@@ -27,36 +25,27 @@ from moe_rl.config import SFTConfig, validate_sft
 from moe_rl.data.prompts import DataError, PromptSource
 from moe_rl.data.rewards import load_reward
 from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
-from moe_rl.models.tiny import built_in_model
 from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
 from moe_rl.rollout.engine_groups import engine_groups
-from moe_rl.trainer import checkpoint
-from moe_rl.trainer.logger import RunLogger, say
+from moe_rl.trainer.logger import say
 from moe_rl.trainer.metrics import PeakMemory
-from moe_rl.trainer.run_dir import check_same_run_dir
+from moe_rl.trainer.run import Checkpoints, StartUp, run_steps, start_up
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 from moe_rl.trainer.validation import Validator
-from moe_rl.trainer.watchdog import watching
 from moe_rl.weight_sync import WeightSync
 
 
 class SFTTrainer:
-    def __init__(self, cfg: SFTConfig, run_dir: Path):
+    """Supervised fine-tuning's parts (the actor, the examples, validation) and its step; the skeleton around them is
+    trainer/run.py's."""
+
+    def __init__(self, cfg: SFTConfig, start: StartUp):
         # heavy: megatron-core and transformers, imported on first use
         from megatron.core import parallel_state as ps
         from transformers import AutoTokenizer
 
-        validate_sft(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before anything is built
-        init_distributed(cfg.parallel, seed=cfg.trainer.seed)
-        check_same_run_dir(run_dir)
-        self.cfg, self.run_dir, self.rank = cfg, run_dir, dist.get_rank()
-        t = cfg.trainer
-        self.checkpoint_dir = Path(t.checkpoint_dir or run_dir / "checkpoints")
-        self.resume_path = checkpoint.resume_point(self.checkpoint_dir, t.resume, self.rank)
-        m = cfg.model
-        self.model_path = m.path or built_in_model(run_dir, m.tiny_arch, m.tiny_size, cfg.trainer.seed)
-        hf_config = load_hf_config(self.model_path)
-        check_divisibility(get_converter(hf_config), cfg.parallel)
+        self.cfg, self.start, self.run_dir, self.rank = cfg, start, start.run_dir, start.rank
+        t, self.model_path, hf_config = cfg.trainer, start.model_path, start.hf_config
         # the data before the model: a bad row fails in seconds
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         limit = cfg.data.max_length or hf_config.max_position_embeddings
@@ -75,33 +64,34 @@ class SFTTrainer:
         self.val = val[dp_rank::dp]  # each rank scores its share; val/loss sums over the ranks
         self._val_batch = None
         if self.rank == 0:
-            p = cfg.parallel
-            checkpoints = "checkpoints/, " if t.saves_checkpoints else ""
-            hf = "hf/ at the end" if t.export_hf else "no hf/ (trainer.export_hf=false)"
-            say(f"[moe-rl] SFT run {run_dir}: metrics.jsonl, {checkpoints}{hf}")
-            say(
-                f"[moe-rl] model {self.model_path} ({hf_config.model_type}); layout world {dist.get_world_size()} = "
-                f"DP {dp} x TP {p.tp} x PP {p.pp} x CP {p.cp}, EP {p.ep}; {len(train)} train and {len(val)} val "
-                f"examples, {cfg.data.batch_size} per step"
-            )
+            self._announce(len(train), len(val), dp)
         self.actor = Actor(cfg.actor, cfg.model, cfg.parallel, self.model_path, record_routes=False)
         self.memory = PeakMemory()
         self.memory.reset()
+        self.step_index = start.step
+        self.checkpoints = Checkpoints(start, t.checkpoint_keep, self.actor)
+        self.logger = start.logger(cfg)
+        start.say_resumed()
         self.stop = StopFlag()
-        self.step_index = 0
-        resumed = self._resume()
-        self.logger = RunLogger(
-            run_dir,
-            cfg,
-            enabled=self.rank == 0,
-            wandb_id=(resumed or {}).get("wandb_run_id"),
-            resumed_step=self.step_index if resumed else None,
-        )
         self.engine = self.weight_sync = self.generation = None
         if val_prompts:
             self._start_generation(val_prompts, reward_fn)
         elif generate and self.rank == 0:
             say("[moe-rl] validation: val/loss only (task=file has no reward: set data.reward to score generations)")
+        if start.resumed:
+            self.batches.skip(self.checkpoints.restore()["data_position"])
+
+    def _announce(self, train: int, val: int, dp: int) -> None:
+        """The run's header: where it writes, the model, the layout, the examples."""
+        cfg, t, p = self.cfg, self.cfg.trainer, self.cfg.parallel
+        checkpoints = "checkpoints/, " if t.saves_checkpoints else ""
+        hf = "hf/ at the end" if t.export_hf else "no hf/ (trainer.export_hf=false)"
+        say(f"[moe-rl] SFT run {self.run_dir}: metrics.jsonl, {checkpoints}{hf}")
+        say(
+            f"[moe-rl] model {self.model_path} ({self.start.hf_config.model_type}); layout world "
+            f"{dist.get_world_size()} = DP {dp} x TP {p.tp} x PP {p.pp} x CP {p.cp}, EP {p.ep}; {train} train and "
+            f"{val} val examples, {cfg.data.batch_size} per step"
+        )
 
     def _examples(self) -> tuple[list[Example], list[Example]]:
         d, seed = self.cfg.data, self.cfg.trainer.seed
@@ -147,25 +137,12 @@ class SFTTrainer:
             self.engine = RolloutEngine(engine_cfg, lay.moe_layers, lay.num_experts, lay.topk)
         self.weight_sync = WeightSync(self.actor, self.engine, groups.leaders, bucket_mb=64)
         sampling = SamplingConfig(max_tokens=cfg.val.max_tokens)
-        args = (self.tokenizer, reward_fn, cfg.val, sampling, self._engine_may_stop)
+        may_stop = functools.partial(self.stop.engine_may_stop, self.logger.warn_now)
+        args = (self.tokenizer, reward_fn, cfg.val, sampling, may_stop)
         self.generation = Validator(prompts, groups, self.engine, *args)
         if self.rank == 0:
             what = f"{len(prompts)} prompts, {cfg.data.reward_spec}, one engine"
             say(f"[moe-rl] validation: val/loss and generation ({what})")
-
-    def _engine_may_stop(self):
-        """StopFlag.engine_may_stop, warning at the current step."""
-        return self.stop.engine_may_stop(lambda message: self.logger.warn(self.step_index, message))
-
-    def _resume(self) -> dict | None:
-        if self.resume_path is None:
-            return None
-        state = checkpoint.load(self.resume_path, self.actor.chunks, self.actor.optimizer)
-        self.step_index = state["step"]
-        self.batches.skip(state["data_position"])
-        if self.rank == 0:
-            say(f"[moe-rl] resumed from {self.resume_path} at step {self.step_index}")
-        return state
 
     def _padded(self, examples: list[Example]):
         # expert-parallel ranks dispatch tokens together: one sequence length over the ranks, as the RL source pads
@@ -197,25 +174,27 @@ class SFTTrainer:
         out = {"val/loss": self.actor.nll(self._val_batch)}
         if self.generation is not None:
             if self.step_index > 0:  # the engine started with the weights of step 0
-                with self._engine_may_stop():
+                with self.stop.engine_may_stop(self.logger.warn_now):
                     self.weight_sync()
             out |= self.generation(self.step_index)
         return out
 
+    def initial_validation(self) -> dict[str, float]:
+        return self.validate() if self.val and self.cfg.trainer.val_every else {}
+
     def save_checkpoint(self) -> Path:
-        state = {
-            "data_position": self.batches.position,
-            "wandb_run_id": self.logger.run_id,
-            "model_path": self.model_path,
-            "world_size": dist.get_world_size(),
-        }
+        state = {"data_position": self.batches.position, "wandb_run_id": self.logger.run_id}
+        return self.checkpoints.save(self.step_index, state)
+
+    def finish(self) -> None:
+        """The HF folder of the last step (trainer.export_hf)."""
+        if not self.cfg.trainer.export_hf:
+            return
         a = self.actor
-        path = checkpoint.save(
-            self.checkpoint_dir, self.step_index, a.chunks, a.optimizer, state, self.cfg.trainer.checkpoint_keep
-        )
+        provenance = {"sft_step": self.step_index, "source_model": self.model_path}
+        out = write_hf_folder(a.chunks, a.conv, self.model_path, self.run_dir / "hf", provenance=provenance)
         if self.rank == 0:
-            say(f"[moe-rl] checkpoint step {self.step_index} -> {path}")
-        return path
+            say(f"[moe-rl] HF folder of step {self.step_index}: {out}")
 
     def close(self) -> None:
         if self.engine is not None:
@@ -230,34 +209,6 @@ def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:
     stop_with_launcher()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = SFTTrainer(cfg, run_dir)
+    trainer = SFTTrainer(cfg, start_up(cfg, run_dir, validate_sft))
     start_up_done()
-    t = cfg.trainer
-    history = []
-    try:
-        with watching(t.hang_timeout_s, trainer.engine, run_dir):
-            if trainer.val and t.val_every and t.val_before_train and trainer.step_index == 0:
-                trainer.logger.log(0, trainer.validate())
-            while trainer.step_index < t.steps:
-                history.append(trainer.step())
-                if trainer.stop.agreed():
-                    if t.saves_checkpoints:
-                        trainer.save_checkpoint()
-                    trainer.logger.warn(trainer.step_index, checkpoint.signal_stop_warning(t.no_checkpoint_because))
-                    return history
-                if checkpoint.save_due(trainer.step_index, t.steps, t.checkpoint_every):
-                    trainer.save_checkpoint()
-        if t.export_hf:
-            a = trainer.actor
-            out = write_hf_folder(
-                a.chunks,
-                a.conv,
-                trainer.model_path,
-                run_dir / "hf",
-                provenance={"sft_step": trainer.step_index, "source_model": trainer.model_path},
-            )
-            if trainer.rank == 0:
-                say(f"[moe-rl] HF folder of step {trainer.step_index}: {out}")
-    finally:
-        trainer.close()
-    return history
+    return run_steps(trainer, cfg.trainer)
