@@ -4,7 +4,7 @@ float64 written from the published formulas), on fresh random inputs: values and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -272,15 +272,15 @@ def test_objective_uses_the_fused_gspo_loss_with_global_counts(agg):
 
     logp, old, roll, mask, adv = _rand_batch(5, 9)
     mask[2] = 0
-    mb = {"old_logprobs": old, "rollout_logprobs": roll, "advantages": adv, "loss_mask": mask}
-    mb["weights"] = O.icepop_weights(old, roll, mask)
     counts = {"num_tokens": float(mask.sum()) * 3, "num_seqs": 11.0}
+    mb = O.LossInputs(old_logp=old, rollout_logp=roll, advantages=adv, mask=mask, **counts)
+    mb.weights = O.icepop_weights(old, roll, mask)
     out = {}
     for fused in (True, False):
         obj = O.Objective(AlgorithmConfig(loss=GSPOConfig(agg=agg), fused_loss=fused), group_size=5)
         assert obj.fused is fused and obj.fused_note is None
         x = logp.clone().requires_grad_(True)
-        loss, metrics = obj.loss(x, mb, **counts)
+        loss, metrics = obj.loss(x, mb)
         loss.backward()
         out[fused] = (loss, x.grad, metrics)
     (l1, g1, m1), (l2, g2, m2) = out[True], out[False]
@@ -302,14 +302,14 @@ def test_the_fused_gspo_loss_over_a_packed_row_equals_it_over_padded_rows():
     lengths = (mask.sum(-1) + 1).long()  # each sample's tokens: its prompt token, then its response
     _, pack, _ = pack_bin(torch.zeros(5, 9, dtype=torch.long), lengths, list(range(5)), int(lengths.sum()) + 3, {})
     assert pack.cu_seqlens.numel() == 5 + 2  # five samples, then the padding
-    mb = {"old_logprobs": old, "rollout_logprobs": roll, "advantages": adv, "loss_mask": mask}
-    mb["weights"] = O.icepop_weights(old, roll, mask)
     counts = {"num_tokens": float(mask.sum()) * 2, "num_seqs": 9.0}
+    mb = O.LossInputs(old_logp=old, rollout_logp=roll, advantages=adv, mask=mask, **counts)
+    mb.weights = O.icepop_weights(old, roll, mask)
     obj = O.Objective(AlgorithmConfig(), group_size=5)
     out = []
     for packed in (PackedRows(pack.gather, pack.valid, pack.cu_seqlens, pack.sample.shape[0]), None):
         x = logp.clone().requires_grad_(True)
-        loss, metrics = obj.loss(x, mb | {"packed": packed}, **counts)
+        loss, metrics = obj.loss(x, replace(mb, packed=packed))
         loss.backward()
         out.append((loss, x.grad, metrics))
     (l1, g1, m1), (l2, g2, m2) = out
@@ -366,13 +366,13 @@ def test_objective_adds_the_reference_kl_and_the_entropy_bonus(kind):
     logp, old, roll, mask, adv = _rand_batch(5, 9, scale=0.3)
     ref = old + 0.2 * torch.randn_like(old)
     ent = torch.rand_like(old) * 3
-    mb = {"old_logprobs": old, "rollout_logprobs": roll, "advantages": adv, "loss_mask": mask, "weights": None}
     counts = {"num_tokens": float(mask.sum()) * 2, "num_seqs": 7.0}
+    mb = O.LossInputs(old_logp=old, rollout_logp=roll, advantages=adv, mask=mask, weights=None, **counts)
     plain = O.Objective(AlgorithmConfig(fused_loss=False), group_size=5)
     both = O.Objective(AlgorithmConfig(fused_loss=False, kl_coef=0.3, kl_type=kind, entropy_coef=0.05), 5)
     x0, x1 = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
-    l0, _ = plain.loss(x0, dict(mb), **counts)
-    l1, m1 = both.loss(x1, mb | {"ref_logprobs": ref, "entropy": ent}, **counts)
+    l0, _ = plain.loss(x0, replace(mb))
+    l1, m1 = both.loss(x1, replace(mb, ref_logp=ref, entropy=ent))
     l0.backward()
     l1.backward()
     n = counts["num_tokens"]
@@ -383,7 +383,7 @@ def test_objective_adds_the_reference_kl_and_the_entropy_bonus(kind):
     dkl = {"k1": torch.ones_like(logp)}.get(kind, 1 - (ref - logp).exp())
     assert torch.allclose(x1.grad - x0.grad, 0.3 * dkl * mask / n, rtol=1e-8, atol=1e-12)
     assert torch.allclose(m1["kl_ref"], (kl * mask).sum() / mask.sum())
-    _, m_same = both.loss(logp, mb | {"ref_logprobs": logp.clone(), "entropy": ent}, **counts)
+    _, m_same = both.loss(logp, replace(mb, ref_logp=logp.clone(), entropy=ent))
     assert m_same["kl_ref"].item() == 0.0
 
 
@@ -399,11 +399,11 @@ def test_kl_in_reward_takes_the_shaped_total_from_each_reward():
     # classic RLHF shaping, summed over each response: -0.2 * KL_t on every response token, plus the reward
     shaped = rewards + (-0.2 * (logp - old) * mask).sum(-1)
     assert torch.allclose(rewards - obj.reward_kl(logp, old, mask), shaped)
-    mb = {"old_logprobs": old, "rollout_logprobs": roll, "advantages": adv, "loss_mask": mask, "weights": None}
     plain = O.Objective(AlgorithmConfig(fused_loss=False), 6)
     counts = {"num_tokens": float(mask.sum()), "num_seqs": 6.0}
-    loss, metrics = obj.loss(logp, mb | {"ref_logprobs": old}, **counts)
-    assert torch.equal(loss, plain.loss(logp, mb, **counts)[0]) and "kl_ref" in metrics
+    mb = O.LossInputs(old_logp=old, rollout_logp=roll, advantages=adv, mask=mask, weights=None, **counts)
+    loss, metrics = obj.loss(logp, replace(mb, ref_logp=old))
+    assert torch.equal(loss, plain.loss(logp, mb)[0]) and "kl_ref" in metrics
 
 
 # ---- mismatch metrics -----------------------------------------------------------------------

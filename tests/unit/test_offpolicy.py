@@ -16,7 +16,7 @@ import torch
 from moe_rl.config import AlgorithmConfig
 from moe_rl.objectives import Objective
 from moe_rl.objectives.corrections import IcePopConfig
-from moe_rl.objectives.policy_loss import GSPOConfig, PPOConfig
+from moe_rl.objectives.policy_loss import GSPOConfig, LossInputs, PPOConfig
 
 
 def _policies(b: int = 6, t: int = 12):
@@ -60,9 +60,9 @@ def test_decoupled_objective_equals_the_three_policy_formula(loss, fused):
     corr = objective.correct(prox, mu, mask)
     assert 0 < float((corr.weights == 0)[mask.bool()].double().mean()) < 0.9  # IcePop drops some tokens
     logp = theta.clone().requires_grad_(True)
-    batch = {"old_logprobs": prox, "rollout_logprobs": mu, "advantages": adv, "loss_mask": corr.mask}
-    batch["weights"] = corr.weights
-    got, _ = objective.loss(logp, batch, num_tokens=float(mask.sum()), num_seqs=float((mask.sum(-1) > 0).sum()))
+    counts = {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(-1) > 0).sum())}
+    batch = LossInputs(old_logp=prox, rollout_logp=mu, advantages=adv, mask=corr.mask, weights=corr.weights, **counts)
+    got, _ = objective.loss(logp, batch)
     got.backward()
     ref_logp = theta.clone().requires_grad_(True)
     want = _direct(loss, mu, prox, ref_logp, adv, mask, cfg)
@@ -104,8 +104,9 @@ def test_loglinear_objective_equals_the_a3po_formula(loss, fused):
     first = int(mask[0].argmax())
     alpha[0], theta[0, first], theta[0, first + 1] = 0.5, mu[0, first] - 1.0, mu[0, first + 1] - 2.0
     logp = theta.clone().requires_grad_(True)
-    batch = {"rollout_logprobs": mu, "advantages": adv, "loss_mask": mask, "prox_alpha": alpha}
-    got, metrics = objective.loss(logp, batch, num_tokens=float(mask.sum()), num_seqs=float((mask.sum(-1) > 0).sum()))
+    counts = {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(-1) > 0).sum())}
+    batch = LossInputs(rollout_logp=mu, advantages=adv, mask=mask, prox_alpha=alpha, **counts)
+    got, metrics = objective.loss(logp, batch)
     got.backward()
     ref_logp = theta.clone().requires_grad_(True)
     prox = (mu + alpha[:, None] * (theta - mu)) * mask  # a constant: no gradient through pi_prox

@@ -13,6 +13,7 @@ from moe_rl.actor.optimizer import build_optimizer
 from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.train_step import train_minibatch
 from moe_rl.actor.weights import load_hf_weights
+from moe_rl.objectives.policy_loss import LossInputs
 from moe_rl.trainer.health import HealthMonitor, NonFiniteUpdateError, SkipCounter
 from moe_rl.trainer.metrics import zero_variance_fraction
 from tests.reference import random_batch
@@ -22,8 +23,8 @@ def _params(chunks):
     return {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
 
 
-def _loss(logp, mb):
-    return -(logp * mb["loss_mask"]).sum() / mb["loss_mask"].sum(), {}
+def _loss(logp, x):
+    return -(logp * x.mask).sum() / x.mask.sum(), {}
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def actor(tiny_models, world1):
     chunks, conv = build_model(cfg, ParallelConfig())
     load_hf_weights(chunks, conv, path)
     ids, mask = random_batch(cfg.vocab_size, batch=4, length=9, seed=torch.seed() % 2**31)
-    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.float()}
+    batch = LossInputs(input_ids=ids, attention_mask=mask, mask=mask.float())
     return chunks, build_optimizer(chunks, lr=1e-2), batch
 
 
