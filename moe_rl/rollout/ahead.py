@@ -106,7 +106,7 @@ class AheadSource:
 
     def _sample(self, step: int, prompts: list):
         try:
-            return self.inner._sample(step, prompts)
+            return self.inner.sample(step, prompts)
         finally:
             self._engine_free_since = time.perf_counter()
 

@@ -145,9 +145,9 @@ class EngineSource:
     ):
         """`engine`: the RolloutEngine on an engine leader, None elsewhere; `groups`: EngineGroups;
         `may_stop`: context manager under which an engine failure during a stop signal ends the step
-        instead of the run (Trainer._engine_may_stop); `agent`: the multi-turn AgentLoop on a leader
-        (rollout.multi_turn.env), which then samples instead of `engine.generate`; `route_layers`: the MoE layers
-        whose routes this rank replays (its pipeline stage's; None: all), the only ones the leader sends it;
+        instead of the run (StopFlag.engine_may_stop, bound to the run logger); `agent`: the multi-turn AgentLoop
+        on a leader (rollout.multi_turn.env), which then samples instead of `engine.generate`; `route_layers`: the MoE
+        layers whose routes this rank replays (its pipeline stage's; None: all), the only ones the leader sends it;
         `holds_routes`: whether this rank holds its tensor/context-parallel group's routes (actor.replay.holds_routes),
         the only ranks the leader sends routes to."""
         if groups.is_leader != (engine is not None):
@@ -159,7 +159,7 @@ class EngineSource:
 
     def next(self, step: int) -> Rollout:
         prompts = self.data.next(self.prompts_per_step)
-        return self.finish(step, prompts, self._sample(step, prompts), version=step)
+        return self.finish(step, prompts, self.sample(step, prompts), version=step)
 
     def finish(self, step: int, prompts: list, batch, version: int) -> Rollout:
         """The Rollout of `prompts`' sampled `batch` (None: the engine stopped with a signal) by the engine
@@ -192,7 +192,7 @@ class EngineSource:
             metrics=metrics,
         )
 
-    def _sample(self, step: int, prompts: list):  # data.prompts.Prompt, tokenized once by the PromptSource
+    def sample(self, step: int, prompts: list):  # data.prompts.Prompt, tokenized once by the PromptSource
         """This data-parallel rank's samples (None if the engine stopped with a signal): the leader
         gathers the prompts of every data-parallel rank it serves, samples them in one call and
         sends each rank its data-parallel rank's share, with the routes of that rank's MoE layers only, and only
