@@ -279,7 +279,7 @@ class BufferSource:
         filler: torch.Tensor | None,
         warn,
     ):
-        """`inner`: the EngineSource; `cfg`: moe_rl.config.BufferConfig; `score(rollout)` -> [B] rewards;
+        """`inner`: the EngineSource; `cfg`: moe_rl.config.BufferConfig; `score(rollout, step)` -> [B] rewards;
         `advantages(rewards)` -> [B]; `warn(step, message)` (the run's logger)."""
         self.inner, self.buffer, self.cfg, self.score, self.advantages = inner, buffer, cfg, score, advantages
         self.group_size, self.prompts_per_step, self.mini_batches = group_size, prompts_per_step, mini_batches
@@ -294,7 +294,7 @@ class BufferSource:
         while True:
             rollout = self.inner.next(step)
             generated += 1
-            rollout.rewards = self.score(rollout)
+            rollout.rewards = self.score(rollout, step + 1)
             fresh_rewards.append(rollout.rewards)
             added = self.buffer.add(rollout, self.advantages(rollout.rewards), self.group_size, step)
             if self.cfg.filter_zero_variance:
