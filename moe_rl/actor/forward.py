@@ -307,9 +307,6 @@ def compute_logprobs(
       record=True             -> record this pass's routes, returned as out["routes"] (R2).
     `head`: scores other than log-probs from the model output, under the same key (the critic's values).
     """
-    # heavy: megatron-core, imported on first use
-    from megatron.core import parallel_state as ps
-
     if (routes is not None or record) and replay is None:
         raise ValueError("routes/record need a RouteReplay bound to these chunks (replay=...)")
     if routes is not None and record:
@@ -325,13 +322,7 @@ def compute_logprobs(
         extra=None if routes is None else {"routes": routes},
         pack=pack,
     )
-    if routes is not None:
-        routing = replay.replay(mbs)
-    elif record:
-        routing = replay.record(mbs, b, t)
-    else:
-        routing = nullcontext({})
-
+    routing = _routing(replay, mbs, routes, record, b, t)
     head = LogprobHead(chunks, fused) if head is None else head
 
     def step(output, mb: MicroBatch):
@@ -344,17 +335,40 @@ def compute_logprobs(
     with head, routing as recorded:
         results = run_schedule(chunks, mbs, step, forward_only=True)
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
-    out = {}
-    for k in keys:
-        full = torch.zeros(b, t, dtype=torch.float32)
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            for mb, r in zip(mbs, results, strict=True):
-                full[mb.index] = r[k].float().cpu()
-        full = broadcast_from_last_stage(full)
-        out[k] = full * attention_mask.float() * _not_first(attention_mask)
+    out = {k: _gathered(mbs, results, k, (b, t), attention_mask) for k in keys}
     if record:
         out["routes"] = torch.from_numpy(recorded["routes"][:, :t])
     return out
+
+
+def _routing(replay, mbs: list[MicroBatch], routes: torch.Tensor | None, record: bool, b: int, t: int):
+    """The routing context of a forward pass over `mbs` (a [b, t] batch): replaying `routes`, recording this pass's
+    routes, or neither (a context yielding {})."""
+    if routes is not None:
+        return replay.replay(mbs)
+    if record:
+        return replay.record(mbs, b, t)
+    return nullcontext({})
+
+
+def _gathered(
+    mbs: list[MicroBatch],
+    results: list[dict[str, torch.Tensor]],
+    key: str,
+    shape: tuple[int, int],
+    attention_mask: torch.Tensor,
+) -> torch.Tensor:
+    """results[i][key] of every micro-batch, put back in its rows of a float32 `shape` = [B, T] tensor (as the last
+    pipeline stage holds them, on every stage), zero at padding and at column 0. `attention_mask`: [B, T]."""
+    # heavy: megatron-core, imported on first use
+    from megatron.core import parallel_state as ps
+
+    full = torch.zeros(*shape, dtype=torch.float32)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for mb, r in zip(mbs, results, strict=True):
+            full[mb.index] = r[key].float().cpu()
+    full = broadcast_from_last_stage(full)
+    return full * attention_mask.float() * _not_first(attention_mask)
 
 
 def _not_first(mask: torch.Tensor) -> torch.Tensor:

@@ -120,27 +120,15 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
 
 
 def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOptions):
+    """The megatron-core (MLA)TransformerConfig of the converter's model under `parallel` and `opts`: the
+    architecture's keys, the layout's, and the settings every moe-rl actor shares (no dropout, no fusions, no
+    auxiliary loss, routes replayed through moe_rl.actor.replay)."""
     # heavy: megatron-core, imported on first use
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     dtype = DTYPES[opts.dtype]
-    recompute = {}
-    if opts.recompute == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    elif opts.recompute == "selective":
-        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"])
-    elif opts.recompute is not None:
-        raise ValueError(f"model.recompute={opts.recompute!r}: choose null, full or selective")
-    arch = conv.transformer_config_kwargs()
-    if arch.get("moe_router_enable_expert_bias"):
-        arch["moe_router_bias_update_rate"] = opts.expert_bias_update_rate
-    elif opts.expert_bias_update_rate:
-        raise ValueError(
-            f"actor.expert_bias_update_rate={opts.expert_bias_update_rate}: model_type={conv.model_type!r} "
-            "has no expert bias (e_score_correction_bias)"
-        )
-    if opts.batch_invariant:
-        arch |= transformer_config_kwargs()
+    recompute = _recompute_kwargs(opts.recompute)
+    arch = _architecture_kwargs(conv, opts)
     config_class = MLATransformerConfig if arch.get("multi_latent_attention") else TransformerConfig
     config = config_class(
         **arch,
@@ -182,6 +170,33 @@ def transformer_config(conv: Converter, parallel: ParallelConfig, opts: ModelOpt
     for key, value in conv.rope()[1].items():  # YaRN's fields are MLATransformerConfig's; GPTModel reads them
         setattr(config, key, value)
     return config
+
+
+def _recompute_kwargs(recompute: Recompute | None) -> dict[str, Any]:
+    """megatron's recompute_* keys for model.recompute (none for null; a ValueError for another value)."""
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"])
+    if recompute is not None:
+        raise ValueError(f"model.recompute={recompute!r}: choose null, full or selective")
+    return {}
+
+
+def _architecture_kwargs(conv: Converter, opts: ModelOptions) -> dict[str, Any]:
+    """The converter's model keys, with the expert-bias update rate (a ValueError when the model has no expert
+    bias to update) and, with opts.batch_invariant, megatron's batch-invariant keys."""
+    arch = conv.transformer_config_kwargs()
+    if arch.get("moe_router_enable_expert_bias"):
+        arch["moe_router_bias_update_rate"] = opts.expert_bias_update_rate
+    elif opts.expert_bias_update_rate:
+        raise ValueError(
+            f"actor.expert_bias_update_rate={opts.expert_bias_update_rate}: model_type={conv.model_type!r} "
+            "has no expert bias (e_score_correction_bias)"
+        )
+    if opts.batch_invariant:
+        arch |= transformer_config_kwargs()
+    return arch
 
 
 def layer_spec(config, conv: Converter, use_te: bool, vp_stage: int | None = None):

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from moe_rl.diagnostics.output import write_report
-from moe_rl.routing.model_layout import moe_layout
+from moe_rl.routing.model_layout import MoELayout, moe_layout
 
 
 def read_prompts(path: str, limit: int) -> list[str]:
@@ -38,18 +38,15 @@ def read_prompts(path: str, limit: int) -> list[str]:
 
 
 def live(args) -> dict | None:
-    # torch, transformers, megatron-core and vLLM (the actor, the engine): when `live` runs, not on import
+    """`moe-rl-diagnose live` on this rank: roll out its share of the prompts, score them with the actor and write
+    its dump; rank 0 then writes the report and returns it (the other ranks return None)."""
+    # torch, transformers and megatron-core (the actor's process groups): when `live` runs, not on import
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from moe_rl.actor.forward import routing_views
-    from moe_rl.actor.model import ModelOptions, load_hf_config, load_model
+    from moe_rl.actor.model import load_hf_config
     from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
-    from moe_rl.actor.replay import RouteReplay
-    from moe_rl.common.distributed import world_max
     from moe_rl.diagnostics.report import load_dumps
-    from moe_rl.rollout import dump
-    from moe_rl.rollout.engine import HeadDtype, RolloutConfig, RolloutEngine, SamplingConfig
 
     if not Path(args.model, "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: no config.json there")
@@ -64,6 +61,25 @@ def live(args) -> dict | None:
         raise ValueError(f"{len(prompts)} prompts cannot feed {world} ranks")
     out = Path(args.out)
     tok = AutoTokenizer.from_pretrained(args.model)
+    padded = _rollout(args, layout, tok, mine, rank)
+    _score_and_dump(args, parallel, hf_cfg, layout, padded, out / "dump")
+    dist.barrier()
+    report = None
+    if rank == 0:
+        data, metas, files = load_dumps(out / "dump")
+        report = write_report(args, data, metas, files, tok)
+    dist.barrier()
+    destroy_distributed()
+    return report
+
+
+def _rollout(args, layout: MoELayout, tok, prompts: list[str], rank: int):
+    """One sample per prompt of this rank's `prompts` from a vLLM engine capturing routes, as a right-padded batch
+    as long as the longest sequence over all ranks (collective)."""
+    # torch.distributed and vLLM (the engine): when `live` runs, not on import
+    from moe_rl.common.distributed import world_max
+    from moe_rl.rollout.engine import HeadDtype, RolloutConfig, RolloutEngine, SamplingConfig
+
     rollout_cfg = RolloutConfig(
         model=args.model,
         dtype=args.dtype,
@@ -74,18 +90,28 @@ def live(args) -> dict | None:
     )
     with RolloutEngine(rollout_cfg, layout.moe_layers, layout.num_experts, layout.topk) as engine:
         sampling = SamplingConfig(
-            n=1, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + rank * len(mine)
+            n=1, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + rank * len(prompts)
         )
-        batch = engine.generate([tok(p)["input_ids"] for p in mine], sampling)
+        batch = engine.generate([tok(p)["input_ids"] for p in prompts], sampling)
     longest = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True))
-    padded = batch.to_padded(pad_id=tok.pad_token_id or 0, min_length=world_max(longest)[0])
+    return batch.to_padded(pad_id=tok.pad_token_id or 0, min_length=world_max(longest)[0])
+
+
+def _score_and_dump(args, parallel, hf_cfg, layout: MoELayout, padded, dump_dir: Path) -> None:
+    """Score the `padded` rollout with the Megatron actor twice (its own routing, the engine's routes replayed) and
+    write this rank's dump of both to `dump_dir`."""
+    # torch and megatron-core (the actor): when `live` runs, not on import
+    from moe_rl.actor.forward import routing_views
+    from moe_rl.actor.model import ModelOptions, load_model
+    from moe_rl.actor.replay import RouteReplay
+    from moe_rl.rollout import dump
 
     actor_dtype = args.actor_dtype or args.dtype
     chunks = load_model(args.model, parallel, ModelOptions(dtype=actor_dtype)).chunks
     replay = RouteReplay(chunks, layout.moe_layers, verify="count")
     views = routing_views(chunks, padded.input_ids, padded.attention_mask, None, replay, padded.routes)
     dump.write_rank(
-        out / "dump",
+        dump_dir,
         0,
         padded,
         views,
@@ -97,11 +123,3 @@ def live(args) -> dict | None:
         router_replay="r3",
         n=1,
     )
-    dist.barrier()
-    report = None
-    if rank == 0:
-        data, metas, files = load_dumps(out / "dump")
-        report = write_report(args, data, metas, files, tok)
-    dist.barrier()
-    destroy_distributed()
-    return report

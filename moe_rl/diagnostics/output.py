@@ -32,9 +32,10 @@ def fmt(v) -> str:
 
 
 def print_report(report: dict) -> None:
+    """The report's console tables: the source line, router disagreement, pi_old vs mu, k3 by routing, the worst
+    tokens (a table only for the parts the report holds)."""
     # heavy: rich, imported on first use
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=140)
     src = report["source"]
@@ -43,58 +44,85 @@ def print_report(report: dict) -> None:
         f"{src['samples']} samples, {src['response_tokens']} response tokens, "
         f"rollout {src['rollout_dtype']} / actor {src['actor_dtype']}"
     )
-    router = report["router"]
-    if router is not None:
-        t = Table(title="router: engine vs actor (no replay)")
-        t.add_column("MoE layer", justify="right")
-        t.add_column("disagreement", justify="right")
-        t.add_column("mean |set diff|", justify="right")
-        for layer, v in router["disagreement_per_layer"].items():
-            t.add_row(layer, f"{100 * v:.2f}%", f"{router['set_difference_mean_per_layer'][layer]:.3f}")
-        t.add_row("all", f"{100 * router['disagreement']:.2f}%", "", style="bold")
-        console.print(t)
-        wr = router["with_replay_disagreement"]
-        console.print(
-            f"tokens with a disagreement in any layer: {100 * router['token_any_disagreement']:.2f}%   "
-            f"with replay: {'not measured' if wr is None else f'{100 * wr:.2f}%'}"
-        )
+    if report["router"] is not None:
+        _print_router(console, report["router"])
+    _print_mismatch(console, report["mismatch"])
+    if report.get("mismatch_by_routing") is not None:
+        _print_mismatch_by_routing(console, report["mismatch_by_routing"])
+    if report["worst_tokens"]:
+        _print_worst_tokens(console, report["worst_tokens"])
+
+
+def _print_router(console, router: dict) -> None:
+    """Engine vs actor routing: disagreement per MoE layer and overall, and the share of tokens with any."""
+    # heavy: rich, imported on first use
+    from rich.table import Table
+
+    t = Table(title="router: engine vs actor (no replay)")
+    t.add_column("MoE layer", justify="right")
+    t.add_column("disagreement", justify="right")
+    t.add_column("mean |set diff|", justify="right")
+    for layer, v in router["disagreement_per_layer"].items():
+        t.add_row(layer, f"{100 * v:.2f}%", f"{router['set_difference_mean_per_layer'][layer]:.3f}")
+    t.add_row("all", f"{100 * router['disagreement']:.2f}%", "", style="bold")
+    console.print(t)
+    wr = router["with_replay_disagreement"]
+    console.print(
+        f"tokens with a disagreement in any layer: {100 * router['token_any_disagreement']:.2f}%   "
+        f"with replay: {'not measured' if wr is None else f'{100 * wr:.2f}%'}"
+    )
+
+
+def _print_mismatch(console, m: dict) -> None:
+    """pi_old vs mu metrics over the response tokens, without and with replay."""
+    # heavy: rich, imported on first use
+    from rich.table import Table
+
     t = Table(title="pi_old vs mu (response tokens)")
     t.add_column("metric")
     t.add_column("without replay", justify="right")
     t.add_column("with replay", justify="right")
-    m = report["mismatch"]
     for k, v in m["without_replay"].items():
         t.add_row(k, fmt(v), fmt(None if m["with_replay"] is None else m["with_replay"][k]))
     console.print(t)
-    split = report.get("mismatch_by_routing")
-    if split is not None:
-        t = Table(
-            title="k3 by routing in the token's context (engine vs the actor's own routing, any earlier position)"
+
+
+def _print_mismatch_by_routing(console, split: dict) -> None:
+    """k3 split by whether the token's context saw a routing difference."""
+    # heavy: rich, imported on first use
+    from rich.table import Table
+
+    t = Table(title="k3 by routing in the token's context (engine vs the actor's own routing, any earlier position)")
+    for col in ("tokens", "count", "k3 without replay", "with replay", "share without", "share with"):
+        t.add_column(col, justify="left" if col == "tokens" else "right")
+    for group, row in split.items():
+        t.add_row(
+            group.replace("_", " "),
+            str(row["tokens"]),
+            fmt(row["k3_kl_without_replay"]),
+            fmt(row["k3_kl_with_replay"]),
+            fmt(row["k3_share_without_replay"]),
+            fmt(row["k3_share_with_replay"]),
         )
-        for col in ("tokens", "count", "k3 without replay", "with replay", "share without", "share with"):
-            t.add_column(col, justify="left" if col == "tokens" else "right")
-        for group, row in split.items():
-            t.add_row(
-                group.replace("_", " "),
-                str(row["tokens"]),
-                fmt(row["k3_kl_without_replay"]),
-                fmt(row["k3_kl_with_replay"]),
-                fmt(row["k3_share_without_replay"]),
-                fmt(row["k3_share_with_replay"]),
-            )
-        console.print(t)
-    if report["worst_tokens"]:
-        t = Table(title="worst tokens (|log pi_old - log mu|, no replay)")
-        for col in ("sample", "pos", "token", "log mu", "replay", "no replay", "layers differing"):
-            t.add_column(col, justify="left" if col in ("token", "layers differing") else "right")
-        for w in report["worst_tokens"]:
-            t.add_row(
-                str(w["sample"]),
-                str(w["position"]),
-                repr(w["text"]) if w["text"] is not None else str(w["token_id"]),
-                f"{w['logprob_mu']:.3f}",
-                fmt(w["logprob_replay"]),
-                f"{w['logprob_live']:.3f}",
-                ",".join(map(str, w["layers_differing"])),
-            )
-        console.print(t)
+    console.print(t)
+
+
+def _print_worst_tokens(console, worst: list[dict]) -> None:
+    """The tokens with the largest |log pi_old - log mu| without replay."""
+    # heavy: rich, imported on first use
+    from rich.table import Table
+
+    t = Table(title="worst tokens (|log pi_old - log mu|, no replay)")
+    for col in ("sample", "pos", "token", "log mu", "replay", "no replay", "layers differing"):
+        t.add_column(col, justify="left" if col in ("token", "layers differing") else "right")
+    for w in worst:
+        t.add_row(
+            str(w["sample"]),
+            str(w["position"]),
+            repr(w["text"]) if w["text"] is not None else str(w["token_id"]),
+            f"{w['logprob_mu']:.3f}",
+            fmt(w["logprob_replay"]),
+            f"{w['logprob_live']:.3f}",
+            ",".join(map(str, w["layers_differing"])),
+        )
+    console.print(t)

@@ -184,18 +184,16 @@ def _sigmoid_router(spec: TinySpec) -> dict:
 
 
 def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
-    """The transformers config object for `spec`."""
-    # heavy: transformers, imported on first use
-    from transformers import (
-        DeepseekV3Config,
-        Glm4MoeConfig,
-        GptOssConfig,
-        MixtralConfig,
-        OlmoeConfig,
-        Qwen3MoeConfig,
-    )
+    """The transformers config object for `spec`: the keys every family shares, then the family's own."""
+    cfg = _FAMILY_CONFIGS[spec.arch](spec, _common_config(spec, vocab_size, special))
+    cfg.dtype = spec.dtype
+    return cfg
 
-    common = dict(
+
+def _common_config(spec: TinySpec, vocab_size: int, special: dict[str, int]) -> dict:
+    """The config keys every family takes (a family's builder may change some); `special`: the tokenizer's
+    eos/bos/pad token ids."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden,
         num_hidden_layers=spec.layers,
@@ -210,77 +208,123 @@ def hf_config(spec: TinySpec, vocab_size: int, special: dict[str, int]):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         **special,
     )
-    if spec.arch == "qwen3_moe":
-        cfg = Qwen3MoeConfig(
-            head_dim=spec.head_dim,
-            num_experts=spec.num_experts,
-            moe_intermediate_size=spec.moe_intermediate,
-            intermediate_size=spec.intermediate,
-            norm_topk_prob=True if spec.norm_topk_prob is None else spec.norm_topk_prob,
-            mlp_only_layers=sorted(spec.dense_layers),
-            decoder_sparse_step=1,
-            **common,
-        )
-    elif spec.arch == "glm4_moe":
-        common["rope_parameters"] = {**common["rope_parameters"], "partial_rotary_factor": 0.5}
-        cfg = Glm4MoeConfig(
-            head_dim=spec.head_dim, attention_bias=True, use_qk_norm=spec.qk_norm, **_sigmoid_router(spec), **common
-        )
-    elif spec.arch == "deepseek_v3":
-        common["num_key_value_heads"] = spec.heads
-        cfg = DeepseekV3Config(
-            **_sigmoid_router(spec),
-            q_lora_rank=spec.q_lora_rank or None,
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_rope_head_dim=spec.qk_rope_head_dim,
-            qk_nope_head_dim=spec.qk_nope_head_dim,
-            v_head_dim=spec.v_head_dim,
-            rope_interleave=True,
-            **common,
-        )
-        # read by vLLM's DeepSeek model (transformers' class implies them): sigmoid scores, bias-corrected top-k
-        cfg.scoring_func, cfg.topk_method = "sigmoid", "noaux_tc"
-    elif spec.arch == "gpt_oss":
-        if spec.norm_topk_prob is False:
-            raise ValueError("gpt_oss always takes the softmax over its top-k router logits")
-        # Released: YaRN x32 over 4096 original positions (131k), rope_theta 150000. Scaled down alike: x32 over 64.
-        common["rope_parameters"] = {
-            "rope_type": "yarn",
-            "rope_theta": 150000.0,
-            "factor": 32.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": common["max_position_embeddings"] // 32,
-        }
-        common["rms_norm_eps"] = 1e-5
-        cfg = GptOssConfig(
-            head_dim=spec.head_dim,
-            num_local_experts=spec.num_experts,
-            intermediate_size=spec.moe_intermediate,
-            sliding_window=spec.sliding_window,
-            **common,
-        )
-    elif spec.arch == "mixtral":
-        if spec.norm_topk_prob is False:
-            raise ValueError("mixtral always renormalises its top-k probabilities")
-        cfg = MixtralConfig(
-            head_dim=spec.head_dim,
-            num_local_experts=spec.num_experts,
-            intermediate_size=spec.moe_intermediate,
-            sliding_window=None,
-            **common,
-        )
-    else:
-        cfg = OlmoeConfig(
-            num_experts=spec.num_experts,
-            intermediate_size=spec.moe_intermediate,
-            norm_topk_prob=False if spec.norm_topk_prob is None else spec.norm_topk_prob,
-            clip_qkv=None,
-            **common,
-        )
-    cfg.dtype = spec.dtype
+
+
+def _qwen3_moe_config(spec: TinySpec, common: dict):
+    """Qwen3-MoE: softmax top-k router, optional dense layers anywhere (mlp_only_layers)."""
+    # heavy: transformers, imported on first use
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        head_dim=spec.head_dim,
+        num_experts=spec.num_experts,
+        moe_intermediate_size=spec.moe_intermediate,
+        intermediate_size=spec.intermediate,
+        norm_topk_prob=True if spec.norm_topk_prob is None else spec.norm_topk_prob,
+        mlp_only_layers=sorted(spec.dense_layers),
+        decoder_sparse_step=1,
+        **common,
+    )
+
+
+def _glm4_moe_config(spec: TinySpec, common: dict):
+    """GLM-4.5: the sigmoid grouped router, attention biases, half-rotary RoPE, optional q/k norm."""
+    # heavy: transformers, imported on first use
+    from transformers import Glm4MoeConfig
+
+    common["rope_parameters"] = {**common["rope_parameters"], "partial_rotary_factor": 0.5}
+    return Glm4MoeConfig(
+        head_dim=spec.head_dim, attention_bias=True, use_qk_norm=spec.qk_norm, **_sigmoid_router(spec), **common
+    )
+
+
+def _deepseek_v3_config(spec: TinySpec, common: dict):
+    """DeepSeek-V3: the sigmoid grouped router and multi-latent attention (one KV head per query head)."""
+    # heavy: transformers, imported on first use
+    from transformers import DeepseekV3Config
+
+    common["num_key_value_heads"] = spec.heads
+    cfg = DeepseekV3Config(
+        **_sigmoid_router(spec),
+        q_lora_rank=spec.q_lora_rank or None,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        rope_interleave=True,
+        **common,
+    )
+    # read by vLLM's DeepSeek model (transformers' class implies them): sigmoid scores, bias-corrected top-k
+    cfg.scoring_func, cfg.topk_method = "sigmoid", "noaux_tc"
     return cfg
+
+
+def _gpt_oss_config(spec: TinySpec, common: dict):
+    """gpt-oss: YaRN RoPE, sliding-window attention on every other layer, softmax over the top-k logits."""
+    # heavy: transformers, imported on first use
+    from transformers import GptOssConfig
+
+    if spec.norm_topk_prob is False:
+        raise ValueError("gpt_oss always takes the softmax over its top-k router logits")
+    # Released: YaRN x32 over 4096 original positions (131k), rope_theta 150000. Scaled down alike: x32 over 64.
+    common["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": common["max_position_embeddings"] // 32,
+    }
+    common["rms_norm_eps"] = 1e-5
+    return GptOssConfig(
+        head_dim=spec.head_dim,
+        num_local_experts=spec.num_experts,
+        intermediate_size=spec.moe_intermediate,
+        sliding_window=spec.sliding_window,
+        **common,
+    )
+
+
+def _mixtral_config(spec: TinySpec, common: dict):
+    """Mixtral: every layer MoE, top-k probabilities always renormalised, no sliding window."""
+    # heavy: transformers, imported on first use
+    from transformers import MixtralConfig
+
+    if spec.norm_topk_prob is False:
+        raise ValueError("mixtral always renormalises its top-k probabilities")
+    return MixtralConfig(
+        head_dim=spec.head_dim,
+        num_local_experts=spec.num_experts,
+        intermediate_size=spec.moe_intermediate,
+        sliding_window=None,
+        **common,
+    )
+
+
+def _olmoe_config(spec: TinySpec, common: dict):
+    """OLMoE: every layer MoE, top-k probabilities not renormalised unless asked, full-width q/k norm."""
+    # heavy: transformers, imported on first use
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(
+        num_experts=spec.num_experts,
+        intermediate_size=spec.moe_intermediate,
+        norm_topk_prob=False if spec.norm_topk_prob is None else spec.norm_topk_prob,
+        clip_qkv=None,
+        **common,
+    )
+
+
+_FAMILY_CONFIGS = {
+    Arch.qwen3_moe: _qwen3_moe_config,
+    Arch.glm4_moe: _glm4_moe_config,
+    Arch.deepseek_v3: _deepseek_v3_config,
+    Arch.gpt_oss: _gpt_oss_config,
+    Arch.mixtral: _mixtral_config,
+    Arch.olmoe: _olmoe_config,
+}
+"""Each architecture's config builder: (spec, the common keys) -> its transformers config."""
 
 
 def build_tokenizer(vocab_size: int):
@@ -332,48 +376,71 @@ def build_tiny_model(spec: TinySpec, out: str | Path, check=None) -> Path:
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
-        # transformers zero-initialises the embedding row of padding_idx (<|pad|>). A random model
-        # samples that token, and RMSNorm's slope at a zero input is 1/sqrt(eps): the one row's
-        # gradient dwarfs every other and step 1's grad norm is ~1e4. Real checkpoints have
-        # trained pad rows; draw every all-zero embedding/output row from the init distribution.
-        for table in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
-            zero = (table == 0).all(dim=1)
-            table[zero] = torch.randn(int(zero.sum()), table.shape[1]) * cfg.initializer_range
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name or "_norm" in name:
-                # Norm gains near 1 but not exactly, so a wrong norm mapping is visible.
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith((".bias", "_bias")):
-                p.copy_(0.2 * torch.randn_like(p))  # attention and expert biases start at zero
-            elif name.endswith(".sinks"):
-                p.copy_(torch.randn_like(p))  # large enough that a sink mapped to the wrong head shows
-            if spec.arch == "gpt_oss" and (".q_proj." in name or ".k_proj." in name):
-                # No q/k norm (Qwen3-MoE's and OLMoE's bound their scores): drawn like the rest, q.k/sqrt(d) reaches
-                # ~40 with YaRN's attention factor (1.35 on q and on k), attention is one-hot and bf16 rounding of the
-                # scores outweighs every other error (k3 of bf16 vs fp32 transformers 0.22, Qwen3-MoE's tiny 0.07).
-                # Half the scale keeps the largest scores near 10 (k3 0.06), as the other tiny families have them.
-                p.mul_(0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                # Zero-initialised in HF; a trained bias moves selection away from the plain scores, so a
-                # mapping that drops it, or gates computed from the biased scores, must show.
-                b.copy_(0.1 * torch.randn_like(b))
+        _redraw_zero_rows(model, cfg.initializer_range)
+        _redraw_untrained_parameters(model, spec.arch)
+        _redraw_expert_bias(model)
     model = model.to(getattr(torch, spec.dtype))
-    # heavy: transformers, imported on first use
-    from transformers.utils import logging as hf_logging
-
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a bar for one small shard is noise on the first screen of a run
-    try:
-        model.save_pretrained(out, safe_serialization=True)
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
+    _save_weights(model, out)
     if spec.mtp_layers:
         _append_mtp_layers(spec, vocab_size, out / "model.safetensors")
     tokenizer.save_pretrained(out)
     (out / "moe_rl_tiny_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
     return out
+
+
+def _redraw_zero_rows(model, std: float) -> None:
+    """Draw every all-zero row of the input embedding and the LM head from N(0, std) (in place, under no_grad).
+
+    transformers zero-initialises the embedding row of padding_idx (<|pad|>). A random model samples that token,
+    and RMSNorm's slope at a zero input is 1/sqrt(eps): the one row's gradient dwarfs every other and step 1's grad
+    norm is ~1e4. Real checkpoints have trained pad rows."""
+    for table in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        zero = (table == 0).all(dim=1)
+        table[zero] = torch.randn(int(zero.sum()), table.shape[1]) * std
+
+
+def _redraw_untrained_parameters(model, arch: str) -> None:
+    """Give the parameters HF initialises to constants (norm gains, biases, attention sinks) random values, so
+    that a wrong mapping of any of them shows; halve gpt_oss's q/k projections (in place, under no_grad)."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name or "_norm" in name:
+            # Norm gains near 1 but not exactly, so a wrong norm mapping is visible.
+            p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        elif name.endswith((".bias", "_bias")):
+            p.copy_(0.2 * torch.randn_like(p))  # attention and expert biases start at zero
+        elif name.endswith(".sinks"):
+            p.copy_(torch.randn_like(p))  # large enough that a sink mapped to the wrong head shows
+        if arch == "gpt_oss" and (".q_proj." in name or ".k_proj." in name):
+            # No q/k norm (Qwen3-MoE's and OLMoE's bound their scores): drawn like the rest, q.k/sqrt(d) reaches
+            # ~40 with YaRN's attention factor (1.35 on q and on k), attention is one-hot and bf16 rounding of the
+            # scores outweighs every other error (k3 of bf16 vs fp32 transformers 0.22, Qwen3-MoE's tiny 0.07).
+            # Half the scale keeps the largest scores near 10 (k3 0.06), as the other tiny families have them.
+            p.mul_(0.5)
+
+
+def _redraw_expert_bias(model) -> None:
+    """Draw the sigmoid routers' expert bias buffers (e_score_correction_bias) from N(0, 0.1) (in place).
+
+    Zero-initialised in HF; a trained bias moves selection away from the plain scores, so a mapping that drops it,
+    or gates computed from the biased scores, must show."""
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn_like(b))
+
+
+def _save_weights(model, out: Path) -> None:
+    """model.save_pretrained(out) as safetensors, without transformers' progress bar (a bar for one small shard is
+    noise on the first screen of a run)."""
+    # heavy: transformers, imported on first use
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def _append_mtp_layers(spec: TinySpec, vocab: int, path: Path) -> None:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from moe_rl.common.errors import ConfigError
-from moe_rl.routing.model_layout import moe_layout
+from moe_rl.routing.model_layout import MoELayout, moe_layout
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss")
@@ -85,42 +85,13 @@ def load_spec(model: str) -> ModelSpec:
 
 def spec_from_config(c: dict[str, Any], name: str = "") -> ModelSpec:
     """The spec of a config.json's dict, refusing families the trainer does not convert and configs without MoE."""
-    model_type = c.get("model_type")
-    if model_type not in FAMILIES:
-        raise ConfigError(f"config.json model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if key not in c:
-            raise ConfigError(f"config.json ({model_type}): {key} is missing")
-    # the routed-expert count's spellings (transformers 5 saves qwen3_moe's as num_local_experts too)
-    spellings = ("num_experts", "num_local_experts", "n_routed_experts")
-    experts = next((c[k] for k in spellings if c.get(k)), 0)
-    for key, value in (("/".join(spellings), experts), ("num_experts_per_tok", c.get("num_experts_per_tok"))):
-        if not value:
-            raise ConfigError(
-                f"config.json (model_type={model_type!r}) has no MoE layers: {key} is missing or 0 (a dense model "
-                "has nothing to plan here)"
-            )
-    try:  # the trainer's and the route capture's own map of MoE layers
-        layout = moe_layout(SimpleNamespace(**{**c, "num_experts": experts}))
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    model_type = _checked_model_type(c)
+    layout = _moe_layout(c, model_type)
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     # mixtral and olmoe name the expert FFN intermediate_size; every layer is MoE there
     moe_ffn = c["intermediate_size"] if model_type in ("mixtral", "olmoe", "gpt_oss") else c["moe_intermediate_size"]
     gpt_oss = model_type == "gpt_oss"
     shared = (c.get("n_shared_experts") or 0) * moe_ffn if model_type in ("glm4_moe", "deepseek_v3") else 0
-    qk_norm = {"qwen3_moe": "per_head", "olmoe": "full_width"}.get(model_type)
-    if model_type == "glm4_moe" and c.get("use_qk_norm"):
-        qk_norm = "per_head"
-    mla = {}
-    if model_type == "deepseek_v3":
-        mla = dict(
-            q_lora_rank=c.get("q_lora_rank"),
-            kv_lora_rank=c["kv_lora_rank"],
-            qk_nope_head_dim=c["qk_nope_head_dim"],
-            qk_rope_head_dim=c["qk_rope_head_dim"],
-            v_head_dim=c["v_head_dim"],
-        )
     return ModelSpec(
         name=name or model_type,
         model_type=model_type,
@@ -132,7 +103,7 @@ def spec_from_config(c: dict[str, Any], name: str = "") -> ModelSpec:
         num_kv_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or hidden // heads,
         attention_bias=bool(c.get("attention_bias", gpt_oss)),
-        qk_norm=qk_norm,
+        qk_norm=_qk_norm(c, model_type),
         dense_ffn=c.get("intermediate_size") or moe_ffn,
         moe_ffn=moe_ffn,
         num_experts=layout.num_experts,
@@ -144,5 +115,54 @@ def spec_from_config(c: dict[str, Any], name: str = "") -> ModelSpec:
         o_proj_bias=gpt_oss and bool(c.get("attention_bias", True)),
         sinks=gpt_oss,
         expert_bias=gpt_oss,
-        **mla,
+        **_mla_dims(c, model_type),
+    )
+
+
+def _checked_model_type(c: dict[str, Any]) -> str:
+    """The config's model_type, a ConfigError unless it is one of FAMILIES with the keys every family has."""
+    model_type = c.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"config.json model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in c:
+            raise ConfigError(f"config.json ({model_type}): {key} is missing")
+    return model_type
+
+
+def _moe_layout(c: dict[str, Any], model_type: str) -> MoELayout:
+    """The config's MoE layers, expert count and top-k; a ConfigError for a config without MoE layers."""
+    # the routed-expert count's spellings (transformers 5 saves qwen3_moe's as num_local_experts too)
+    spellings = ("num_experts", "num_local_experts", "n_routed_experts")
+    experts = next((c[k] for k in spellings if c.get(k)), 0)
+    for key, value in (("/".join(spellings), experts), ("num_experts_per_tok", c.get("num_experts_per_tok"))):
+        if not value:
+            raise ConfigError(
+                f"config.json (model_type={model_type!r}) has no MoE layers: {key} is missing or 0 (a dense model "
+                "has nothing to plan here)"
+            )
+    try:  # the trainer's and the route capture's own map of MoE layers
+        return moe_layout(SimpleNamespace(**{**c, "num_experts": experts}))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _qk_norm(c: dict[str, Any], model_type: str) -> str | None:
+    """ModelSpec.qk_norm: the family's q/k norm (glm4_moe's only with use_qk_norm)."""
+    qk_norm = {"qwen3_moe": "per_head", "olmoe": "full_width"}.get(model_type)
+    if model_type == "glm4_moe" and c.get("use_qk_norm"):
+        qk_norm = "per_head"
+    return qk_norm
+
+
+def _mla_dims(c: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """ModelSpec's multi-latent attention fields (DeepSeek-V3's); none for the GQA families."""
+    if model_type != "deepseek_v3":
+        return {}
+    return dict(
+        q_lora_rank=c.get("q_lora_rank"),
+        kv_lora_rank=c["kv_lora_rank"],
+        qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"],
+        v_head_dim=c["v_head_dim"],
     )

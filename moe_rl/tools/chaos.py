@@ -371,7 +371,8 @@ def _tensors(tree, prefix: str = "") -> dict:
     return {}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line; --inject, --run-dir and --victim (hidden) are what a Slurm job runs on a node via srun."""
     parser = argparse.ArgumentParser(
         prog="moe-rl-chaos",
         description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1],
@@ -400,27 +401,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--victim", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="after --: the job's key=value overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the reference (unless --reference names one) and the chaos run, print the JSON summary; the exit code
+    is the module docstring's (0 equal, 1 not, 2 a launch failed on its own; --inject: 0 done, 3 no victim)."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.inject:  # the fault itself, on the node `srun --overlap` chose: 0 done, 3 no victim here yet
         done = inject_here(args.inject, args.run_dir.resolve(), args.victim, args.nproc)
         print(done or f"no {args.inject} of {args.run_dir} on this node")
         return 0 if done else 3
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    if bad := [k for k in kinds if k not in KINDS]:
-        parser.error(f"--kinds: {', '.join(bad)} not among {', '.join(KINDS)}")
-    if not Path(args.script).is_file():
-        parser.error(f"--script {args.script} does not exist here: run from the repository root")
-    if args.slurm and not Path(args.slurm).is_file():
-        parser.error(f"--slurm {args.slurm} does not exist here: run from the repository root")
-    if any(o.startswith(("hydra.run.dir=", "trainer.steps=", "trainer.checkpoint_every=")) for o in args.overrides):
-        parser.error(
-            "hydra.run.dir, trainer.steps and trainer.checkpoint_every are this command's (--out, --steps, "
-            "--checkpoint-every)"
-        )
-    try:
-        plan = schedule(args.seed, args.faults, args.steps, args.nproc, kinds)
-    except ValueError as e:
-        parser.error(str(e))
+    plan = _checked_plan(parser, args)
     overrides = [f"trainer.steps={args.steps}", f"trainer.checkpoint_every={args.checkpoint_every}", *args.overrides]
     print(
         f"[moe-rl-chaos] seed {args.seed}: {len(plan)} faults over {args.steps} steps, a checkpoint every "
@@ -443,18 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                 return SlurmJob(run_dir, args.nproc, args.slurm, overrides, sbatch_args, log)
             return Job(run_dir, args.nproc, args.script, overrides, restarts, log)
 
-        if args.reference is None:
-            print(f"[moe-rl-chaos] the reference run (undisturbed): {reference}", flush=True)
-            ref = job_for(reference, 0)
-            ref.launch()
-            deadline = time.time() + args.timeout
-            while (code := ref.ended()) is None and time.time() < deadline:
-                time.sleep(ref.poll_s)
-            if code != 0:
-                print(f"[moe-rl-chaos] the reference run failed ({code}); see {out}", file=sys.stderr)
-                ref.stop()
-                return 2
-            ref.wait_gone()
+        if args.reference is None and not _reference_run(job_for, reference, args.timeout, out):
+            return 2
         chaos_dir = out / "chaos_run"
         print(f"[moe-rl-chaos] the chaos run: {chaos_dir}", flush=True)
         job = job_for(chaos_dir, len(plan))
@@ -466,19 +449,69 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     metric_diff = compare_metrics(reference, chaos_dir, args.steps)
     weight_diff = compare_weights(reference, chaos_dir, out)
-    summary = {
+    print(json.dumps(_summary(args, plan, done, job.launches, metric_diff, weight_diff, t0)), flush=True)
+    return 0 if metric_diff is None and weight_diff is None else 1
+
+
+def _checked_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Fault]:
+    """The fault schedule the options draw, after refusing (parser.error) options this command cannot run: an
+    unknown kind, a missing script or sbatch template, an override of a key the command sets itself."""
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if bad := [k for k in kinds if k not in KINDS]:
+        parser.error(f"--kinds: {', '.join(bad)} not among {', '.join(KINDS)}")
+    if not Path(args.script).is_file():
+        parser.error(f"--script {args.script} does not exist here: run from the repository root")
+    if args.slurm and not Path(args.slurm).is_file():
+        parser.error(f"--slurm {args.slurm} does not exist here: run from the repository root")
+    if any(o.startswith(("hydra.run.dir=", "trainer.steps=", "trainer.checkpoint_every=")) for o in args.overrides):
+        parser.error(
+            "hydra.run.dir, trainer.steps and trainer.checkpoint_every are this command's (--out, --steps, "
+            "--checkpoint-every)"
+        )
+    try:
+        return schedule(args.seed, args.faults, args.steps, args.nproc, kinds)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _reference_run(job_for, reference: Path, timeout: float, out: Path) -> bool:
+    """The undisturbed run into `reference` (`job_for(run_dir, restarts)` makes its job), waited for until it ends
+    or `timeout` s pass; False, said on stderr, when it did not end well."""
+    print(f"[moe-rl-chaos] the reference run (undisturbed): {reference}", flush=True)
+    ref = job_for(reference, 0)
+    ref.launch()
+    deadline = time.time() + timeout
+    while (code := ref.ended()) is None and time.time() < deadline:
+        time.sleep(ref.poll_s)
+    if code != 0:
+        print(f"[moe-rl-chaos] the reference run failed ({code}); see {out}", file=sys.stderr)
+        ref.stop()
+        return False
+    ref.wait_gone()
+    return True
+
+
+def _summary(
+    args: argparse.Namespace,
+    plan: list[Fault],
+    injected: list[str],
+    launches: int,
+    metric_diff: str | None,
+    weight_diff: str | None,
+    t0: float,
+) -> dict:
+    """The final JSON line: the schedule, what landed, and whether metrics and weights came out equal."""
+    return {
         "seed": args.seed,
         "schedule": [asdict(f) for f in plan],
-        "injected": done,
-        "launches": job.launches,
+        "injected": injected,
+        "launches": launches,
         "steps": args.steps,
         "metrics_equal": metric_diff is None,
         "weights_equal": weight_diff is None,
         "first_difference": metric_diff or weight_diff,
         "seconds": round(time.time() - t0, 1),
     }
-    print(json.dumps(summary), flush=True)
-    return 0 if metric_diff is None and weight_diff is None else 1
 
 
 if __name__ == "__main__":

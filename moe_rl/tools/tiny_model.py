@@ -24,7 +24,8 @@ def _parse_int_list(text: str) -> list[int]:
     return [int(x) for x in text.replace(",", " ").split()] if text else []
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: one option per TinySpec field, plus --out and --size."""
     p = argparse.ArgumentParser(
         prog="python -m moe_rl.tools.tiny_model",
         description=__doc__,
@@ -83,11 +84,28 @@ def main(argv: list[str] | None = None) -> None:
         "(tiny: 1.1M parameters; small: 10.9M, learns arithmetic; deep: 12.0M in 12 layers, the stability lab's); "
         "an explicit flag overrides it",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build the model the options ask for; a model the trainer's actor would refuse is a usage error."""
+    p = _parser()
     a = p.parse_args(argv)
+    spec = _spec(a)
+    try:
+        out = build_tiny_model(spec, a.out, check=_actor_accepts)
+    except ValueError as e:
+        p.error(str(e))
+    print(f"wrote {spec.arch} model ({spec.num_experts} experts, top-{spec.topk}, {spec.layers} layers) to {out}")
+
+
+def _spec(a: argparse.Namespace) -> TinySpec:
+    """The TinySpec the parsed options ask for; a size option left out takes the --size's value (in `a` too)."""
+    d = TinySpec()
     for key in ("layers", "hidden", "heads", "kv_heads", "moe_intermediate", "intermediate"):
         if getattr(a, key) is None:  # not given: the size's value
             setattr(a, key, SIZES[a.size].get(key, getattr(d, key)))
-    spec = TinySpec(
+    return TinySpec(
         arch=a.arch,
         num_experts=a.num_experts,
         topk=a.topk,
@@ -110,11 +128,6 @@ def main(argv: list[str] | None = None) -> None:
         mtp_layers=a.mtp_layers,
         sliding_window=a.sliding_window,
     )
-    try:
-        out = build_tiny_model(spec, a.out, check=_actor_accepts)
-    except ValueError as e:
-        p.error(str(e))
-    print(f"wrote {spec.arch} model ({spec.num_experts} experts, top-{spec.topk}, {spec.layers} layers) to {out}")
 
 
 def _actor_accepts(hf_config) -> None:
