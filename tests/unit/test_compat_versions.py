@@ -92,3 +92,12 @@ def test_a_version_outside_the_range_warns_once_per_patch_naming_it(monkeypatch)
 
 def test_a_package_that_is_not_installed_is_not_checked():
     assert check_versions(PATCHES, lambda package: None) == []
+
+
+def test_the_architecture_page_lists_every_patch_with_its_range():
+    page = (ROOT / "docs" / "development" / "architecture.md").read_text()
+    section = page[page.index("## Patches of upstream code") :]
+    for patch in PATCHES:
+        module, name = patch.where.removeprefix("moe_rl.compat.").split(":")
+        row = next(line for line in section.splitlines() if f"`{module}`: " in line)
+        assert f"`{name}`" in row and f"`{patch.tested}`" in row, patch.where
