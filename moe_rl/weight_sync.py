@@ -94,21 +94,7 @@ class WeightSync:
                 made: dict[str, torch.Tensor] = {}
                 for entry in bucket:
                     made |= produce(entry) or {}
-                manifest, offset = [], 0
-                for entry in bucket:
-                    for name, shape, dtype in entry.tensors:
-                        n = tensor_nbytes(shape, dtype)
-                        for leader in self.leaders:
-                            if me == leader:
-                                dst = buf.view(offset, n)
-                            elif me == entry.owner and leader in peers:
-                                dst = peers[leader][offset : offset + n]
-                            else:
-                                dst = None
-                            local = self._same_host(entry.owner, leader)
-                            _deliver(made.get(name), entry.owner, leader, me, dst, local, device)
-                        manifest.append((name, dtype, shape, offset))
-                        offset += n
+                manifest, offset = self._deliver_bucket(bucket, made, buf, peers, me, device)
                 del made
                 _barrier()  # every write of this bucket has landed
                 engine_call(lambda: update.load(buf, manifest))  # noqa: B023 (called here, at once)
@@ -122,6 +108,28 @@ class WeightSync:
         if failed is not None:
             raise failed
         return {**stats, "seconds": time.perf_counter() - t0}
+
+    def _deliver_bucket(
+        self, bucket: list, made: dict[str, torch.Tensor], buf: _BucketBuffer, peers: dict, me: int, device: str
+    ) -> tuple[list, int]:
+        """Every tensor of `bucket` into every leader's bucket buffer (`made`: the HF tensors this rank owns; `peers`:
+        the mapped buffers of same-host leaders) -> (the bucket's manifest, its bytes)."""
+        manifest, offset = [], 0
+        for entry in bucket:
+            for name, shape, dtype in entry.tensors:
+                n = tensor_nbytes(shape, dtype)
+                for leader in self.leaders:
+                    if me == leader:
+                        dst = buf.view(offset, n)
+                    elif me == entry.owner and leader in peers:
+                        dst = peers[leader][offset : offset + n]
+                    else:
+                        dst = None
+                    local = self._same_host(entry.owner, leader)
+                    _deliver(made.get(name), entry.owner, leader, me, dst, local, device)
+                manifest.append((name, dtype, shape, offset))
+                offset += n
+        return manifest, offset
 
 
 def sync_metrics(stats: dict[str, float]) -> dict[str, float]:

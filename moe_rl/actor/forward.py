@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moe_rl.actor.context_parallel import cp_size, gather_sequence, seq_multiple, slice_sequence
 from moe_rl.actor.packing import Pack, PackPlan, pack_bin, sample_positions, thd_params, unpack
 from moe_rl.common import progress
+from moe_rl.compat.megatron_model import output_layers_return_hidden, restore_forwards
 
 # step_fn(logits [b, s, V/TP], micro_batch) -> (loss scalar, outputs dict of [b, s] tensors)
 StepFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -211,25 +212,14 @@ class LogprobHead:
         self._weight: torch.Tensor | None = None
 
     def __enter__(self) -> LogprobHead:
-        # heavy: megatron-core, imported on first use
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-        def hidden_out(layer):
-            def forward(input_, weight=None, runtime_gather_output=None):
-                if layer.sequence_parallel:  # the kernel's backward sums dh over TP: only split it back
-                    input_ = gather_from_sequence_parallel_region(input_, False, group=layer.tp_group)
-                self._weight = layer.weight if weight is None else weight
-                return input_, None
-
-            return forward
-
-        for layer in self._layers:
-            layer.forward = hidden_out(layer)  # instance attribute: shadows the class's forward
+        output_layers_return_hidden(self._layers, self._keep_weight)
         return self
 
+    def _keep_weight(self, weight: torch.Tensor) -> None:
+        self._weight = weight
+
     def __exit__(self, *exc) -> None:
-        for layer in self._layers:
-            del layer.forward
+        restore_forwards(self._layers)
         self._weight = None
 
     def __call__(

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_rl.compat.megatron_model import rotary_at_positions
 from moe_rl.routing.records import filler_row
 
 PACKED_KEYS = ("routes",)
@@ -233,24 +234,8 @@ def sample_positions(model: torch.nn.Module, position: torch.Tensor) -> Iterator
 
     # The model's table, or each MLA layer's own (YarnRotaryEmbedding, a subclass, returns (table, mscale)).
     ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
-
-    def at_positions(rope):
-        def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-            # packed_seq=True: the whole table (megatron would take this context-parallel rank's rows of it)
-            out = type(rope).forward(rope, int(position.max()) + 1, offset, True, cp_group)
-            if isinstance(out, tuple):
-                return (out[0][position.to(out[0].device)], *out[1:])
-            return out[position.to(out.device)]
-
-        return forward
-
-    for rope in ropes:
-        rope.forward = at_positions(rope)  # instance attribute: shadows the class's (cached) forward
-    try:
+    with rotary_at_positions(ropes, position):
         yield
-    finally:
-        for rope in ropes:
-            del rope.forward
 
 
 def thd_params(pack: Pack, device: torch.device | str = "cpu"):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from moe_rl.common.errors import ConfigError
 from moe_rl.compat.megatron_cpu import apply_cpu_shims, cpu_model_parallel_seed
+from moe_rl.compat.versions import check_versions
 
 
 @dataclass
@@ -149,6 +150,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: int 
     # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
+    check_versions()  # the patches of megatron-core and vLLM (moe_rl/compat): once per process
     on_cpu = apply_cpu_shims()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -27,6 +27,7 @@ from moe_rl.actor.forward import LogprobHead, run_schedule, split_microbatches
 from moe_rl.actor.optimizer import is_expert
 from moe_rl.actor.packing import PackPlan
 from moe_rl.common.distributed import buckets, global_mean
+from moe_rl.compat.megatron_model import update_router_expert_bias
 from moe_rl.objectives.policy_loss import LossInputs, PackedRows
 
 
@@ -248,10 +249,7 @@ def update_expert_bias(chunks: list[torch.nn.Module], apply: bool = True) -> Non
     if not config.moe_router_enable_expert_bias:
         return
     if apply and config.moe_router_bias_update_rate > 0:
-        # heavy: megatron-core, imported on first use
-        from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
-
-        _update_router_expert_bias(chunks, config)
+        update_router_expert_bias(chunks, config)
     for c in chunks:
         for m in c.modules():
             if getattr(m, "local_tokens_per_expert", None) is not None:

@@ -12,7 +12,7 @@ import time
 
 class _Progress:
     def __init__(self) -> None:
-        self.step = 0  # the RL step under way (1-based; 0: before the first)
+        self.step_number = 0  # the RL step under way (1-based; 0: before the first)
         self.phase = "start-up"
         self.moves = 0  # marks so far: a change is progress
         self.at = time.monotonic()  # when the latest mark was made
@@ -31,10 +31,10 @@ def mark(phase: str | None = None) -> None:
 
 def current_step() -> int:
     """The RL step under way (1-based; 0: before the first)."""
-    return STATE.step
+    return STATE.step_number
 
 
 def begin_step(step: int) -> None:
     """RL step `step` (1-based) starts."""
-    STATE.step = step
+    STATE.step_number = step
     mark("step start")

@@ -104,13 +104,21 @@ def apply_cpu_shims() -> bool:
         return False
     if _APPLIED:
         return True
-
     # torch.cuda.current_device(): called for `device=` by the router (moe/router.py buffers),
     # RoPE (rotary_pos_embedding.py), GlobalMemoryBuffer (sequence-parallel all-gather) and
     # tensor_parallel.layers weight allocation. On CPU it must name the CPU.
     torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
+    _cpu_rng_tracker()
+    _cuda_tensors_on_cpu()
+    _cpu_context_parallel_rope()
+    _mla_without_te()
+    _rows_bucketed_linears()
+    _APPLIED = True
+    return True
 
-    # tensor_parallel.random: the CUDA RNG tracker cannot add or fork states without CUDA.
+
+def _cpu_rng_tracker() -> None:
+    """tensor_parallel.random: the CUDA RNG tracker cannot add or fork states without CUDA."""
     # heavy: megatron-core, imported on first use
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -121,19 +129,20 @@ def apply_cpu_shims() -> bool:
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
-    # pipeline_parallel.schedules allocates its token counter with a literal device="cuda", and
-    # p2p_communication calls torch.cuda.synchronize(): give those two modules a `torch`
-    # stand-in that maps "cuda" to the CPU and makes synchronize a no-op.
-    # dist_checkpointing's torch_dist save path does the same: torch.cuda.synchronize() before
-    # writing (filesystem_async, async_utils) and device="cuda" flags for its consistency
-    # all-reduces (state_dict_saver).
+
+def _cuda_tensors_on_cpu() -> None:
+    """pipeline_parallel.schedules allocates its token counter with a literal device="cuda", and
+    p2p_communication calls torch.cuda.synchronize(): give those two modules a `torch`
+    stand-in that maps "cuda" to the CPU and makes synchronize a no-op.
+    dist_checkpointing's torch_dist save path does the same: torch.cuda.synchronize() before
+    writing (filesystem_async, async_utils) and device="cuda" flags for its consistency
+    all-reduces (state_dict_saver).
+    megatron.core.optimizer: FP32Optimizer allocates its loss scale with device="cuda" and
+    clip_grads.get_grad_norm_fp32 its norm buffers; the non-apex l2-norm fallback
+    (utils.local_multi_tensor_l2_norm) returns a CUDA tensor; clip_grad_by_total_norm_fp32
+    asserts `grad.type() == "torch.cuda.FloatTensor"`. Same formulas, CPU tensors."""
     # heavy: megatron-core, imported on first use
     from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async, state_dict_saver
-
-    # megatron.core.optimizer: FP32Optimizer allocates its loss scale with device="cuda" and
-    # clip_grads.get_grad_norm_fp32 its norm buffers; the non-apex l2-norm fallback
-    # (utils.local_multi_tensor_l2_norm) returns a CUDA tensor; clip_grad_by_total_norm_fp32
-    # asserts `grad.type() == "torch.cuda.FloatTensor"`. Same formulas, CPU tensors.
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.pipeline_parallel import p2p_communication, schedules
@@ -143,33 +152,37 @@ def apply_cpu_shims() -> bool:
     clip_grads.l2_norm_impl = _l2_norm
     moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
 
-    # rope_utils.get_pos_emb_on_this_cp_rank (context parallel: this rank's zig-zag rows of the RoPE table)
-    # builds its index with pin_memory=True(...).cuda(); the two modules that imported it get a CPU copy.
+
+def _cpu_context_parallel_rope() -> None:
+    """rope_utils.get_pos_emb_on_this_cp_rank (context parallel: this rank's zig-zag rows of the RoPE table)
+    builds its index with pin_memory=True(...).cuda(); the two modules that imported it get a CPU copy."""
     # heavy: megatron-core, imported on first use
     from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
 
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
 
-    # multi_latent_attention imports TELinear & co. from megatron.core.extensions.transformer_engine, which
-    # without Transformer Engine defines them as MagicMock placeholders: the import succeeds, HAVE_TE is
-    # True, and MLASelfAttention's `isinstance(self.linear_proj, TELinear)` raises TypeError.
+
+def _mla_without_te() -> None:
+    """multi_latent_attention imports TELinear & co. from megatron.core.extensions.transformer_engine, which
+    without Transformer Engine defines them as MagicMock placeholders: the import succeeds, HAVE_TE is
+    True, and MLASelfAttention's `isinstance(self.linear_proj, TELinear)` raises TypeError."""
     # heavy: megatron-core, imported on first use
     from megatron.core.transformer import multi_latent_attention
 
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
 
-    # tensor_parallel.layers: every linear (attention, dense and expert MLPs) in 16-bit runs oneDNN's bf16 GEMM,
-    # which builds (JIT-compiles) a kernel per new matrix shape: ~0.4 ms each, more than the product itself at
-    # these sizes, and the row count changes with every batch and every expert's token count.
+
+def _rows_bucketed_linears() -> None:
+    """tensor_parallel.layers: every linear (attention, dense and expert MLPs) in 16-bit runs oneDNN's bf16 GEMM,
+    which builds (JIT-compiles) a kernel per new matrix shape: ~0.4 ms each, more than the product itself at
+    these sizes, and the row count changes with every batch and every expert's token count."""
+    # heavy: megatron-core, imported on first use
     from megatron.core.tensor_parallel import layers
 
     for name in ("linear_with_grad_accumulation_and_async_allreduce", "linear_with_frozen_weight"):
         setattr(layers, name, _rows_bucketed(getattr(layers, name)))
-
-    _APPLIED = True
-    return True
 
 
 def bucket_rows(n: int) -> int:

