@@ -42,14 +42,16 @@ def live(args) -> dict | None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.forward import routing_views
     from moe_rl.actor.model import ModelOptions, load_hf_config, load_model
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from moe_rl.actor.parallel import destroy_distributed, init_distributed
     from moe_rl.actor.replay import RouteReplay
     from moe_rl.common.distributed import world_max
     from moe_rl.diagnostics.report import load_dumps
     from moe_rl.rollout import dump
-    from moe_rl.rollout.engine import HeadDtype, RolloutConfig, RolloutEngine, SamplingConfig
+    from moe_rl.rollout.config import HeadDtype, RolloutConfig, SamplingConfig
+    from moe_rl.rollout.engine import RolloutEngine
 
     if not Path(args.model, "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: no config.json there")

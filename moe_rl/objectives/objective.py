@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from moe_rl.objectives import advantages, value  # noqa: F401  the estimators register themselves on import
 from moe_rl.objectives.aggregation import masked_mean
-from moe_rl.objectives.corrections import Correction, IcePopConfig
+from moe_rl.objectives.config import PROX_LOGP, IcePopConfig
+from moe_rl.objectives.corrections import Correction
 from moe_rl.objectives.kl import kl_penalty
 from moe_rl.objectives.policy_loss import LossInputs
-from moe_rl.objectives.proximal import PROX_LOGP, loglinear_prox_logp
+from moe_rl.objectives.proximal import loglinear_prox_logp
 from moe_rl.objectives.registry import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 
 

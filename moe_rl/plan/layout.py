@@ -62,7 +62,9 @@ def build_config(overrides: list[str]) -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from moe_rl.config import GROUPS, TrainConfig, check_overrides
+    from moe_rl.config import TrainConfig
+    from moe_rl.config.describe import check_overrides
+    from moe_rl.config.store import GROUPS
 
     check_overrides(overrides)
     groups = [o for o in overrides if "/" in o.split("=", 1)[0]]
@@ -101,7 +103,7 @@ def check(cfg: Any, spec: ModelSpec, gpus: int, assumed: frozenset[str] = frozen
     """The trainer's validation of `cfg` on `gpus` ranks (as on GPUs) and the model's divisibility, less what the
     what-if features `assumed` (moe_rl.plan.assume) lift; the Layout."""
     # heavy: the training config imports torch and every part's config section
-    from moe_rl.config import validate
+    from moe_rl.config.validate import validate
 
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: must be >= 1")

@@ -141,7 +141,7 @@ def stage_layers(
     (moe_rl.actor.parallel.ParallelConfig.rank_layers: first / last are parallel.first_stage_layers /
     last_stage_layers)."""
     # heavy: the actor's parallel module (torch), imported on first use
-    from moe_rl.actor.parallel import ParallelConfig
+    from moe_rl.actor.config import ParallelConfig
 
     config = ParallelConfig(pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
     return config.rank_layers(num_layers)[stage]

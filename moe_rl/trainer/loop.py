@@ -25,7 +25,8 @@ from moe_rl.common import progress
 from moe_rl.common.batch import ProxPolicy
 from moe_rl.common.distributed import all_gather_objects
 from moe_rl.common.gc_startup import start_up_done
-from moe_rl.config import TrainConfig, validate
+from moe_rl.config import TrainConfig
+from moe_rl.config.validate import validate
 from moe_rl.critic.critic import Critic, gae_targets
 from moe_rl.data.prompts import PromptSource
 from moe_rl.data.rewards import load_reward, score
