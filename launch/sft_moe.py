@@ -10,7 +10,7 @@ Examples:
 
 The run writes metrics.jsonl, checkpoints/ and, at the end, hf/ (a Hugging Face folder):
   torchrun --nproc-per-node=2 launch/train_moe.py model.path=<run dir>/hf data.task=arithmetic
-Defaults: SFTConfig in moe_rl/config.py.
+Defaults: SFTConfig in moe_rl/config/schema.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Examples:
   python launch/train_moe.py --help                                         # every key with its default
   python launch/train_moe.py --keys rollout                                 # rollout.* with defaults and comments
 
-Defaults: the dataclasses of moe_rl/config.py; conf/ picks groups (algorithm=gspo_icepop | ppo_tis | grpo).
+Defaults: the dataclasses of moe_rl/config/ (schema.py, and each part's config.py); conf/ picks groups
+(algorithm=gspo_icepop | ppo_tis | grpo).
 """
 
 from __future__ import annotations
