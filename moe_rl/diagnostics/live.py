@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.diagnostics.output import write_report
+from moe_rl.rollout.config import HeadDtype, RolloutConfig, SamplingConfig
 from moe_rl.routing.model_layout import moe_layout
 
 
@@ -42,7 +44,6 @@ def live(args) -> dict | None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.forward import routing_views
     from moe_rl.actor.model import ModelOptions, load_hf_config, load_model
     from moe_rl.actor.parallel import destroy_distributed, init_distributed
@@ -50,7 +51,6 @@ def live(args) -> dict | None:
     from moe_rl.common.distributed import world_max
     from moe_rl.diagnostics.report import load_dumps
     from moe_rl.rollout import dump
-    from moe_rl.rollout.config import HeadDtype, RolloutConfig, SamplingConfig
     from moe_rl.rollout.engine import RolloutEngine
 
     if not Path(args.model, "config.json").is_file():
