@@ -37,9 +37,10 @@ def main() -> None:
     import torch
     from megatron.core.tensor_parallel import layers
 
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.forward import run_schedule, split_microbatches
     from moe_rl.actor.model import ModelOptions, load_model
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.parallel import init_distributed
     from moe_rl.models.tiny import TinySpec, build_tiny_model
 
     torch.set_num_threads(1)

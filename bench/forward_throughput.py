@@ -26,9 +26,10 @@ def worker(a) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.model import load_model
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.parallel import init_distributed
 
     parallel = ParallelConfig(**json.loads(a.parallel))
     init_distributed(parallel)

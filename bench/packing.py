@@ -73,7 +73,7 @@ def rollout_batch(rng: np.random.Generator, a, vocab: int, moe_layers: list[int]
 def build_actors(a, model: str) -> dict:
     """The two variants' Actors, same weights (the HF folder), same layout (DP = world)."""
     from moe_rl.actor.actor import Actor
-    from moe_rl.actor.parallel import ParallelConfig
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.config import ActorConfig, ModelConfig
 
     common = dict(router_replay="r3", mini_batches=a.mini_batches, micro_batch_size=a.micro_batch_size)
@@ -107,7 +107,8 @@ def worker(a) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from moe_rl.actor.config import ParallelConfig
+    from moe_rl.actor.parallel import destroy_distributed, init_distributed
     from moe_rl.common.distributed import world_max
     from moe_rl.config import AlgorithmConfig
     from moe_rl.models.tiny import TinySpec, build_tiny_model

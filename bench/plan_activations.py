@@ -40,7 +40,8 @@ def measure(model: str, rows: int, seq: int) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     sys.path.insert(0, str(REPO))
     from moe_rl.actor.actor import Actor
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.config import ParallelConfig
+    from moe_rl.actor.parallel import init_distributed
     from moe_rl.common.batch import PaddedBatch
     from moe_rl.config import AlgorithmConfig, ModelConfig
     from moe_rl.objectives import Objective

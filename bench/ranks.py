@@ -33,7 +33,7 @@ def run_on_ranks(script: str, nproc: int, spec: dict, args: list[str]) -> str:
 
 def parallel_config(layout: str):
     """The ParallelConfig of one `parallel.<key>=<size>` override ("" for data parallel only)."""
-    from moe_rl.actor.parallel import ParallelConfig
+    from moe_rl.actor.config import ParallelConfig
 
     if not layout:
         return ParallelConfig()

@@ -54,9 +54,10 @@ def main() -> None:
 
     import torch
 
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.forward import compute_logprobs, run_schedule, split_microbatches, vocab_parallel_logprobs
     from moe_rl.actor.model import load_model
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.parallel import init_distributed
     from moe_rl.actor.replay import RouteReplay
     from moe_rl.models.tiny import TinySpec, build_tiny_model
 

@@ -63,7 +63,8 @@ def main() -> None:
 
     from moe_rl.actor.weights import HFCheckpoint
     from moe_rl.models.tiny import TinySpec, build_tiny_model
-    from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
+    from moe_rl.rollout.config import RolloutConfig, SamplingConfig
+    from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.routing.model_layout import moe_layout
     from moe_rl.weight_sync import push_weights
 

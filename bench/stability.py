@@ -213,7 +213,9 @@ def refusal(cell: Cell) -> str | None:
 
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from moe_rl.config import ConfigError, register_configs, validate
+    from moe_rl.config import ConfigError
+    from moe_rl.config.store import register_configs
+    from moe_rl.config.validate import validate
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -139,7 +139,7 @@ def moe_rl_settings() -> dict:
     from megatron.core.optimizer import OptimizerConfig
     from omegaconf import OmegaConf
 
-    from moe_rl.config import register_configs
+    from moe_rl.config.store import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -53,7 +53,8 @@ def child(a) -> None:
     from moe_rl.actor.model import load_model
     from moe_rl.actor.parallel import init_distributed
     from moe_rl.actor.weights import export_hf_state_dict
-    from moe_rl.rollout.engine import RolloutConfig, RolloutEngine
+    from moe_rl.rollout.config import RolloutConfig
+    from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.rollout.engine_groups import engine_groups
     from moe_rl.trainer.metrics import PeakMemory
     from moe_rl.weight_sync import WeightSync, push_weights

@@ -10,7 +10,7 @@ Examples:
 
 The run writes metrics.jsonl, checkpoints/ and, at the end, hf/ (a Hugging Face folder):
   torchrun --nproc-per-node=2 launch/train_moe.py model.path=<run dir>/hf data.task=arithmetic
-Defaults: SFTConfig in moe_rl/config.py.
+Defaults: SFTConfig in moe_rl/config/schema.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _check_command_line() -> None:
     """A misspelled key fails here with the closest valid key, and a value outside a key's fixed set with the valid
     ones."""
-    from moe_rl.config import ConfigError, SFTConfig, check_overrides
+    from moe_rl.config import ConfigError, SFTConfig
+    from moe_rl.config.describe import check_overrides
     from moe_rl.tools.launcher import refuse
 
     try:
@@ -61,7 +62,8 @@ if __name__ == "__main__":
     # The libraries' Python warnings go through logging as well: all to the run's log, to the console less those the
     # console filter (trainer/logger.py: QuietCpuEngineNotes) leaves out.
     logging.captureWarnings(True)
-    from moe_rl.config import SFTConfig, register_configs
+    from moe_rl.config import SFTConfig
+    from moe_rl.config.store import register_configs
     from moe_rl.tools.launcher import print_keys
     from moe_rl.trainer.run_dir import register_run_stamp
     from moe_rl.trainer.signals import run_then_exit

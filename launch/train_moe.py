@@ -8,7 +8,8 @@ Examples:
   python launch/train_moe.py --help                                         # every key with its default
   python launch/train_moe.py --keys rollout                                 # rollout.* with defaults and comments
 
-Defaults: the dataclasses of moe_rl/config.py; conf/ picks groups (algorithm=gspo_icepop | ppo_tis | grpo).
+Defaults: the dataclasses of moe_rl/config/ (schema.py, and each part's config.py); conf/ picks groups
+(algorithm=gspo_icepop | ppo_tis | grpo).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _check_command_line() -> None:
     """A misspelled key fails here with the closest valid key, and a value outside a key's fixed set with the valid
     ones, not in Hydra's words."""
-    from moe_rl.config import ConfigError, check_overrides
+    from moe_rl.config import ConfigError
+    from moe_rl.config.describe import check_overrides
     from moe_rl.tools.launcher import refuse
 
     try:
@@ -64,7 +66,7 @@ if __name__ == "__main__":
     # The libraries' Python warnings go through logging as well: all to the run's log, to the console less those the
     # console filter (trainer/logger.py: QuietCpuEngineNotes) leaves out.
     logging.captureWarnings(True)
-    from moe_rl.config import register_configs
+    from moe_rl.config.store import register_configs
     from moe_rl.tools.launcher import print_keys
     from moe_rl.trainer.run_dir import register_run_stamp
     from moe_rl.trainer.signals import run_then_exit

@@ -41,7 +41,8 @@ from torch.multiprocessing.reductions import reduce_tensor
 from moe_rl.actor.weights import ExportProducer, export_plan
 from moe_rl.common import progress
 from moe_rl.common.distributed import all_gather_objects, buckets, tensor_nbytes
-from moe_rl.rollout.engine import DEVICE_TRANSPORTS, RolloutEngineError, WeightTransport
+from moe_rl.rollout.config import DEVICE_TRANSPORTS, WeightTransport
+from moe_rl.rollout.engine import RolloutEngineError
 from moe_rl.rollout.weight_receiver import bucket_tensors, map_shared
 
 TRANSPORTS = tuple(t.value for t in WeightTransport)

@@ -95,7 +95,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def world1():
     """A gloo world of 1 with megatron-core parallel state (re-initialised by each build)."""
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.config import ParallelConfig
+    from moe_rl.actor.parallel import init_distributed
 
     init_distributed(ParallelConfig())
     yield

@@ -105,7 +105,8 @@ def config_keys_markdown(schema: str = "") -> str:
     """Every config key, by top-level section (the settings of each registered loss and correction under a
     heading of their own, `algorithm/loss=<name>`): the key and its default (as an override writes it), then its
     comment."""
-    from moe_rl.config import SFTConfig, TrainConfig, describe_keys
+    from moe_rl.config import SFTConfig, TrainConfig
+    from moe_rl.config.describe import describe_keys
 
     sections: dict[str, dict[str, list[str]]] = {}  # section -> group choice ("" for none) -> lines
     for key, default, comment in describe_keys("", {"": TrainConfig, "sft": SFTConfig}[schema]):

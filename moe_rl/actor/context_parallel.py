@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.parallel import ParallelConfig
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.routing.layout import zigzag_indices
 
 

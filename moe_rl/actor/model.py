@@ -11,30 +11,22 @@ import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moe_rl.actor.batch_invariant import transformer_config_kwargs
+from moe_rl.actor.config import ParallelConfig, Recompute
 from moe_rl.actor.context_parallel import attention_class
 from moe_rl.actor.converters import Converter, get_converter
 from moe_rl.actor.norms import FullWidthKNorm, FullWidthQNorm, RMSNorm
 from moe_rl.actor.packed_attention import packed_row_attention
-from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.weights import load_hf_weights
 from moe_rl.common.errors import ConfigError
 from moe_rl.routing.model_layout import moe_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class Recompute(StrEnum):
-    """Activation recompute (model.recompute; null: none)."""
-
-    full = "full"  # every decoder layer's activations, recomputed in the backward
-    selective = "selective"  # the core attention only (megatron's recompute_granularity=selective)
 
 
 @dataclass

@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
-from moe_rl.data.tasks import ArithmeticConfig, Split, generate
+from moe_rl.data.config import OVERLONG_POLICIES, ArithmeticConfig, Split
+from moe_rl.data.tasks import generate
 
 
 class DataError(ValueError):
@@ -61,16 +61,6 @@ TOY_WORDS = [
     "reward",
     "learning",
 ]
-
-
-class Overlong(StrEnum):
-    """What happens to a prompt over the token limit (data.overlong_prompts)."""
-
-    error = "error"
-    drop = "drop"
-
-
-OVERLONG_POLICIES = tuple(m.value for m in Overlong)
 
 
 class PromptSource:

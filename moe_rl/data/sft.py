@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.common.batch import PaddedBatch
+from moe_rl.data.config import ArithmeticConfig, Split
 from moe_rl.data.prompts import DataError, check_messages, read_rows
-from moe_rl.data.tasks import ArithmeticConfig, Split, generate
+from moe_rl.data.tasks import generate
 
 
 @dataclass

@@ -18,53 +18,10 @@ import json
 import random
 import sys
 from dataclasses import asdict, dataclass
-from enum import StrEnum
 from pathlib import Path
 
 from moe_rl.common.errors import ConfigError
-
-
-class Split(StrEnum):
-    train = "train"
-    val = "val"
-    test = "test"
-
-
-SPLIT_SHARES = {Split.train: 0.8, Split.val: 0.1, Split.test: 0.1}
-"""The share of all problems of a task that falls in each split (by the hash of the problem's text)."""
-
-OPERATORS = "+-*"
-MAX_DIGITS = 6
-
-
-@dataclass
-class ArithmeticConfig:
-    """data.task=arithmetic: integer expressions evaluated with the usual precedence (* before + and -)."""
-
-    operands: int = 2
-    """Numbers per problem (>= 2). The default, 2-digit sums and differences, is what the small built-in model
-    partly learns by SFT in minutes on 2 CPU cores (docs/guides/sft.md); 3 operands take it much longer."""
-    digits: int = 2
-    """Largest number of digits of an operand (1..6): operands are drawn uniformly from 0 .. 10^digits - 1."""
-    operators: str = "+-"
-    """Operators to draw from, any of `+-*` (e.g. "+-*")."""
-
-    def check(self, prefix: str = "config data.arithmetic.") -> None:
-        """Refuse a setting no problem can be built from, naming the key (`prefix` + its name)."""
-        if self.operands < 2:
-            raise ConfigError(f"{prefix}operands: {self.operands}: a problem needs at least 2 operands")
-        if not 1 <= self.digits <= MAX_DIGITS:
-            raise ConfigError(f"{prefix}digits: {self.digits}: choose 1 to {MAX_DIGITS}")
-        unknown = sorted(set(self.operators) - set(OPERATORS))
-        if unknown or not self.operators:
-            raise ConfigError(
-                f"{prefix}operators: {self.operators!r}: choose one or more of {OPERATORS!r}"
-                + (f" ({''.join(unknown)!r} is not one)" if unknown else "")
-            )
-
-    def space(self) -> int:
-        """How many distinct problems the settings allow."""
-        return (10**self.digits) ** self.operands * len(set(self.operators)) ** (self.operands - 1)
+from moe_rl.data.config import SPLIT_SHARES, ArithmeticConfig, Split, check_count
 
 
 @dataclass(frozen=True)
@@ -112,17 +69,6 @@ def arithmetic_problem(rng: random.Random, cfg: ArithmeticConfig) -> Problem:
     prompt = "".join(f"{n}{op}" for n, op in zip(numbers, ops, strict=False)) + f"{numbers[-1]}="
     response, answer = solve(numbers, ops)
     return Problem(prompt, response, answer)
-
-
-def check_count(cfg: ArithmeticConfig, split: Split | str, n: int) -> None:
-    """Refuse `n` problems of `split` when the split holds too few (with a margin: drawing the last few of a small
-    split by rejection would take long)."""
-    available = int(cfg.space() * SPLIT_SHARES[Split(split)])
-    if n > available // 2:
-        raise ConfigError(
-            f"{n} {split} problems asked of about {available} distinct ones with operands={cfg.operands}, "
-            f"digits={cfg.digits}, operators={cfg.operators!r}: ask for at most {available // 2}, or widen the task"
-        )
 
 
 def generate(cfg: ArithmeticConfig, split: Split | str, n: int, seed: int) -> list[Problem]:

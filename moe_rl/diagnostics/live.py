@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.diagnostics.output import write_report
+from moe_rl.rollout.config import HeadDtype, RolloutConfig, SamplingConfig
 from moe_rl.routing.model_layout import MoELayout, moe_layout
 
 
@@ -45,7 +47,7 @@ def live(args) -> dict | None:
     from transformers import AutoTokenizer
 
     from moe_rl.actor.model import load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from moe_rl.actor.parallel import destroy_distributed, init_distributed
     from moe_rl.diagnostics.report import load_dumps
 
     if not Path(args.model, "config.json").is_file():
@@ -78,7 +80,7 @@ def _rollout(args, layout: MoELayout, tok, prompts: list[str], rank: int):
     as long as the longest sequence over all ranks (collective)."""
     # torch.distributed and vLLM (the engine): when `live` runs, not on import
     from moe_rl.common.distributed import world_max
-    from moe_rl.rollout.engine import HeadDtype, RolloutConfig, RolloutEngine, SamplingConfig
+    from moe_rl.rollout.engine import RolloutEngine
 
     rollout_cfg = RolloutConfig(
         model=args.model,

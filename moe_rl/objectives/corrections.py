@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_rl.objectives.aggregation import masked_mean, masked_sum
+from moe_rl.objectives.config import (
+    GeoMaskConfig,
+    IcePopConfig,
+    NoCorrectionConfig,
+    SeqMaskConfig,
+    SeqTISConfig,
+    TISConfig,
+)
 from moe_rl.objectives.registry import CORRECTIONS
 
 
@@ -103,58 +111,6 @@ def seq_reject_mask(
 
 
 # ---- registered corrections: (old_logp, rollout_logp, mask, their config) -> Correction --------
-
-
-@dataclass
-class NoCorrectionConfig:
-    """No correction (algorithm/correction=none): the mismatch is only measured."""
-
-
-@dataclass
-class IcePopConfig:
-    """IcePop token masking (algorithm/correction=icepop)."""
-
-    low: float = 0.5
-    """Tokens with k = pi_old / mu below this get weight 0."""
-    high: float = 5.0
-    """Tokens with k above this get weight 0."""
-
-
-@dataclass
-class TISConfig:
-    """Token-level truncated importance sampling (algorithm/correction=tis)."""
-
-    cap: float = 2.0
-    """Weights are min(k, cap)."""
-
-
-@dataclass
-class SeqTISConfig:
-    """Sequence-level truncated importance sampling (algorithm/correction=seq-tis)."""
-
-    cap: float = 2.0
-    """Weights are min(rho_i, cap), rho_i = prod_t k_t."""
-
-
-@dataclass
-class SeqMaskConfig:
-    """Sequence rejection on the sequence ratio (algorithm/correction=seq-mask)."""
-
-    low: float = 0.5
-    """Sequences whose ratio prod_t pi_old / mu is below this are dropped from the loss."""
-    high: float = 2.0
-    """Sequences whose ratio is above this are dropped."""
-
-
-@dataclass
-class GeoMaskConfig:
-    """Sequence rejection on the geometric mean of the token ratios (algorithm/correction=geo-mask):
-    a per-token band, hence much narrower than seq-mask's."""
-
-    low: float = 0.999
-    """Sequences whose geometric-mean token ratio is below this are dropped from the loss."""
-    high: float = 1.001
-    """Sequences whose geometric-mean token ratio is above this are dropped."""
 
 
 def _token_metrics(weights: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -7,20 +7,9 @@ low_var_kl = clamp(k3, -10, 10)       (verl's name and bound for its default KL 
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import torch
 
-
-class KLType(StrEnum):
-    """KL estimators (algorithm.kl_type)."""
-
-    k1 = "k1"
-    k3 = "k3"
-    low_var_kl = "low_var_kl"
-
-
-KL_KINDS = tuple(m.value for m in KLType)
+from moe_rl.objectives.config import KL_KINDS
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

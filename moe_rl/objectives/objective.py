@@ -8,11 +8,14 @@ from dataclasses import replace
 
 import torch
 
+import moe_rl.objectives.advantages  # noqa: F401  the estimators register themselves on import
+import moe_rl.objectives.value  # noqa: F401
 from moe_rl.objectives.aggregation import masked_mean
-from moe_rl.objectives.corrections import Correction, IcePopConfig
+from moe_rl.objectives.config import PROX_LOGP, IcePopConfig
+from moe_rl.objectives.corrections import Correction
 from moe_rl.objectives.kl import kl_penalty
 from moe_rl.objectives.policy_loss import LossInputs
-from moe_rl.objectives.proximal import PROX_LOGP, loglinear_alpha, loglinear_prox_logp
+from moe_rl.objectives.proximal import loglinear_alpha, loglinear_prox_logp
 from moe_rl.objectives.registry import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 
 

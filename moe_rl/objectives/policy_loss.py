@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from moe_rl.objectives.aggregation import aggregate, masked_mean
+from moe_rl.objectives.config import GSPOConfig, PPOConfig
 from moe_rl.objectives.registry import POLICY_LOSSES
 
 MAX_LOG_RATIO = 10.0  # GSPO clamps log s_{i,t} at 10 (as verl) so exp() stays finite
@@ -191,33 +192,6 @@ class LossInputs:
         skip = ("input_ids", "attention_mask")
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         return {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-
-
-@dataclass
-class GSPOConfig:
-    """Sequence-level GSPO (algorithm/loss=gspo)."""
-
-    clip_low: float = 3e-4
-    """Ratio clip below 1 (the GSPO paper's 3e-4)."""
-    clip_high: float = 4e-4
-    """Ratio clip above 1 (the GSPO paper's 4e-4)."""
-    agg: str = "seq-mean-token-mean"
-    """Loss aggregation (objectives/aggregation.py): token-mean | seq-mean-token-mean | seq-mean-token-sum |
-    seq-mean-token-sum-norm."""
-
-
-@dataclass
-class PPOConfig:
-    """Token-level clipped PPO (algorithm/loss=ppo)."""
-
-    clip_low: float = 0.2
-    """Token ratio clip below 1: the ratio is clipped at 1 - clip_low."""
-    clip_high: float = 0.2
-    """Token ratio clip above 1: at 1 + clip_high (DAPO's clip-higher raises it, e.g. 0.28)."""
-    dual_clip: float | None = 3.0
-    """Bound the loss at -A * dual_clip for A < 0 (> 1; null = off); verl's clip_ratio_c."""
-    agg: str = "token-mean"
-    """Loss aggregation, as for GSPO."""
 
 
 def gspo_fused(x: LossInputs, cfg: GSPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

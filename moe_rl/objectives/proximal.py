@@ -15,20 +15,7 @@ keeps its gradient through pi_theta only, as with a recomputed pi_prox.
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import torch
-
-
-class ProxLogp(StrEnum):
-    """How pi_prox is formed (algorithm.prox_logp)."""
-
-    recompute = "recompute"
-    loglinear = "loglinear"
-
-
-PROX_LOGP = tuple(m.value for m in ProxLogp)
-"""algorithm.prox_logp: recompute (the old-log-prob pass) | loglinear (this module)."""
 
 
 def loglinear_alpha(behaviour_version: torch.Tensor, prox_version: int) -> torch.Tensor:

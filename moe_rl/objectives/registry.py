@@ -1,17 +1,24 @@
 """Name -> function registries, so a new loss, correction or advantage estimator is one
-decorated function (plus, for losses and corrections, its config dataclass) selected by name."""
+decorated function (plus, for losses and corrections, its config dataclass) selected by name.
+
+The names and config dataclasses are also listed, torch-free, in moe_rl/objectives/config.py (the config schema's
+view, `Choices`); a registry built on such a list refuses an entry that the list does not name alike."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from moe_rl.objectives.config import ADVANTAGE_NAMES, CORRECTION_NAMES, POLICY_LOSS_NAMES, Choices
+
 F = TypeVar("F", bound=Callable)
 
 
 class Registry(Generic[F]):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, choices: Choices | None = None):
+        """`choices`: the schema's list of this registry's names (objectives/config.py); None: any name."""
         self.kind = kind
+        self.choices = choices
         self._fns: dict[str, F] = {}
         self._meta: dict[str, dict] = {}
         self._configs: dict[str, type] = {}
@@ -26,6 +33,7 @@ class Registry(Generic[F]):
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             if config is not None and config in self._configs.values():
                 raise ValueError(f"{self.kind} {name!r}: config {config.__name__} already belongs to another entry")
+            self._check_choices(name, config, meta)
             self._fns[name] = fn
             self._meta[name] = meta
             if config is not None:
@@ -33,6 +41,22 @@ class Registry(Generic[F]):
             return fn
 
         return deco
+
+    def _check_choices(self, name: str, config: type | None, meta: dict) -> None:
+        """The entry is the one the schema's list names: same name, same config dataclass, same facts."""
+        if self.choices is None:
+            return
+        where = f"moe_rl/objectives/config.py ({self.choices.kind} names)"
+        if name not in self.choices:
+            raise ValueError(f"{self.kind} {name!r} is not listed in {where}: add it there with its config")
+        listed = self.choices.config_of(name)
+        if config is not listed:
+            got, want = getattr(config, "__name__", None), getattr(listed, "__name__", None)
+            raise ValueError(f"{self.kind} {name!r}: registered with config {got}, but {where} lists {want}")
+        facts = {key: value for key, value in meta.items() if key.startswith("needs_")}
+        if facts != self.choices.facts(name):
+            listed_facts = self.choices.facts(name)
+            raise ValueError(f"{self.kind} {name!r}: registered with {facts}, but {where} lists {listed_facts}")
 
     def unregister(self, name: str) -> None:
         """Remove an entry (tests that register their own)."""
@@ -76,6 +100,6 @@ class Registry(Generic[F]):
         return name in self._fns
 
 
-POLICY_LOSSES: Registry = Registry("policy loss")
-CORRECTIONS: Registry = Registry("mismatch correction")
-ADVANTAGES: Registry = Registry("advantage estimator")
+POLICY_LOSSES: Registry = Registry("policy loss", POLICY_LOSS_NAMES)
+CORRECTIONS: Registry = Registry("mismatch correction", CORRECTION_NAMES)
+ADVANTAGES: Registry = Registry("advantage estimator", ADVANTAGE_NAMES)

@@ -9,6 +9,10 @@ from typing import Any
 
 from moe_rl.common.errors import ConfigError
 from moe_rl.common.platform import as_on_cuda
+from moe_rl.config import TrainConfig
+from moe_rl.config.describe import check_overrides
+from moe_rl.config.store import GROUPS
+from moe_rl.config.validate import validate
 from moe_rl.plan.spec import ModelSpec
 
 GPUS_PER_NODE = 8  # an engine's workers share one node: its leader's
@@ -56,13 +60,11 @@ def build_config(overrides: list[str]) -> Any:
     """The trainer's TrainConfig (its defaults, the Python default algorithm GSPO + IcePop) with Hydra-style
     `key=value` overrides merged onto its OmegaConf structured schema (unknown keys and wrong types refused as
     the trainer refuses them). `algorithm/loss=<name>` and `algorithm/correction=<name>` pick registered options."""
-    # heavy: the training config imports torch and every part's config section; hydra's override grammar
+    # heavy: hydra's override grammar and omegaconf, imported on first use
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    from moe_rl.config import GROUPS, TrainConfig, check_overrides
 
     check_overrides(overrides)
     groups = [o for o in overrides if "/" in o.split("=", 1)[0]]
@@ -100,9 +102,6 @@ def check_model_layout(spec: ModelSpec, parallel: Any, engine_tp: int) -> None:
 def check(cfg: Any, spec: ModelSpec, gpus: int, assumed: frozenset[str] = frozenset()) -> Layout:
     """The trainer's validation of `cfg` on `gpus` ranks (as on GPUs) and the model's divisibility, less what the
     what-if features `assumed` (moe_rl.plan.assume) lift; the Layout."""
-    # heavy: the training config imports torch and every part's config section
-    from moe_rl.config import validate
-
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
     with as_on_cuda():

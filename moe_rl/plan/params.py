@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.plan.spec import ModelSpec
 
 
@@ -138,11 +139,8 @@ def stage_layers(
     num_layers: int, pp: int, vpp: int | None, stage: int, first: int | None = None, last: int | None = None
 ) -> list[int]:
     """Decoder layers held by pipeline rank `stage`, as the actor lays them out
-    (moe_rl.actor.parallel.ParallelConfig.rank_layers: first / last are parallel.first_stage_layers /
+    (moe_rl.actor.config.ParallelConfig.rank_layers: first / last are parallel.first_stage_layers /
     last_stage_layers)."""
-    # heavy: the actor's parallel module (torch), imported on first use
-    from moe_rl.actor.parallel import ParallelConfig
-
     config = ParallelConfig(pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
     return config.rank_layers(num_layers)[stage]
 

@@ -24,27 +24,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
 import torch
 
 from moe_rl.common.batch import PaddedBatch, pad_right
 from moe_rl.common.distributed import world_max
+from moe_rl.rollout.config import PRIORITIES
 from moe_rl.rollout.source import Rollout
 
-
-class Priority(StrEnum):
-    """How the replay buffer draws groups (buffer.priority)."""
-
-    uniform = "uniform"
-    recency = "recency"
-    advantage = "advantage"
-    rarity = "rarity"
-    mixed = "mixed"
-
-
-PRIORITIES = tuple(m.value for m in Priority)
 SAMPLE_KEYS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs", "routes")
 
 

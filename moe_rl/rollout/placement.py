@@ -11,19 +11,8 @@ takes an equal, consecutive share of the cores the launcher gave the node.
 from __future__ import annotations
 
 import os
-from enum import StrEnum
 
 import torch
-
-
-class Placement(StrEnum):
-    """Where an engine runs (rollout.placement)."""
-
-    colocated = "colocated"
-    separate = "separate"
-
-
-PLACEMENTS = tuple(m.value for m in Placement)
 
 
 def rank_cores(local_rank: int, local_world: int) -> list[int]:

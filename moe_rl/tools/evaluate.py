@@ -17,8 +17,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from moe_rl.data.config import ArithmeticConfig, Split
 from moe_rl.data.rewards import numeric_answer_reward
-from moe_rl.data.tasks import ArithmeticConfig, Split, generate
+from moe_rl.data.tasks import generate
+from moe_rl.rollout.config import RolloutConfig, SamplingConfig
 
 
 def evaluate(
@@ -28,7 +30,7 @@ def evaluate(
     # heavy: transformers and the vLLM engine, imported on first use
     from transformers import AutoConfig, AutoTokenizer
 
-    from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
+    from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.routing.model_layout import moe_layout
 
     start = time.perf_counter()

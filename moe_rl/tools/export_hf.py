@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.actor.hf_export import write_hf_folder
 from moe_rl.actor.model import build_model, load_hf_config
-from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+from moe_rl.actor.parallel import destroy_distributed, init_distributed
 from moe_rl.trainer import checkpoint
 
 

@@ -8,7 +8,8 @@ import textwrap
 import time
 from typing import NoReturn
 
-from moe_rl.config import TrainConfig, describe_keys
+from moe_rl.config import TrainConfig
+from moe_rl.config.describe import describe_keys
 
 
 def refuse(error: Exception) -> NoReturn:

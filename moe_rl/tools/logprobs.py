@@ -17,9 +17,10 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.actor.forward import compute_logprobs
 from moe_rl.actor.model import ModelOptions, load_model
-from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+from moe_rl.actor.parallel import destroy_distributed, init_distributed
 
 DEFAULT_PROMPTS = ["Question: what is 12 + 30? Answer: 42", "The quick brown fox jumps over the lazy dog."]
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 
 from moe_rl.actor.converters import get_converter
-from moe_rl.models.tiny import ARCHS, SIZES, Size, TinySpec, build_tiny_model
+from moe_rl.models.config import ARCHS, Size
+from moe_rl.models.tiny import SIZES, TinySpec, build_tiny_model
 
 
 def _parse_int_list(text: str) -> list[int]:

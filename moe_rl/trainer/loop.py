@@ -23,7 +23,8 @@ from moe_rl.actor.actor import Actor
 from moe_rl.common import progress
 from moe_rl.common.batch import ProxPolicy
 from moe_rl.common.gc_startup import start_up_done
-from moe_rl.config import TrainConfig, validate
+from moe_rl.config import TrainConfig
+from moe_rl.config.validate import validate
 from moe_rl.critic.critic import Critic, gae_targets
 from moe_rl.data.rewards import load_reward
 from moe_rl.diagnostics.step_hooks import StepDiagnostics

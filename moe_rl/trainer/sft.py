@@ -21,11 +21,13 @@ from moe_rl.actor.hf_export import write_hf_folder
 from moe_rl.common import progress
 from moe_rl.common.distributed import world_max
 from moe_rl.common.gc_startup import start_up_done
-from moe_rl.config import SFTConfig, validate_sft
+from moe_rl.config import SFTConfig
+from moe_rl.config.validate import validate_sft
 from moe_rl.data.prompts import DataError, PromptSource
 from moe_rl.data.rewards import load_reward
 from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
-from moe_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
+from moe_rl.rollout.config import RolloutConfig, SamplingConfig
+from moe_rl.rollout.engine import RolloutEngine
 from moe_rl.rollout.engine_groups import engine_groups
 from moe_rl.trainer.logger import say
 from moe_rl.trainer.metrics import PeakMemory

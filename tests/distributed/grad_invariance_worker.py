@@ -125,13 +125,13 @@ def run_variant(
     from megatron.core import parallel_state as ps
 
     from moe_rl.actor.actor import Actor
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.forward import compute_logprobs
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.parallel import init_distributed
     from moe_rl.common.batch import PaddedBatch
     from moe_rl.config import ActorConfig, AlgorithmConfig, TrainConfig
     from moe_rl.objectives import Objective
-    from moe_rl.objectives.corrections import IcePopConfig, SeqMaskConfig
-    from moe_rl.objectives.policy_loss import GSPOConfig, PPOConfig
+    from moe_rl.objectives.config import GSPOConfig, IcePopConfig, PPOConfig, SeqMaskConfig
     from moe_rl.routing.layout import layer_columns
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))

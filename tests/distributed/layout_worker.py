@@ -19,7 +19,8 @@ def main(out: Path) -> None:
     from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.config import ParallelConfig
+    from moe_rl.actor.parallel import init_distributed
     from moe_rl.routing.layout import rank_positions, slice_sequence, to_router_order
 
     b, s = 3, 16

@@ -111,7 +111,8 @@ def check_model(path: str, parallel, out_dir: Path, seed: int) -> None:
 
 def run(argv: list[str]) -> None:
     """One layout: every model given, each on a freshly set-up megatron parallel state."""
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.config import ParallelConfig
+    from moe_rl.actor.parallel import init_distributed
 
     p = argparse.ArgumentParser()
     p.add_argument("models", nargs="+")

@@ -28,7 +28,8 @@ def run(argv: list[str]) -> None:
     from megatron.core import parallel_state as ps
 
     from moe_rl.actor.actor import Actor
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.config import ParallelConfig
+    from moe_rl.actor.parallel import init_distributed
     from moe_rl.common.batch import PaddedBatch
     from moe_rl.config import ActorConfig, AlgorithmConfig, ModelConfig
     from moe_rl.objectives import Objective

@@ -59,9 +59,10 @@ def run(argv: list[str]) -> None:
     """One model under one layout (megatron's parallel state set up for it)."""
     from megatron.core import parallel_state as ps
 
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig, init_distributed
+    from moe_rl.actor.parallel import init_distributed
     from moe_rl.actor.replay import RouteReplay, holds_routes
     from moe_rl.actor.weights import load_hf_weights
     from moe_rl.routing.model_layout import moe_layout

@@ -50,8 +50,8 @@ def test_sft_halves_the_validation_loss_and_its_hf_folder_scores_as_the_actor(ru
     # transformers (not moe-rl's code) on the exported folder: the same mean cross-entropy over the val split
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moe_rl.data.config import ArithmeticConfig
     from moe_rl.data.sft import pad, task_examples
-    from moe_rl.data.tasks import ArithmeticConfig
 
     hf = run_dir / "hf"
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
@@ -73,8 +73,9 @@ def test_validation_by_generation_scores_the_synced_weights_as_transformers_does
     assert sorted(val) == [0, 10, 20]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moe_rl.data.config import ArithmeticConfig
     from moe_rl.data.rewards import numeric_answer_reward
-    from moe_rl.data.tasks import ArithmeticConfig, generate
+    from moe_rl.data.tasks import generate
 
     hf = run_dir / "hf"
     tokenizer = AutoTokenizer.from_pretrained(hf)

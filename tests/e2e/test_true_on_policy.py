@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from moe_rl.common.platform import cpu_engine_has_amx
-from moe_rl.config import validate
+from moe_rl.config.validate import validate
 from tests.conftest import ONE_ENGINE
 from tests.e2e.test_train_moe import _train
 from tests.unit.test_engine_ops import _cfg

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_rl.rollout.engine import RolloutConfig, RolloutEngine
+from moe_rl.rollout.config import RolloutConfig
+from moe_rl.rollout.engine import RolloutEngine
 
 MAX_LIVE_ENGINES = 2
 PROBES = "tests.engine.probes.ProbeExtension"  # moe-rl's worker extension and the tests' probes of the worker

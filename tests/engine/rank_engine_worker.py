@@ -14,8 +14,9 @@ def main(model: str, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
-    from moe_rl.rollout.engine import SamplingConfig
+    from moe_rl.actor.config import ParallelConfig
+    from moe_rl.actor.parallel import destroy_distributed, init_distributed
+    from moe_rl.rollout.config import SamplingConfig
     from tests.engine.conftest import start_engine
     from tests.engine.test_rollout_engine import _compare_with_hf, _prompts
     from tests.reference import load_hf

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_rl.rollout.engine import SamplingConfig
+from moe_rl.rollout.config import SamplingConfig
 
 pytestmark = pytest.mark.engine
 

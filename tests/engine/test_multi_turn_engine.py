@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moe_rl.data.prompts import Prompt
-from moe_rl.rollout.engine import SamplingConfig
+from moe_rl.rollout.config import SamplingConfig
 from moe_rl.rollout.multi_turn.config import MultiTurnConfig
 from moe_rl.rollout.multi_turn.environment import EnvSample, StepResult, Turn
 from moe_rl.rollout.multi_turn.loop import AgentLoop

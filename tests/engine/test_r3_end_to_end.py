@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_rl.rollout.engine import SamplingConfig
+from moe_rl.rollout.config import SamplingConfig
 from tests.engine.conftest import start_engine
 
 pytestmark = pytest.mark.engine
@@ -14,9 +14,9 @@ pytestmark = pytest.mark.engine
 def test_r3_brings_megatron_logprobs_closer_to_vllm(engines, tiny_models, world1):
     """Megatron's live routing differs from vLLM's on a few bf16 tokens; replaying vLLM's routes
     (R3) removes those flips, leaving only bf16 rounding between the two log-probs."""
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig
     from moe_rl.actor.replay import RouteReplay
     from moe_rl.actor.weights import load_hf_weights
     from moe_rl.objectives import mismatch_metrics

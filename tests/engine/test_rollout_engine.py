@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.rollout.engine import RolloutEngineError, SamplingConfig
+from moe_rl.rollout.config import SamplingConfig
+from moe_rl.rollout.engine import RolloutEngineError
 from moe_rl.weight_sync import push_weights
 from tests.reference import hf_forward, load_hf
 
@@ -106,8 +107,8 @@ def test_fp32_routes_equal_transformers_topk(arch, engines, tiny_models):
 
 def _sync_an_update(eng, path) -> tuple[float, float, dict]:
     """`_sync_closes_the_gap` for an "update": the model's megatron weights, every one perturbed."""
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.model import build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig
     from moe_rl.actor.weights import load_hf_weights
 
     chunks, conv = build_model(load_hf_config(path), ParallelConfig())
@@ -178,8 +179,8 @@ def test_seeded_sampling_is_reproducible_and_lengths_are_consistent(engines):
 def test_expert_bias_travels_in_weight_sync(engines, tiny_models, world1):
     """GLM-4.5: the router's expert bias is a megatron buffer, not a parameter; a sync that changes only
     the bias must change which experts the engine selects (and so its log-probs) to the actor's."""
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.model import build_model, load_hf_config
-    from moe_rl.actor.parallel import ParallelConfig
     from moe_rl.actor.weights import HFCheckpoint, load_hf_weights
 
     path = tiny_models["glm4_moe"]

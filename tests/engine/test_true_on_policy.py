@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_rl.actor.engine_ops import BLOCK, EngineLinear, EngineOpForward, EngineOpsError, check_machine
-from moe_rl.rollout.engine import SamplingConfig
+from moe_rl.rollout.config import SamplingConfig
 
 pytestmark = pytest.mark.engine
 

@@ -22,10 +22,12 @@ def main() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.model import load_model
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
-    from moe_rl.rollout.engine import RolloutConfig, RolloutEngine
+    from moe_rl.actor.parallel import destroy_distributed, init_distributed
+    from moe_rl.rollout.config import RolloutConfig
+    from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.rollout.engine_groups import engine_groups
     from moe_rl.weight_sync import WeightSync
 

@@ -38,10 +38,11 @@ def test_sft_step_on_cuda_equals_transformers_and_learns(tmp_path):
     from transformers import AutoTokenizer
 
     from moe_rl.actor.actor import Actor
-    from moe_rl.actor.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from moe_rl.actor.config import ParallelConfig
+    from moe_rl.actor.parallel import destroy_distributed, init_distributed
     from moe_rl.config import ActorConfig, ModelConfig
+    from moe_rl.data.config import ArithmeticConfig
     from moe_rl.data.sft import pad, task_examples
-    from moe_rl.data.tasks import ArithmeticConfig
     from moe_rl.tools.tiny_model import main as tiny_model
 
     model = tmp_path / "qwen3_moe"

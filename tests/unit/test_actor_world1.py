@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.actor.forward import compute_logprobs, run_schedule, split_microbatches
 from moe_rl.actor.model import build_model, check_divisibility, load_hf_config
-from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.replay import record_topk
 from moe_rl.actor.weights import HFCheckpoint, export_hf_state_dict, load_hf_weights
 from tests.reference import load_hf, untied_batch

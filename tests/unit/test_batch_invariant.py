@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from moe_rl.actor import batch_invariant
-from moe_rl.config import validate
+from moe_rl.config.validate import validate
 from tests.unit.test_engine_ops import _cfg
 
 
@@ -30,9 +30,9 @@ def test_the_engine_environment_turns_on_vllms_batch_invariant_mode():
 def test_the_actor_config_asks_megatron_for_batch_invariant_mode(tiny_models):
     from megatron.core.transformer.enums import AttnBackend
 
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.converters import get_converter
     from moe_rl.actor.model import ModelOptions, load_hf_config, transformer_config
-    from moe_rl.actor.parallel import ParallelConfig
 
     conv = get_converter(load_hf_config(tiny_models["qwen3_moe"]))
     on = transformer_config(conv, ParallelConfig(), ModelOptions(batch_invariant=True))

@@ -16,7 +16,8 @@ import torch
 from moe_rl.common.batch import PaddedBatch
 from moe_rl.data.prompts import Prompt
 from moe_rl.objectives import grpo_advantages
-from moe_rl.rollout.buffer import PRIORITIES, ReplayBuffer, assemble
+from moe_rl.rollout.buffer import ReplayBuffer, assemble
+from moe_rl.rollout.config import PRIORITIES
 from moe_rl.rollout.source import Rollout
 
 PAD = 3  # a pad id other than 0, so padding written by the buffer is told apart from zeros

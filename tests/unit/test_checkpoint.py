@@ -10,9 +10,9 @@ import traceback
 import pytest
 import torch
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
 from moe_rl.actor.optimizer import build_optimizer
-from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.weights import load_hf_weights
 from moe_rl.tools.export_hf import export
 from moe_rl.trainer import checkpoint

@@ -234,7 +234,8 @@ def test_an_engine_is_forked_only_from_a_process_with_one_openmp_thread(monkeypa
 
     from vllm.platforms.cpu import CpuPlatform
 
-    from moe_rl.rollout.engine import RolloutConfig, _engine_start
+    from moe_rl.rollout.config import RolloutConfig
+    from moe_rl.rollout.engine import _engine_start
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)

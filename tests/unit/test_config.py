@@ -19,12 +19,11 @@ from moe_rl.config import (
     SFTTrainerConfig,
     TrainConfig,
     TrainerConfig,
-    check_overrides,
-    register_configs,
-    validate,
 )
-from moe_rl.objectives.corrections import GeoMaskConfig, IcePopConfig, TISConfig
-from moe_rl.objectives.policy_loss import GSPOConfig, PPOConfig
+from moe_rl.config.describe import check_overrides
+from moe_rl.config.store import register_configs
+from moe_rl.config.validate import validate
+from moe_rl.objectives.config import GeoMaskConfig, GSPOConfig, IcePopConfig, PPOConfig, TISConfig
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -298,7 +297,7 @@ def test_cli_help_shows_examples():
 def test_every_key_has_a_comment_and_keys_prints_it():
     """The docstring under each field is the key's only documentation: none may be missing (loss and correction
     settings included), and `--keys <prefix>` prints it with the default."""
-    from moe_rl.config import _schema_keys, describe_keys
+    from moe_rl.config.describe import _schema_keys, describe_keys
 
     rows, keys = describe_keys(), _schema_keys(TrainConfig())
     leaves = {k for k in keys if not any(other.startswith(k + ".") for other in keys)}

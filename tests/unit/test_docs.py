@@ -183,7 +183,7 @@ def test_the_docs_build_without_warnings(built_docs):
 
 
 def test_the_config_reference_lists_every_key(built_docs):
-    from moe_rl.config import describe_keys
+    from moe_rl.config.describe import describe_keys
 
     page = (built_docs / "reference" / "config.html").read_text()
     listed = set(re.findall(r'<dt><code class="[^"]*"><span class="pre">([^<]+)</span></code>', page))

@@ -9,7 +9,7 @@ import torch
 
 from moe_rl.actor import engine_ops
 from moe_rl.actor.engine_ops import BLOCK, ISA, EngineLinear, exact_values
-from moe_rl.config import validate
+from moe_rl.config.validate import validate
 
 SIZES = (1, 3, 17)
 

@@ -96,7 +96,7 @@ LAYERS = [
     {"objectives", "compat", "data", "models"},  # losses and corrections; reaches into megatron/vLLM; prompts
     {"actor", "rollout"},  # the Megatron actor; the vLLM engines and rollout sources (neither knows the other)
     {"weight_sync", "critic", "diagnostics"},  # actor -> engines; the value model; step hooks and the CLI
-    {"config"},  # composes every part's config section and checks them together
+    {"config"},  # composes every part's config section (SCHEMA) and checks them together
     {"plan"},  # sizes a run from its config (moe-rl-plan, the trainer's preflight); builds nothing
     {"trainer"},  # the loop: builds the parts from the config
     {"tools"},  # command lines
@@ -120,6 +120,36 @@ def test_units_import_only_lower_layers():
         if _unit(mod) != _unit(name) and layer[_unit(mod)] >= layer[_unit(name)]
     ]
     assert not bad, "imports against the layers (a unit imports lower layers only):\n" + "\n".join(bad)
+
+
+SCHEMA = {
+    "moe_rl.actor.config",
+    "moe_rl.data.config",
+    "moe_rl.models.config",
+    "moe_rl.objectives.config",
+    "moe_rl.rollout.config",
+    "moe_rl.rollout.multi_turn.config",
+    "moe_rl.config",
+    "moe_rl.config.schema",
+    "moe_rl.config.store",
+    "moe_rl.config.describe",
+}
+"""The config schema as data: each part's section beside it (its config.py) and what moe_rl.config composes and
+describes of them. They sit at the bottom of their units: they import one another and the error type only, never
+the part's implementation (so `import moe_rl.config` loads no torch: tests/unit/test_config_schema.py)."""
+
+
+def test_schema_modules_import_no_part():
+    imports = _package_imports()
+    assert SCHEMA <= set(imports), f"not modules: {sorted(SCHEMA - set(imports))}"
+    allowed = SCHEMA | {"moe_rl.common.errors"}
+    bad = [
+        f"{name} imports {mod}"
+        for name in sorted(SCHEMA)
+        for mod, attr in imports[name]
+        if mod not in allowed and f"{mod}.{attr}" not in allowed
+    ]
+    assert not bad, "the schema imports implementation modules:\n" + "\n".join(bad)
 
 
 def _function_level_import_blocks(node: ast.AST, in_function: bool = False):

@@ -149,7 +149,7 @@ def test_the_console_leaves_out_vllms_notes_on_the_cpu_engines_deliberate_settin
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from moe_rl.config import register_configs
+    from moe_rl.config.store import register_configs
 
     register_configs()
     conf = str(Path(__file__).resolve().parents[2] / "conf")

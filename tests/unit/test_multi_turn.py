@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_rl.config import TrainConfig, validate
+from moe_rl.config import TrainConfig
+from moe_rl.config.validate import validate
 from moe_rl.models.tiny import build_tokenizer
 from moe_rl.rollout.multi_turn.builtin_envs import (
     CalculatorEnv,

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from moe_rl import objectives as O
-from moe_rl.objectives.corrections import GeoMaskConfig, IcePopConfig, SeqMaskConfig
-from moe_rl.objectives.policy_loss import GSPOConfig, PPOConfig
+from moe_rl.objectives.config import GeoMaskConfig, GSPOConfig, IcePopConfig, PPOConfig, SeqMaskConfig
 
 
 def _rand_batch(b=6, t=9, scale=1e-3, seed=None):

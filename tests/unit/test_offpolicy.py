@@ -15,8 +15,8 @@ import torch
 
 from moe_rl.config import AlgorithmConfig
 from moe_rl.objectives import Objective
-from moe_rl.objectives.corrections import IcePopConfig
-from moe_rl.objectives.policy_loss import GSPOConfig, LossInputs, PPOConfig
+from moe_rl.objectives.config import GSPOConfig, IcePopConfig, PPOConfig
+from moe_rl.objectives.policy_loss import LossInputs
 
 
 def _policies(b: int = 6, t: int = 12):

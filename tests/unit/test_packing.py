@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.actor.forward import compute_logprobs, run_schedule, split_microbatches
 from moe_rl.actor.model import build_model, load_hf_config
 from moe_rl.actor.packing import balanced_bins, check_packing_supported, plan_packing
-from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.replay import RouteReplay
 from moe_rl.actor.weights import load_hf_weights
 from moe_rl.routing.model_layout import moe_layout

@@ -114,9 +114,9 @@ def test_kv_bytes_equal_vllm_spec(preset, tp, tmp_path, monkeypatch):
 
 
 def test_padded_vocab_and_divisibility_match_the_actor(tiny):
+    from moe_rl.actor.config import ParallelConfig
     from moe_rl.actor.converters import get_converter
     from moe_rl.actor.model import check_divisibility, load_hf_config, padded_vocab_size
-    from moe_rl.actor.parallel import ParallelConfig
 
     assert all(padded_vocab(v, t) == padded_vocab_size(v, t) for v in (151936, 129280, 1000) for t in (1, 2, 8))
     path = tiny["qwen3_moe"]
@@ -284,7 +284,7 @@ def test_uneven_stages_are_megatrons_first_and_last_stage_layout():
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from moe_rl.actor.parallel import ParallelConfig
+    from moe_rl.actor.config import ParallelConfig
 
     for layers, pp, first, last in [
         (61, 11, 6, 1),

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.actor.forward import compute_logprobs, split_microbatches
 from moe_rl.actor.model import build_model, load_hf_config
-from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.replay import RouteReplay, check_replay_supported
 from moe_rl.actor.weights import load_hf_weights
 from moe_rl.routing.layout import rank_positions, zigzag_indices

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.actor.model import ModelOptions, build_model, load_hf_config
-from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.train_step import update_expert_bias
 from moe_rl.actor.weights import load_hf_weights
 

@@ -13,7 +13,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from moe_rl.common.platform import cpu_engine_has_amx
-from moe_rl.config import ConfigError, register_configs, validate
+from moe_rl.config import ConfigError
+from moe_rl.config.store import register_configs
+from moe_rl.config.validate import validate
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("stability", REPO / "bench" / "stability.py")

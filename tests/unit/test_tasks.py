@@ -12,8 +12,9 @@ import random
 import pytest
 
 from moe_rl.common.errors import ConfigError
+from moe_rl.data.config import ArithmeticConfig, Split
 from moe_rl.data.rewards import numeric_answer_reward
-from moe_rl.data.tasks import ArithmeticConfig, Split, generate, main, split_of
+from moe_rl.data.tasks import generate, main, split_of
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -115,7 +116,8 @@ def test_rl_reads_the_task_directly_with_answers_and_its_own_reward():
     ],
 )
 def test_the_trainer_refuses_an_impossible_task_setting_before_anything_is_built(overrides, message):
-    from moe_rl.config import TrainConfig, validate
+    from moe_rl.config import TrainConfig
+    from moe_rl.config.validate import validate
 
     cfg = TrainConfig()
     cfg.data.task = "arithmetic"

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from moe_rl.actor.config import ParallelConfig
 from moe_rl.actor.model import build_model, load_hf_config
 from moe_rl.actor.optimizer import build_optimizer
-from moe_rl.actor.parallel import ParallelConfig
 from moe_rl.actor.train_step import train_minibatch
 from moe_rl.actor.weights import load_hf_weights
 from moe_rl.objectives.policy_loss import LossInputs

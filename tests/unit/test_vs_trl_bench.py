@@ -16,7 +16,9 @@ from megatron.core.optimizer import OptimizerConfig
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from moe_rl.config import TrainConfig, register_configs, validate
+from moe_rl.config import TrainConfig
+from moe_rl.config.store import register_configs
+from moe_rl.config.validate import validate
 from moe_rl.data.prompts import PromptSource
 from moe_rl.models.tiny import SIZES, TinySpec, build_tokenizer, hf_config
 from tests.unit.test_config import _flat

