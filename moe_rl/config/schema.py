@@ -90,6 +90,30 @@ class WandbMode(StrEnum):
     disabled = "disabled"
 
 
+class LRDecay(StrEnum):
+    """The learning rate after its warmup (actor.lr_decay, critic.lr_decay)."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+def check_lr_schedule(section, name: str) -> None:
+    """The learning-rate schedule keys of `section` (actor or critic): lr, lr_warmup_steps, lr_decay_steps, min_lr."""
+    if not section.lr >= 0:
+        refuse(f"{name}.lr", f"{section.lr}: must be >= 0")
+    if section.lr_warmup_steps < 0:
+        refuse(f"{name}.lr_warmup_steps", f"{section.lr_warmup_steps}: must be >= 0")
+    if not 0 <= section.min_lr <= section.lr:
+        refuse(f"{name}.min_lr", f"{section.min_lr}: must be between 0 and {name}.lr={section.lr}")
+    decay = section.lr_decay_steps
+    if decay is not None and decay <= section.lr_warmup_steps:
+        refuse(
+            f"{name}.lr_decay_steps",
+            f"{decay}: must be above {name}.lr_warmup_steps={section.lr_warmup_steps} (or null: trainer.steps)",
+        )
+
+
 @dataclass
 class ModelConfig:
     path: str = ""
@@ -185,7 +209,17 @@ class ActorConfig:
     router_replay: RouterReplay = RouterReplay.r3
     """r3 (replay the rollout engine's routes) | r2 (replay the actor's own old-pass routes) | off."""
     lr: float = 3e-3
-    """Adam learning rate (high for the tiny model; ~1e-6 for real models)."""
+    """Adam learning rate (high for the tiny model; ~1e-6 for real models): the peak of the schedule below."""
+    lr_warmup_steps: int = 0
+    """RL steps of linear warmup from 0 to actor.lr (step s of W trains at lr * s / W); 0 = none. Published MoE RL
+    recipes warm up over the first 5-20 steps."""
+    lr_decay: LRDecay = LRDecay.constant
+    """After the warmup: constant (actor.lr) | linear | cosine decay to actor.min_lr at actor.lr_decay_steps
+    (megatron-core's OptimizerParamScheduler)."""
+    lr_decay_steps: int | None = None
+    """The RL step at which the decay reaches min_lr (counted from step 1, warmup included); null = trainer.steps."""
+    min_lr: float = 0.0
+    """The learning rate the decay ends at (and stays at after lr_decay_steps)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (0 = none, as verl's actor default)."""
     grad_clip: float = 1.0
@@ -221,6 +255,7 @@ class ActorConfig:
 
     def check(self) -> None:
         """This section's own rules."""
+        check_lr_schedule(self, "actor")
         for key, what in (
             ("micro_batch_size", "(samples per forward)"),
             ("max_tokens_per_micro_batch", ""),
@@ -539,7 +574,16 @@ class CriticConfig:
     model_path: str = ""
     """HF folder to start from (its LM head is dropped); empty = the actor's initial weights, fresh head."""
     lr: float = 3e-3
-    """Adam learning rate of the critic (its own optimizer; clipping and weight decay as the actor's)."""
+    """Adam learning rate of the critic (its own optimizer; clipping and weight decay as the actor's): the peak of
+    its schedule."""
+    lr_warmup_steps: int = 0
+    """RL steps of the critic's linear warmup to critic.lr (as actor.lr_warmup_steps); 0 = none."""
+    lr_decay: LRDecay = LRDecay.constant
+    """The critic's decay after its warmup: constant | linear | cosine (as actor.lr_decay)."""
+    lr_decay_steps: int | None = None
+    """The RL step at which the critic's decay reaches critic.min_lr; null = trainer.steps."""
+    min_lr: float = 0.0
+    """The learning rate the critic's decay ends at."""
     value_clip: float | None = 0.5
     """Clip of the value loss around the values before the update (verl's cliprange_value); null = off."""
     router_replay: CriticReplay = CriticReplay.r2
@@ -561,6 +605,7 @@ class CriticConfig:
                 refuse(f"critic.{key}", f"{getattr(self, key)}: must be >= 1")
         if self.warmup_steps < 0:
             refuse("critic.warmup_steps", f"{self.warmup_steps}: must be >= 0")
+        check_lr_schedule(self, "critic")
         if self.model_path and not os.path.exists(self.model_path):
             refuse("critic.model_path", f"{self.model_path!r} does not exist")
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from moe_rl.actor import batch_invariant, engine_ops
 from moe_rl.actor.actor import Actor
+from moe_rl.actor.lr_schedule import LRSchedule
 from moe_rl.common import progress
 from moe_rl.common.batch import ProxPolicy
 from moe_rl.common.gc_startup import start_up_done
@@ -82,6 +83,7 @@ class Trainer:
         if self.objective.needs_values:
             critic = Critic(cfg.critic, cfg.model, cfg.parallel, cfg.actor, cfg.critic.model_path or self.model_path)
         self.critic, self.step_index = critic, start.step
+        self.schedules = lr_schedules(cfg, self.actor, critic)
         self.skips = SkipCounter(t.max_skipped_steps)
         recomputed = cfg.algorithm.prox_logp != "loglinear"  # else pi_prox is interpolated: no check to make
         self.health = HealthMonitor(t.first_minibatch_tolerance if recomputed else None)
@@ -137,6 +139,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         state = {"data_position": self.data_position, "wandb_run_id": self.logger.run_id}
+        state["lr_schedules"] = {key: schedule.state_dict() for key, schedule in self.schedules.items()}
         return self.checkpoints.save(self.step_index, state)
 
     def initial_validation(self) -> dict[str, float]:
@@ -162,6 +165,7 @@ class Trainer:
         with timer("diagnostics"):  # dumps and router agreement, before the update changes the actor
             metrics = self.diagnostics(self.step_index, rollout, old, rewards)
         metrics |= rollout.metrics  # the source's: buffer/*; multi_turn/*, routes/*
+        metrics |= {key: schedule.at(self.step_index + 1) for key, schedule in self.schedules.items()}  # actor/lr
         if self.objective.kl_in_reward:
             metrics["reward/kl_penalty_mean"] = float(penalty.mean())
         warming = self.critic is not None and self.step_index < self.cfg.critic.warmup_steps
@@ -277,6 +281,16 @@ class CriticState:
 
     def load(self, folder: Path) -> None:
         load_part(folder, self.critic.chunks, self.critic.optimizer)
+
+
+def lr_schedules(cfg: TrainConfig, actor: Actor, critic: Critic | None) -> dict[str, LRSchedule]:
+    """The learning-rate schedules of the step, by the metric that logs each rate: actor/lr (actor.lr_*) and, with a
+    critic, critic/lr (critic.lr_*; the critic's weight decay is the actor's)."""
+    steps, weight_decay = cfg.trainer.steps, cfg.actor.weight_decay
+    schedules = {"actor/lr": LRSchedule(actor.optimizer, cfg.actor, steps, weight_decay)}
+    if critic is not None:
+        schedules["critic/lr"] = LRSchedule(critic.optimizer, cfg.critic, steps, weight_decay)
+    return schedules
 
 
 def staleness(source, step: int, rollout) -> dict[str, float]:

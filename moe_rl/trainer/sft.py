@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from moe_rl.actor.actor import Actor
 from moe_rl.actor.hf_export import write_hf_folder
+from moe_rl.actor.lr_schedule import LRSchedule
 from moe_rl.common import progress
 from moe_rl.common.distributed import world_max
 from moe_rl.common.gc_startup import start_up_done
@@ -68,6 +69,7 @@ class SFTTrainer:
         if self.rank == 0:
             self._announce(len(train), len(val), dp)
         self.actor = Actor(cfg.actor, cfg.model, cfg.parallel, self.model_path, record_routes=False)
+        self.schedule = LRSchedule(self.actor.optimizer, cfg.actor, t.steps, cfg.actor.weight_decay)
         self.memory = PeakMemory()
         self.memory.reset()
         self.step_index = start.step
@@ -156,7 +158,8 @@ class SFTTrainer:
         progress.begin_step(self.step_index + 1)
         self.memory.reset()
         padded = self._padded(self.batches.next())
-        metrics = self.actor.supervised_step(padded)
+        lr = self.schedule.at(self.step_index + 1)  # actor.lr_* of this step
+        metrics = self.actor.supervised_step(padded) | {"actor/lr": lr}
         self.step_index += 1
         seconds = time.perf_counter() - start
         metrics |= {"time/step": seconds, "perf/tokens_per_s": metrics.pop("perf/tokens") / seconds}
@@ -186,6 +189,7 @@ class SFTTrainer:
 
     def save_checkpoint(self) -> Path:
         state = {"data_position": self.batches.position, "wandb_run_id": self.logger.run_id}
+        state["lr_schedules"] = {"actor/lr": self.schedule.state_dict()}
         return self.checkpoints.save(self.step_index, state)
 
     def finish(self) -> None:

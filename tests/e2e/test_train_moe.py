@@ -178,6 +178,37 @@ def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tmp_path, defa
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 2 and len(run_ids) == 1, run_ids
 
 
+def test_warmup_then_cosine_lr_is_the_closed_form_and_a_run_resumed_mid_warmup_continues_it(tmp_path):
+    """actor.lr_warmup_steps=3, cosine decay to actor.min_lr at trainer.steps: actor/lr (the rate the optimizer's
+    parameter groups trained at) is the closed form at every step; a run resumed from the step-2 checkpoint (in the
+    warmup) trains steps 3-6 at the same rates with the uninterrupted run's metrics."""
+    lr, min_lr, warmup, steps = 3e-3, 3e-4, 3, 6
+    schedule = [f"actor.lr={lr}", f"actor.min_lr={min_lr}", f"actor.lr_warmup_steps={warmup}", "actor.lr_decay=cosine"]
+    common = ["logging.wandb.mode=disabled", "trainer.checkpoint_every=2", *schedule]
+    whole = _train(tmp_path / "whole", [f"trainer.steps={steps}", *common])
+
+    def closed_form(s: int) -> float:
+        if s <= warmup:
+            return lr * s / warmup
+        return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup))) / 2
+
+    assert [h["step"] for h in whole] == list(range(1, steps + 1))
+    for h in whole:
+        assert h["actor/lr"] == pytest.approx(closed_form(h["step"]), rel=1e-12, abs=0), h["step"]
+    assert whole[-1]["actor/lr"] == pytest.approx(min_lr, rel=1e-12)
+    state = json.loads((tmp_path / "whole/checkpoints/step_000006/trainer.json").read_text())
+    assert state["lr_schedules"]["actor/lr"]["num_steps"] == steps
+
+    checkpoint = tmp_path / "whole/checkpoints/step_000002"
+    resumed = _train(tmp_path / "resumed", [f"trainer.steps={steps}", f"trainer.resume={checkpoint}", *common])
+    assert [h["step"] for h in resumed] == list(range(3, steps + 1))
+    for got, want in zip(resumed, whole[2:], strict=True):
+        got, want = untimed(got), untimed(want)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-9), (got["step"], k)
+
+
 def _metrics_from_dumps(folder: Path) -> dict[str, float]:
     """reward/* and token-level mismatch metrics of one step from all ranks' dumps (published
     formulas: k = pi_old / mu per response token; ESS = (mean k)^2 / mean k^2)."""
