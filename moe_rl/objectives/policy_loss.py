@@ -170,7 +170,7 @@ class LossInputs:
     num_tokens: float = 0.0
     num_seqs: float = 0.0
     packed: PackedRows | None = None  # the packed row the forward ran as (actor.packing), else None
-    # the forward's inputs (never reach the loss: the actor sets them to None in the micro-batch it hands over)
+    # the forward's inputs (never reach the loss: train_minibatch sets them to None in the micro-batch it hands over)
     input_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     routes: torch.Tensor | None = None  # [b, T, L_moe, K] replayed by the actor's hooks (R3 / R2)

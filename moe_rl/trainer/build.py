@@ -25,16 +25,10 @@ from moe_rl.rollout.multi_turn.builtin_envs import env_class
 from moe_rl.rollout.multi_turn.loop import AgentLoop
 from moe_rl.rollout.source import DumpSource, EngineSource
 from moe_rl.routing.records import filler_row, route_dtype
+from moe_rl.trainer.checkpoint import load_part, save_part
 from moe_rl.trainer.logger import say
+from moe_rl.trainer.run import data_parallel
 from moe_rl.trainer.validation import Validator
-
-
-def _dp() -> tuple[int, int]:
-    """(data-parallel rank, size)."""
-    # heavy: megatron-core, imported on first use
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
 
 def answers_needed(cfg, reward_fn, training: bool) -> str | None:
@@ -52,7 +46,7 @@ def training_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> Prom
     """This data-parallel rank's shard of the training prompts (data.*), for responses of sampling.max_tokens in
     the engines' `context` (context-parallel ranks share their samples)."""
     d = cfg.data
-    dp_rank, dp = _dp()
+    dp_rank, dp = data_parallel()
     data = PromptSource.from_config(
         d,
         seed=cfg.trainer.seed,
@@ -109,7 +103,7 @@ def start_engines(cfg, layout, model_path: str, tokenizer, context: int, kv_need
     loop over it (rollout.multi_turn.env). `kv_need(served, engines)` -> the CPU KV cache (GiB) an engine serving
     `served` data-parallel ranks needs when rollout.kv_cache_gib is null. Collective."""
     r = cfg.rollout
-    groups = engine_groups(r.engines, *_dp())
+    groups = engine_groups(r.engines, *data_parallel())
     kv = r.kv_cache_gib
     if kv is None and not torch.cuda.is_available():
         kv = kv_need(len(groups.served), len(groups.leaders))
@@ -188,7 +182,7 @@ def buffer_source(cfg, inner, actor, tokenizer, rewarder, objective, warn) -> Bu
     """The replay buffer (buffer.*) over the engine's batches; its draws seeded per data-parallel rank, so ranks that
     share samples (TP, PP) draw alike."""
     b, layout = cfg.buffer, actor.layout
-    seed = cfg.trainer.seed + 7919 * (1 + _dp()[0])
+    seed = cfg.trainer.seed + 7919 * (1 + data_parallel()[0])
     buffer = ReplayBuffer(b.capacity, b.max_age, b.priority, b.alpha, b.eps, b.fresh_fraction, seed)
     filler = filler_row(len(actor.route_layers), layout.topk, route_dtype(layout.num_experts))
     return BufferSource(
@@ -227,3 +221,16 @@ class BufferState:
 
     def load(self, folder: Path) -> None:
         self.buffer.load(self._file(folder))
+
+
+class CriticState:
+    """The critic's part of a checkpoint: its model chunks and optimizer."""
+
+    def __init__(self, critic):
+        self.critic = critic
+
+    def save(self, folder: Path) -> None:
+        save_part(folder, self.critic.chunks, self.critic.optimizer)
+
+    def load(self, folder: Path) -> None:
+        load_part(folder, self.critic.chunks, self.critic.optimizer)

@@ -33,12 +33,12 @@ from moe_rl.objectives import Objective
 from moe_rl.plan.preflight import preflight
 from moe_rl.rollout.balance import balance_rollout
 from moe_rl.trainer import build
-from moe_rl.trainer.checkpoint import CheckpointError, load_part, save_part
+from moe_rl.trainer.checkpoint import CheckpointError
 from moe_rl.trainer.health import ExactCheck, HealthMonitor, SkipCounter
 from moe_rl.trainer.logger import run_header, say
 from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
 from moe_rl.trainer.reward import Rewarder
-from moe_rl.trainer.run import Checkpoints, NothingToTrain, StartUp, data_parallel_size, run_steps, start_up
+from moe_rl.trainer.run import Checkpoints, NothingToTrain, StartUp, data_parallel, run_steps, start_up
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 from moe_rl.weight_sync import WeightSync, sync_metrics
 
@@ -96,7 +96,7 @@ class Trainer:
             true_on_policy_engines(self.rank)
         self._build_rollout(cfg, reward_fn, may_stop)
         self.updates = t.mode != "rollout_only"
-        parts = {"critic": CriticState(critic)} if critic is not None else {}
+        parts = {"critic": build.CriticState(critic)} if critic is not None else {}
         if self.source.buffer is not None:
             parts["buffer"] = build.BufferState(self.source.buffer, self.rank)
         self.checkpoints = Checkpoints(start, t.checkpoint_keep, self.actor, parts)
@@ -134,7 +134,7 @@ class Trainer:
         state = self.checkpoints.restore()
         if self.weight_sync is not None:  # the engine starts from the HF weights; give it the resumed actor's
             self.weight_sync()
-        dp = data_parallel_size()  # data_position counts per rank: keep the global count
+        dp = data_parallel()[1]  # data_position counts per rank: keep the global count
         self.data.skip(state["data_position"] * state.get("data_parallel_size", dp) // dp)
 
     def save_checkpoint(self) -> Path:
@@ -270,19 +270,6 @@ class Trainer:
         self.logger.close()
 
 
-class CriticState:
-    """The critic's part of a checkpoint: its model chunks and optimizer."""
-
-    def __init__(self, critic: Critic):
-        self.critic = critic
-
-    def save(self, folder: Path) -> None:
-        save_part(folder, self.critic.chunks, self.critic.optimizer)
-
-    def load(self, folder: Path) -> None:
-        load_part(folder, self.critic.chunks, self.critic.optimizer)
-
-
 def lr_schedules(cfg: TrainConfig, actor: Actor, critic: Critic | None) -> dict[str, LRSchedule]:
     """The learning-rate schedules of the step, by the metric that logs each rate: actor/lr (actor.lr_*) and, with a
     critic, critic/lr (critic.lr_*; the critic's weight decay is the actor's)."""
@@ -349,7 +336,7 @@ def resume_notes(cfg: TrainConfig, start: StartUp) -> list[str]:
     if not start.resumed:
         return []
     state, path = start.resumed, start.resume_path
-    world, dp = dist.get_world_size(), data_parallel_size()
+    world, dp = dist.get_world_size(), data_parallel()[1]
     saved_world, saved_dp = state.get("world_size", world), state.get("data_parallel_size", dp)
     if (saved_world, saved_dp) == (world, dp):
         return []

@@ -34,12 +34,12 @@ class NothingToTrain(Exception):
     """The checkpoint resumed is already at trainer.steps."""
 
 
-def data_parallel_size() -> int:
-    """This run's data-parallel size (after start_up)."""
+def data_parallel() -> tuple[int, int]:
+    """This rank's (data-parallel rank, data-parallel size), after start_up."""
     # heavy: megatron-core, imported on first use
     from megatron.core import parallel_state as ps
 
-    return ps.get_data_parallel_world_size()
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
 
 @dataclass
@@ -140,7 +140,7 @@ class Checkpoints:
                 f"refusing to save step {step}: the actor's weights are not finite on some rank"
             )
         state = state | {"model_path": self.start.model_path}
-        state |= {"world_size": dist.get_world_size(), "data_parallel_size": data_parallel_size()}
+        state |= {"world_size": dist.get_world_size(), "data_parallel_size": data_parallel()[1]}
 
         def extra(partial: Path) -> None:  # every rank: the parts beside the model
             for name, part in self.parts.items():

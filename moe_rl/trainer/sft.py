@@ -32,7 +32,7 @@ from moe_rl.rollout.engine import RolloutEngine
 from moe_rl.rollout.engine_groups import engine_groups
 from moe_rl.trainer.logger import say
 from moe_rl.trainer.metrics import PeakMemory
-from moe_rl.trainer.run import Checkpoints, StartUp, run_steps, start_up
+from moe_rl.trainer.run import Checkpoints, StartUp, data_parallel, run_steps, start_up
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 from moe_rl.trainer.validation import Validator
 from moe_rl.weight_sync import WeightSync
@@ -43,8 +43,7 @@ class SFTTrainer:
     trainer/run.py's."""
 
     def __init__(self, cfg: SFTConfig, start: StartUp):
-        # heavy: megatron-core and transformers, imported on first use
-        from megatron.core import parallel_state as ps
+        # heavy: transformers, imported on first use
         from transformers import AutoTokenizer
 
         self.cfg, self.start, self.run_dir, self.rank = cfg, start, start.run_dir, start.rank
@@ -60,7 +59,7 @@ class SFTTrainer:
         val_prompts, reward_fn = [], None
         if generate and cfg.data.reward_spec:
             val_prompts, reward_fn = self._val_prompts(hf_config.max_position_embeddings)
-        dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        dp_rank, dp = data_parallel()
         self.batches = Batches(train, cfg.data.batch_size, t.seed, dp_rank, dp)
         if 0 < len(val) < dp:
             raise DataError(f"{len(val)} validation examples cannot be shared by {dp} data-parallel ranks")
@@ -77,6 +76,7 @@ class SFTTrainer:
         self.logger = start.logger(cfg)
         start.say_resumed()
         self.stop = StopFlag()
+        self.may_stop = functools.partial(self.stop.engine_may_stop, self.logger.warn_now)
         self.engine = self.weight_sync = self.generation = None
         if val_prompts:
             self._start_generation(val_prompts, reward_fn)
@@ -128,11 +128,8 @@ class SFTTrainer:
     def _start_generation(self, prompts: list, reward_fn: Callable) -> None:
         """Validation by generation (val.*): one engine (on rank 0) that gets the actor's weights before each
         validation, and RL's Validator over `prompts`."""
-        # heavy: megatron-core, imported on first use
-        from megatron.core import parallel_state as ps
-
         cfg = self.cfg
-        groups = engine_groups(1, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        groups = engine_groups(1, *data_parallel())
         if groups.is_leader:
             lay = self.actor.layout
             engine_cfg = RolloutConfig(
@@ -141,8 +138,7 @@ class SFTTrainer:
             self.engine = RolloutEngine(engine_cfg, lay.moe_layers, lay.num_experts, lay.topk)
         self.weight_sync = WeightSync(self.actor, self.engine, groups.leaders, bucket_mb=64)
         sampling = SamplingConfig(max_tokens=cfg.val.max_tokens)
-        may_stop = functools.partial(self.stop.engine_may_stop, self.logger.warn_now)
-        args = (self.tokenizer, reward_fn, cfg.val, sampling, may_stop)
+        args = (self.tokenizer, reward_fn, cfg.val, sampling, self.may_stop)
         self.generation = Validator(prompts, groups, self.engine, *args)
         if self.rank == 0:
             what = f"{len(prompts)} prompts, {cfg.data.reward_spec}, one engine"
@@ -179,7 +175,7 @@ class SFTTrainer:
         out = {"val/loss": self.actor.nll(self._val_batch)}
         if self.generation is not None:
             if self.step_index > 0:  # the engine started with the weights of step 0
-                with self.stop.engine_may_stop(self.logger.warn_now):
+                with self.may_stop():
                     self.weight_sync()
             out |= self.generation(self.step_index)
         return out
