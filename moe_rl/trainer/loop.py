@@ -225,8 +225,10 @@ class Trainer:
         if self.weight_sync is None:
             return {}
         self.source.wait_idle()  # sampling ahead: the next step's ends before the weights change
+        synced = {}  # a stop signal that takes the engine mid-sync: no weight_sync/* this step
         with timer("weight_sync"), self.may_stop():
-            return sync_metrics(self.weight_sync())
+            synced = sync_metrics(self.weight_sync())
+        return synced
 
     def _log(self, metrics: dict[str, float], rollout, old: ProxPolicy) -> dict[str, float]:
         """The step's last metrics, its log line and warnings; the step is done."""
