@@ -16,13 +16,14 @@ from moe_rl.actor.context_parallel import cp_size, seq_multiple
 from moe_rl.actor.engine_ops import EngineOpForward, check_machine
 from moe_rl.actor.forward import broadcast_from_last_stage, compute_logprobs
 from moe_rl.actor.model import ModelOptions, load_model
-from moe_rl.actor.optimizer import build_distributed_optimizer, build_optimizer
+from moe_rl.actor.optimizer import build_actor_optimizer
 from moe_rl.actor.packing import check_packing_supported
 from moe_rl.actor.replay import RouteReplay, rank_moe_layers
 from moe_rl.actor.train_step import all_finite, train_minibatch
 from moe_rl.actor.weights import full_hf_state_dict
 from moe_rl.common.batch import PaddedBatch, ProxPolicy
 from moe_rl.common.distributed import global_mean, global_sums, loss_counts
+from moe_rl.common.platform import resolved_model
 from moe_rl.objectives.policy_loss import LossInputs
 from moe_rl.objectives.sft import nll_loss
 from moe_rl.routing.records import route_dtype
@@ -45,7 +46,7 @@ class Actor:
         actor.router_replay=off (the dumps' live routes need them); `reference`: keep the initial weights frozen
         as the reference policy (algorithm.kl_coef > 0); `true_on_policy`: trainer.true_on_policy. Call after
         `init_distributed`."""
-        a = actor
+        a, model = actor, resolved_model(model)
         self.cfg, self.model_path = a, model_path
         self.version = 0  # optimizer updates so far (the engine-op pass reloads its weights when this moves)
         # trainer.true_on_policy: on CPU the engine's own ops (engine_ops), on GPU batch-invariant kernels
@@ -64,11 +65,8 @@ class Actor:
         wants_replay = a.router_replay != "off" or record_routes
         self.route_layers = rank_moe_layers(self.chunks, self.layout.moe_layers)  # this PP stage's route columns
         self.replay = RouteReplay(self.chunks, self.route_layers, verify="count") if wants_replay else None
-        self.ddp = None  # GPU, actor.distributed_optimizer: megatron's DDP wrappers of the chunks
-        if a.distributed_optimizer:
-            self.ddp, self.optimizer = build_distributed_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
-        else:
-            self.optimizer = build_optimizer(self.chunks, a.lr, a.weight_decay, a.grad_clip)
+        # GPU, actor.distributed_optimizer: megatron's DDP wrappers of the chunks (else None)
+        self.ddp, self.optimizer = build_actor_optimizer(self.chunks, a)
         self.max_tokens = a.max_tokens_per_micro_batch if a.packing else None  # token budget of a packed forward
         self.thd = opts.use_te  # packed rows as THD sequences through Transformer Engine (GPU)
         self._plan: tuple[torch.Tensor, object] | None = None  # (the attention mask it was made for, the plan)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from moe_rl.common.errors import ConfigError
+from moe_rl.common.errors import ConfigError, refuse
 
 
 class Recompute(StrEnum):
@@ -117,6 +117,27 @@ class ParallelConfig:
                 f" (world {world_size}, pp {self.pp})"
             )
         return dp
+
+
+@dataclass
+class OptimizerOffloadConfig:
+    """actor.optimizer_offload: megatron-core's CPU optimizer offload (its HybridDeviceOptimizer, built by
+    get_megatron_optimizer with optimizer_cpu_offload): a share of the optimizer's fp32 master weights and Adam moments
+    lives in host memory and is updated by the CPU, the fp32 gradients copied to the host for it and the updated
+    parameters back. GPU only, with actor.distributed_optimizer=true."""
+
+    fraction: float = 0.0
+    """Share of this rank's optimizer states moved to host memory and updated on the CPU (megatron's
+    optimizer_offload_fraction; slime's and NeMo-RL's offload): 0 = none (the optimizer on the GPU), 1 = all. The
+    planner moves that share of the optimizer-state row to host memory (moe-rl-plan)."""
+    overlap: bool = True
+    """Overlap the CPU update with the gradients' copies to the host and the parameters' copies back, one CPU
+    optimizer per parameter (megatron's overlap_cpu_optimizer_d2h_h2d; slime's --overlap-cpu-optimizer-d2h-h2d)."""
+
+    def check(self) -> None:
+        """This section's own rules (that it needs CUDA and the distributed optimizer is the config's)."""
+        if not 0 <= self.fraction <= 1:
+            refuse("actor.optimizer_offload.fraction", f"{self.fraction}: must be in [0, 1] (0 = off)")
 
 
 COLLECTIVE_TIMEOUT_S = 600  # a collective that waits longer fails (torch's message names no rank)

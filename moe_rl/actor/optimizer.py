@@ -10,7 +10,8 @@ statistics reduce over the model-parallel group, expert ones over the expert ten
 expert-tensor-parallel group deciding which expert grads are duplicates. It is built here
 without megatron's DDP wrapper because on CPU gradients are synchronised by
 `train_step.sync_gradients` (gloo). GPU (`actor.distributed_optimizer`): megatron's DDP gradient
-buffers and distributed optimizer (`build_distributed_optimizer`).
+buffers and distributed optimizer (`build_distributed_optimizer`), optionally with a share of its states in host
+memory and updated on the CPU (`actor.optimizer_offload`: megatron's HybridDeviceOptimizer).
 """
 
 from __future__ import annotations
@@ -85,14 +86,33 @@ def build_optimizer(chunks: list[torch.nn.Module], lr: float, weight_decay: floa
     return ChainedOptimizer(parts)
 
 
-def build_distributed_optimizer(chunks: list[torch.nn.Module], lr: float, weight_decay: float, grad_clip: float):
+def offload_options(offload) -> dict:
+    """megatron OptimizerConfig's CPU-offload fields for `actor.optimizer_offload` (moe_rl.actor.config
+    .OptimizerOffloadConfig); none when its fraction is 0. megatron builds the HybridDeviceOptimizer on the path of
+    use_precision_aware_optimizer (Megatron-LM's arguments require the two together): the fp32 master weights are then
+    the hybrid optimizer's own, on the host for the offloaded share, instead of the distributed optimizer's on the
+    GPU."""
+    if offload is None or not offload.fraction > 0:
+        return {}
+    return {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": float(offload.fraction),
+        "overlap_cpu_optimizer_d2h_h2d": bool(offload.overlap),
+        "use_precision_aware_optimizer": True,
+    }
+
+
+def build_distributed_optimizer(
+    chunks: list[torch.nn.Module], lr: float, weight_decay: float, grad_clip: float, offload=None
+):
     """GPU: the chunks wrapped in megatron's DistributedDataParallel (gradients in contiguous buffers, reduced
     by `finalize_model_grads`) and `get_megatron_optimizer`'s distributed optimizer (Adam state sharded over
     data-parallel ranks). Returns (ddp_chunks, optimizer); the chunks stay what the forward runs (the DDP
     hooks sit on their parameters).
 
     Losses here are already divided by the global token/sequence counts, so gradients are summed over
-    data-parallel ranks (`calculate_per_token_loss`: megatron then scales by 1, not 1/DP)."""
+    data-parallel ranks (`calculate_per_token_loss`: megatron then scales by 1, not 1/DP). `offload`:
+    actor.optimizer_offload (`offload_options`)."""
     # heavy: megatron-core, imported on first use
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -111,5 +131,15 @@ def build_distributed_optimizer(chunks: list[torch.nn.Module], lr: float, weight
         bf16=config.bf16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=True,
+        **offload_options(offload),
     )
     return ddp, get_megatron_optimizer(opt_config, ddp)
+
+
+def build_actor_optimizer(chunks: list[torch.nn.Module], actor) -> tuple:
+    """(DDP wrappers or None, optimizer) of the actor's chunks from its config section (moe_rl.config.ActorConfig):
+    the distributed optimizer (with actor.optimizer_offload) under actor.distributed_optimizer, else the CPU path's."""
+    a = actor
+    if a.distributed_optimizer:
+        return build_distributed_optimizer(chunks, a.lr, a.weight_decay, a.grad_clip, a.optimizer_offload)
+    return None, build_optimizer(chunks, a.lr, a.weight_decay, a.grad_clip)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import importlib.util
 from collections.abc import Iterator
 from contextvars import ContextVar
 
 import torch
+
+from moe_rl.common.machine import Machine, resolve_model
 
 _AS_ON_CUDA: ContextVar[bool] = ContextVar("moe_rl_as_on_cuda", default=False)
 
@@ -24,6 +28,28 @@ def as_on_cuda() -> Iterator[None]:
         yield
     finally:
         _AS_ON_CUDA.reset(token)
+
+
+def transformer_engine_installed() -> bool:
+    """The transformer_engine package is installed here (found, not imported: importing it initialises CUDA)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def this_machine() -> Machine:
+    """The machine `auto` settings resolve for (moe_rl.common.machine): this one, or inside `as_on_cuda()` a CUDA
+    machine with Transformer Engine."""
+    if _AS_ON_CUDA.get():
+        return Machine(cuda=True, transformer_engine=True)
+    cuda = has_cuda()
+    return Machine(cuda=cuda, transformer_engine=cuda and transformer_engine_installed())
+
+
+def resolved_model(model):
+    """A copy of a ModelConfig with its `auto` settings resolved for this machine (a part built from a config that
+    no validation resolved, e.g. in a benchmark, builds what the run would)."""
+    model = copy.copy(model)
+    resolve_model(model, this_machine())
+    return model
 
 
 def cpu_engine_has_amx() -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from moe_rl.actor.config import COLLECTIVE_TIMEOUT_S, ParallelConfig, Recompute
+from moe_rl.actor.config import COLLECTIVE_TIMEOUT_S, OptimizerOffloadConfig, ParallelConfig, Recompute
 from moe_rl.common.errors import ConfigError, refuse
 from moe_rl.data.config import ArithmeticConfig, Overlong, check_count
 from moe_rl.models.config import Arch, Size
@@ -32,6 +32,7 @@ from moe_rl.rollout.config import Priority, RolloutConfig, SamplingConfig
 class Dtype(StrEnum):
     """The actor's parameter and compute dtype (model.dtype)."""
 
+    auto = "auto"  # bfloat16 on CUDA, float32 on CPU (moe_rl.common.machine)
     float32 = "float32"
     bfloat16 = "bfloat16"
 
@@ -124,15 +125,20 @@ class ModelConfig:
     """Size of the built-in model: tiny (1.1M parameters, the toy task) | small (10.9M: hidden 256, 6 layers, expert
     FFN 256; learns arithmetic on 2 CPU cores in minutes) | deep (12.0M: hidden 192, 12 layers, expert FFN 192; the
     stability lab's model where routing differences cascade, about twice small's step time)."""
-    dtype: Dtype = Dtype.float32
-    """Actor dtype: float32 | bfloat16 (bf16 weights and compute, fp32 master weights and Adam moments in the
-    optimizer; at scale bfloat16)."""
+    dtype: Dtype = Dtype.auto
+    """Actor dtype: auto (bfloat16 on CUDA, float32 on CPU; the run header says which) | float32 | bfloat16 (bf16
+    weights and compute, fp32 master weights and Adam moments in the optimizer)."""
     recompute: Recompute | None = None
     """Activation recompute: null | full | selective."""
-    transformer_engine: bool = False
-    """Transformer Engine layer spec (GPU only, needs transformer-engine). Packed
-    passes (actor.packing) then run as THD sequences through its attention. false: megatron's local spec
-    (the CPU path)."""
+    transformer_engine: bool | str = "auto"
+    """Transformer Engine layer spec: auto (true where CUDA is and transformer-engine is installed, else false; the
+    run header says which) | true (GPU only, needs transformer-engine; packed passes, actor.packing, then run as THD
+    sequences through its attention) | false (megatron's local spec, the CPU path)."""
+
+    def check(self) -> None:
+        """This section's own rules (that true needs CUDA is moe_rl.config.validate's)."""
+        if self.transformer_engine not in (True, False, "auto"):
+            refuse("model.transformer_engine", f"{self.transformer_engine!r}: choose auto, true or false")
 
 
 @dataclass
@@ -229,6 +235,8 @@ class ActorConfig:
     sharded over the data-parallel ranks). Ran on one H200 at data-parallel size 1, where its update equals the
     CPU-path optimizer's (tests/gpu); sharding over several GPUs has not run. CPU: refused (gloo, explicit
     gradient sums)."""
+    optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
+    """megatron-core's CPU optimizer offload (optimizer_offload.fraction of the optimizer states in host memory)."""
     mini_batches: int = 2
     """Optimizer steps per rollout batch (pi_theta drifts from pi_old after the first); >= 1."""
     micro_batch_size: int = 8
@@ -237,7 +245,7 @@ class ActorConfig:
     """Padding-free passes: the samples of a pass are packed into bins of at most max_tokens_per_micro_batch
     tokens, one row per forward (actor/packing.py). CPU: a block-diagonal causal mask, each sample's attention
     computed on its own (actor/packed_attention.py); GPU: THD sequences through Transformer Engine (needs
-    model.transformer_engine=true). false: padded micro-batches of micro_batch_size
+    model.transformer_engine, which auto turns on there). false: padded micro-batches of micro_batch_size
     samples, all as long as the batch's longest sample."""
     max_tokens_per_micro_batch: int = 1024
     """Token budget of a packed forward (actor.packing); a longer sample gets a forward of its own. Attention
@@ -256,6 +264,7 @@ class ActorConfig:
     def check(self) -> None:
         """This section's own rules."""
         check_lr_schedule(self, "actor")
+        self.optimizer_offload.check()
         for key, what in (
             ("micro_batch_size", "(samples per forward)"),
             ("max_tokens_per_micro_batch", ""),
@@ -614,7 +623,7 @@ class CriticConfig:
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(dtype="float32"))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(dtype="auto"))
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)

@@ -6,7 +6,8 @@ sft_moe.py."""
 from __future__ import annotations
 
 from moe_rl.common.errors import refuse
-from moe_rl.common.platform import cpu_engine_has_amx, has_cuda
+from moe_rl.common.machine import resolve
+from moe_rl.common.platform import cpu_engine_has_amx, has_cuda, this_machine
 from moe_rl.config.schema import ActorConfig, ModelConfig, SFTConfig, TrainConfig
 from moe_rl.data.rewards import load_reward
 from moe_rl.objectives.config import ADVANTAGE_NAMES
@@ -15,6 +16,7 @@ from moe_rl.rollout.multi_turn.builtin_envs import env_class
 
 
 def check_model_device(model: ModelConfig) -> None:
+    model.check()
     if model.transformer_engine and not has_cuda():
         refuse("model.transformer_engine", "true needs CUDA (Transformer Engine); no CUDA here: set it false")
 
@@ -22,6 +24,25 @@ def check_model_device(model: ModelConfig) -> None:
 def check_actor_device(actor: ActorConfig) -> None:
     if actor.distributed_optimizer and not has_cuda():
         refuse("actor.distributed_optimizer", "true needs CUDA (megatron's DDP buffers, NCCL); set it false on CPU")
+    offload = actor.optimizer_offload.fraction
+    if offload > 0 and not has_cuda():
+        refuse(
+            "actor.optimizer_offload.fraction",
+            f"{offload}: megatron's CPU optimizer offload moves optimizer states out of GPU memory and needs CUDA; "
+            "set it 0 on CPU (the CPU run's optimizer is in host memory already)",
+        )
+    if offload > 0 and not this_machine().transformer_engine:
+        refuse(
+            "actor.optimizer_offload.fraction",
+            f"{offload}: megatron builds its offloading optimizer with use_precision_aware_optimizer, which needs "
+            "transformer-engine installed; install it or set 0",
+        )
+    if offload > 0 and not actor.distributed_optimizer:
+        refuse(
+            "actor.optimizer_offload.fraction",
+            f"{offload} needs actor.distributed_optimizer=true (megatron builds its offloading optimizer only as the "
+            "distributed optimizer's inner optimizer)",
+        )
 
 
 def check_rollout_device(rollout: RolloutConfig) -> None:
@@ -158,7 +179,8 @@ def _check_layout(cfg: TrainConfig, world_size: int) -> None:
         refuse(
             "actor.packing",
             "on GPU packed rows run as THD sequences through Transformer Engine (megatron's fused softmax "
-            "ignores a block-diagonal mask in bf16): set model.transformer_engine=true, or actor.packing=false",
+            "ignores a block-diagonal mask in bf16): set model.transformer_engine=true (auto is false here: "
+            "transformer-engine is not installed), or actor.packing=false",
         )
     samples = cfg.sampling.n * cfg.data.prompts_per_step
     if samples % cfg.actor.mini_batches:
@@ -258,7 +280,9 @@ def _validate_true_on_policy(cfg: TrainConfig) -> None:
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need no model, run before anything is built: one clear error naming the key. Each section checks
-    its own keys (`check`); the rules here span sections."""
+    its own keys (`check`); the rules here span sections. First the `auto` settings are resolved for this machine
+    (in place: moe_rl.common.machine)."""
+    resolve(cfg, this_machine())
     _check_sections(cfg)
     _check_critic(cfg)
     _check_routes_and_prox(cfg)
@@ -277,7 +301,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
 
 def validate_sft(cfg: SFTConfig, world_size: int) -> None:
-    """The SFT run's checks, before anything is built: one clear error naming the key."""
+    """The SFT run's checks, before anything is built: one clear error naming the key (the `auto` settings resolved
+    for this machine first, in place)."""
+    resolve(cfg, this_machine())
     check_model_device(cfg.model)
     cfg.actor.check()
     check_actor_device(cfg.actor)

@@ -19,6 +19,7 @@ from moe_rl.actor.replay import RouteReplay, rank_moe_layers, router_agreement
 from moe_rl.actor.train_step import train_minibatch
 from moe_rl.common.batch import PaddedBatch
 from moe_rl.common.distributed import global_mean, loss_counts
+from moe_rl.common.platform import resolved_model
 from moe_rl.objectives.aggregation import masked_mean
 from moe_rl.objectives.policy_loss import LossInputs
 from moe_rl.objectives.value import masked_whiten, value_loss, value_stats
@@ -71,6 +72,7 @@ class Critic:
         if router_replay not in ("r2", "off"):
             raise ValueError(f"critic.router_replay={router_replay!r}: choose r2 (its own values pass) or off")
         self.cfg, self.critic_cfg, self.router_replay = actor, critic, router_replay
+        model = resolved_model(model)  # its `auto` settings, as the actor's
         opts = ModelOptions(dtype=model.dtype, use_te=model.transformer_engine, recompute=model.recompute)
         m = load_model(model_path, parallel, opts)
         self.chunks, self.layout = m.chunks, m.layout

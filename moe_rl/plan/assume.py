@@ -15,11 +15,6 @@ ASSUMPTIONS = {
         "an engine's tensor parallelism spans nodes: rollout.tensor_parallel_size 16, 32 or 64 (vLLM over Ray, as "
         "verl's vLLM TP32 for DeepSeek-V3); moe-rl's engine workers share their leader's node (TP <= 8)"
     ),
-    "optimizer-offload": (
-        "fp32 master weights and Adam moments in host memory, the optimizer step on the CPU (megatron's "
-        "optimizer_cpu_offload with optimizer_offload_fraction=1; slime's --optimizer-cpu-offload); moe-rl keeps them "
-        "on the GPU"
-    ),
     "trainer-offload": (
         "the trainer's parameters, gradients and optimizer states leave the GPU while its colocated engine generates, "
         "and the engine sleeps while the trainer trains (verl's param/grad/optimizer offload, slime's --colocate); "
@@ -27,6 +22,13 @@ ASSUMPTIONS = {
     ),
 }
 """Name -> what it assumes, who relies on it, and what moe-rl does instead."""
+
+BUILT = {
+    "optimizer-offload": (
+        "moe-rl has it now: set actor.optimizer_offload.fraction=1 (with actor.distributed_optimizer=true)"
+    ),
+}
+"""Former assumptions that are features now -> the setting that plans them."""
 
 ENGINE_TP_ACROSS_NODES = (16, 32, 64)  # engine TPs the search adds with engine-across-nodes
 

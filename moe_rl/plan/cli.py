@@ -1,18 +1,21 @@
 """moe-rl-plan: will this model and layout fit, before any GPU is spent.
 
 Examples:
-  moe-rl-plan --model qwen3-30b-a3b --gpus 1 --gpu-memory-gib 80 model.dtype=bfloat16 model.transformer_engine=true
-  moe-rl-plan --model qwen3-30b-a3b --gpu-memory-gib 80 --search model.dtype=bfloat16 model.transformer_engine=true \\
-      actor.distributed_optimizer=true rollout.dtype=bfloat16 data.max_prompt_tokens=1024 sampling.max_tokens=4096
-  moe-rl-plan --model deepseek-v3 --gpus 8 --gpu-memory-gib 80 parallel.ep=8 model.dtype=bfloat16 --json
+  moe-rl-plan --model qwen3-30b-a3b --gpus 64 --gpu-memory-gib 80
+  moe-rl-plan --model qwen3-30b-a3b --gpu-memory-gib 80 --search actor.distributed_optimizer=true \\
+      data.max_prompt_tokens=1024 sampling.max_tokens=4096
+  moe-rl-plan --model qwen3-30b-a3b --gpus 8 --gpu-memory-gib 80 --config conf/recipes/qwen3_30b_a3b_gspo_8gpu.yaml
+  moe-rl-plan --model deepseek-v3 --gpus 8 --gpu-memory-gib 80 parallel.ep=8 --json
   moe-rl-plan --model /models/GLM-4.5-Air --gpus 16 --gpu-memory-gib 80 --search parallel.tp=4
   moe-rl-plan --model deepseek-v3 --gpu-memory-gib 80 --search --assume engine-across-nodes \\
-      --assume optimizer-offload model.dtype=bfloat16 model.transformer_engine=true actor.distributed_optimizer=true
+      actor.distributed_optimizer=true actor.optimizer_offload.fraction=1
 
 --model: a preset (published configurations, no weights), an HF folder or a config.json. The overrides are the
 trainer's (launch/train_moe.py's keys, `python launch/train_moe.py --keys` lists them), checked as the trainer checks
-them on GPUs. Exact rows: parameters, gradients, optimizer states, KV bytes per token, route records; estimates:
-activations and the engine's workspace (docs/guides/planning.md gives every formula and its source).
+them on GPUs, on top of --config (a conf/ yaml, e.g. a recipe) where given. The `auto` settings resolve as on a CUDA
+machine with Transformer Engine (model.transformer_engine=true, model.dtype=bfloat16, rollout.dtype=bfloat16), as a
+CUDA run's header prints them. Exact rows: parameters, gradients, optimizer states, KV bytes per token, route records;
+estimates: activations and the engine's workspace (docs/guides/planning.md gives every formula and its source).
 
 --assume NAME plans as if moe-rl had a feature that peers' published layouts for the largest models rely on (the
 trainer refuses such a layout or does not do it; the plan says so):
@@ -26,7 +29,7 @@ import sys
 from collections import Counter
 
 from moe_rl.common.errors import ConfigError
-from moe_rl.plan.assume import ASSUMPTIONS, describe
+from moe_rl.plan.assume import ASSUMPTIONS, BUILT, describe
 from moe_rl.plan.memory import GIB
 from moe_rl.plan.planner import make_plan, render
 from moe_rl.plan.search import KEYS, engine_never_fits, search, smallest, stderr
@@ -51,10 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--assume",
         action="append",
-        choices=list(ASSUMPTIONS),
+        choices=[*ASSUMPTIONS, *BUILT],
         default=[],
         metavar="NAME",
         help=f"plan as if moe-rl had this feature ({', '.join(ASSUMPTIONS)}); may be repeated",
+    )
+    p.add_argument(
+        "--config",
+        help="a training config yaml of conf/ (e.g. conf/recipes/qwen3_30b_a3b_gspo.yaml), composed as "
+        "`launch/train_moe.py --config-name` composes it; the overrides apply on top",
     )
     p.add_argument("--top", type=int, default=5, help="--search: layouts shown (default 5)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
@@ -71,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--gpus {a.gpus}: must be >= 1")
     if a.gpu_memory_gib <= 0:
         p.error(f"--gpu-memory-gib {a.gpu_memory_gib:g}: must be > 0 (an 80 GB H100 has 79.6 GiB)")
+    for name in a.assume:
+        if name in BUILT:
+            p.error(f"--assume {name}: {BUILT[name]}")
     bad = [o for o in a.overrides if "=" not in o]
     if bad:
         p.error(f"overrides are key=value; not {bad[0]!r}")
@@ -86,7 +97,7 @@ def _run(a: argparse.Namespace) -> int:
     from moe_rl.plan.layout import build_config
 
     spec = load_spec(a.model)
-    cfg = build_config(a.overrides)
+    cfg = build_config(a.overrides, config=a.config)
     gpu_bytes = int(a.gpu_memory_gib * GIB)
     assumed = frozenset(a.assume)  # argparse's choices refused any other name
     if not a.search:

@@ -5,13 +5,15 @@ by the trainer's own checks (moe_rl.config.check_overrides and validate) and by 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from moe_rl.common.errors import ConfigError
+from moe_rl.common.machine import CUDA_WITH_TE, resolve
 from moe_rl.common.platform import as_on_cuda
 from moe_rl.config import TrainConfig
 from moe_rl.config.describe import check_overrides
-from moe_rl.config.store import GROUPS
+from moe_rl.config.store import GROUPS, register_configs
 from moe_rl.config.validate import validate
 from moe_rl.plan.spec import ModelSpec
 
@@ -56,10 +58,41 @@ class Layout:
         return out | {"expert_dp": self.expert_dp, "assumed": sorted(self.assumed)}
 
 
-def build_config(overrides: list[str]) -> Any:
+def build_config(overrides: list[str], config: str | None = None) -> Any:
     """The trainer's TrainConfig (its defaults, the Python default algorithm GSPO + IcePop) with Hydra-style
     `key=value` overrides merged onto its OmegaConf structured schema (unknown keys and wrong types refused as
-    the trainer refuses them). `algorithm/loss=<name>` and `algorithm/correction=<name>` pick registered options."""
+    the trainer refuses them). `algorithm/loss=<name>` and `algorithm/correction=<name>` pick registered options.
+    `config`: a yaml of conf/ (a recipe), composed as `launch/train_moe.py --config-name` composes it, the overrides
+    on top. The `auto` settings are resolved as on a CUDA machine with Transformer Engine (what a plan is for)."""
+    cfg = compose_file(config, overrides) if config else _build_config(overrides)
+    resolve(cfg, CUDA_WITH_TE)
+    return cfg
+
+
+def compose_file(config: str, overrides: list[str]) -> Any:
+    """The TrainConfig that `launch/train_moe.py --config-name <config> <overrides>` runs with: Hydra's composition
+    of the yaml (its defaults list, `train_moe` and the algorithm group included) from the conf/ folder it is in."""
+    # heavy: hydra's compose API and omegaconf, imported on first use
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = Path(config).resolve()
+    root = next((d for d in path.parents if (d / "train_moe.yaml").is_file()), None)
+    if not path.is_file() or root is None:
+        raise ConfigError(f"--config {config}: not a yaml file under a conf/ folder (one holding train_moe.yaml)")
+    check_overrides(overrides)
+    register_configs()
+    name = path.relative_to(root).with_suffix("").as_posix()
+    try:
+        with initialize_config_dir(config_dir=str(root), version_base="1.3"):
+            return OmegaConf.to_object(compose(config_name=name, overrides=overrides))
+    except (OmegaConfBaseException, HydraException) as e:
+        raise ConfigError(f"{config}: {e}".splitlines()[0]) from e
+
+
+def _build_config(overrides: list[str]) -> Any:
     # heavy: hydra's override grammar and omegaconf, imported on first use
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException

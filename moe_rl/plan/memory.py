@@ -32,11 +32,13 @@ that allocates them. Estimates (activations, engine workspace) state their formu
 - Engine workspace: vLLM's profiled peak, estimated as one forward of max_num_batched_tokens (default 8192) tokens,
   tokens * (4*h + 2*topk*h + 4*topk*moe_ffn/tp) * dtype, plus max_num_seqs (256) rows of fp32 logits, plus
   ENGINE_OVERHEAD for the CUDA context and graphs (an assumption, not measured).
-- What-if features (`--assume`, moe_rl.plan.assume): optimizer-offload moves the optimizer-state row to host memory
-  (the fp32 main grads stay on the GPU: megatron's HybridDeviceOptimizer copies them to the host for its CPU step);
-  trainer-offload: a GPU shared by a trainer rank and an engine worker holds at most the larger of the engine's
-  budget (generating, the trainer's states on the host) and the trainer's total + ENGINE_OVERHEAD (training, the
-  engine asleep).
+- Optimizer offload (actor.optimizer_offload.fraction f, with the distributed optimizer; megatron's
+  HybridDeviceOptimizer built with use_precision_aware_optimizer, megatron/core/optimizer/cpu_offloading): (1 - f) of
+  the optimizer-state row stays on the GPU; f of the rank's state elements live on the host as fp32 master + Adam
+  moments (12 B) and a pinned fp32 gradient copy (4 B). The fp32 main grads (DDP buffer) stay on the GPU.
+- What-if features (`--assume`, moe_rl.plan.assume): trainer-offload: a GPU shared by a trainer rank and an engine
+  worker holds at most the larger of the engine's budget (generating, the trainer's states on the host) and the
+  trainer's total + ENGINE_OVERHEAD (training, the engine asleep).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ class RankTable:
         """GPU bytes: the rows not in host memory."""
         return sum(r.bytes for r in self.rows if not r.host)
 
+    @property
+    def host_total(self) -> int:
+        """Host bytes: the rows in host memory (route records, offloaded optimizer states)."""
+        return sum(r.bytes for r in self.rows if r.host)
+
     def as_dict(self) -> dict[str, Any]:
         out = {
             "kind": self.kind,
@@ -97,6 +104,7 @@ class RankTable:
             "rows": {r.name: r.bytes for r in self.rows},
         }
         out["total_bytes"] = self.total
+        out["host_bytes"] = self.host_total
         if self.parameters_per_rank is not None:
             out["parameters_per_rank"] = self.parameters_per_rank
         return out | self.extra
@@ -178,10 +186,31 @@ def activations(spec: ModelSpec, cfg: Any, layout: Layout, layers: list[int], st
 
 def _optimizer_rows(rp: RankParams, cfg: Any, layout: Layout, what: str, distributed: bool) -> list[Row]:
     rows = _optimizer_rows_on_gpu(rp, cfg, layout, what, distributed)
-    if "optimizer-offload" in layout.assumed:  # master weights and moments in host memory; the grads stay
-        state = rows[-1]
-        rows[-1] = Row(state.name, state.bytes, f"host memory (--assume optimizer-offload): {state.note}", host=True)
+    fraction = cfg.actor.optimizer_offload.fraction if distributed and not what else 0.0  # the actor's optimizer
+    if fraction > 0:
+        state, elements = rows[-1], _state_elements(rp, layout)
+        on_gpu = int(state.bytes * (1 - fraction))
+        note = f"{1 - fraction:g} of: {state.note} (actor.optimizer_offload.fraction={fraction:g} on the host)"
+        offloaded = int(elements * fraction)
+        rows[-1] = Row(state.name, on_gpu, note)
+        rows.append(
+            Row(
+                "optimizer state (host)",
+                offloaded * 12,
+                f"host memory: {fraction:g} of the {elements / 1e9:.2f}B state elements x (fp32 master + Adam moments)",
+                host=True,
+            )
+        )
+        rows.append(
+            Row("gradient copies (host)", offloaded * 4, "host memory: pinned fp32 grads of that share", host=True)
+        )
     return rows
+
+
+def _state_elements(rp: RankParams, layout: Layout) -> int:
+    """Parameters whose optimizer state this rank holds under the distributed optimizer (its shards)."""
+    expert_dp = layout.expert_dp if layout.ep > 1 else layout.dp * layout.cp
+    return rp.dense // (layout.dp * layout.cp) + rp.experts // expert_dp
 
 
 def _optimizer_rows_on_gpu(rp: RankParams, cfg: Any, layout: Layout, what: str, distributed: bool) -> list[Row]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from moe_rl.common.machine import CUDA_WITH_TE, machine_settings, settings_line
 from moe_rl.plan.assume import describe
 from moe_rl.plan.layout import Layout, check
 from moe_rl.plan.memory import GIB, GpuVerdict, RankTable, engine_table, lengths, trainer_table, verdicts
@@ -20,6 +21,7 @@ class Plan:
     gpu_bytes: int
     tables: list[RankTable]
     gpus: list[GpuVerdict]
+    settings: dict[str, Any] = field(default_factory=dict)  # the machine settings planned with (resolved `auto`)
 
     @property
     def fits(self) -> bool:
@@ -44,6 +46,7 @@ class Plan:
             "peak_gib": round(self.peak / GIB, 3),
             "margin_gib": round(self.margin / GIB, 3),
             "gpu_memory_gib": round(self.gpu_bytes / GIB, 3),
+            "settings": self.settings,
             "layout": self.layout.as_dict(),
             "ranks": [t.as_dict() for t in self.tables],
             "gpus": [
@@ -67,9 +70,8 @@ def make_plan(
     counts = count(spec)
     trainers = [trainer_table(spec, counts, cfg, layout, s) for s in range(layout.pp)]
     engine = engine_table(spec, counts, cfg, layout, gpu_bytes)
-    return Plan(
-        spec, counts, layout, gpu_bytes, [*trainers, engine], verdicts(trainers, engine, cfg, layout, gpu_bytes)
-    )
+    gpus_ = verdicts(trainers, engine, cfg, layout, gpu_bytes)
+    return Plan(spec, counts, layout, gpu_bytes, [*trainers, engine], gpus_, machine_settings(cfg))
 
 
 def render(plan: Plan, cfg: Any) -> str:
@@ -83,6 +85,7 @@ def render(plan: Plan, cfg: Any) -> str:
     if c.mtp:
         out.append(f"  MTP layers ({s.num_mtp_layers}): {c.mtp / 1e9:.2f}B more, not trained by moe-rl, not counted")
     out.append(f"layout {plan.layout.describe()}")
+    out.append(settings_line(cfg, CUDA_WITH_TE))
     if plan.layout.assumed:
         out.append("ASSUMED, as if moe-rl had it (the trainer refuses such a layout or does not do this):")
         out += describe(plan.layout.assumed)
@@ -97,6 +100,8 @@ def render(plan: Plan, cfg: Any) -> str:
         for r in t.rows:
             out.append(f"  {r.name:<26}{r.bytes / GIB:>10.2f} GiB  {r.note}")
         out.append(f"  {'total':<26}{t.total / GIB:>10.2f} GiB")
+        if t.host_total:
+            out.append(f"  {'host memory (not in total)':<26}{t.host_total / GIB:>10.2f} GiB  per rank")
         if t.kind == "engine":
             e = t.extra
             out.append(

@@ -107,8 +107,9 @@ class RolloutConfig:
     """HF model folder (weights are re-synced from the actor after each update). The trainer sets it
     from model.path (setting it there is an error)."""
     dtype: str = "bfloat16"
-    """Engine dtype (bfloat16 on GPUs; the training-inference mismatch is what replay and corrections
-    handle)."""
+    """Engine dtype, a name vLLM takes (bfloat16 on GPUs; the training-inference mismatch is what replay and
+    corrections handle). A training run's default is auto: bfloat16 on CUDA, float32 on CPU (moe-rl resolves it
+    before the engine starts; the run header says which)."""
     head_dtype: HeadDtype = HeadDtype.model
     """The engine's lm_head projection (vLLM's hf_overrides head_dtype): model (in rollout.dtype) | float32 (logits
     summed and kept in fp32, as vLLM recommends for RL). With a bf16 engine and an fp32 actor, float32 lowered the

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from moe_rl.common import progress
+from moe_rl.common.machine import settings_line
 from moe_rl.routing.model_layout import moe_layout
 
 
@@ -118,7 +119,8 @@ def val_line(step: int, metrics: dict[str, float]) -> str:
 
 def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> list[str]:
     """What this run is, said before the engines start: where it writes, the model, the layout, the objective."""
-    # torch (moe_rl.objectives): not loaded by importing this module
+    # torch (moe_rl.objectives, the platform probe): not loaded by importing this module
+    from moe_rl.common.platform import this_machine
     from moe_rl.objectives import CORRECTIONS, POLICY_LOSSES
 
     p, r, a = cfg.parallel, cfg.rollout, cfg.algorithm
@@ -147,6 +149,7 @@ def run_header(cfg, run_dir: Path, model_path: str, hf_config, world: int) -> li
         f"{cfg.data.prompts_per_step} prompts x {cfg.sampling.n} "
         f"samples per DP rank; {objective}; router replay {replay}"
         + (f"; up to {cfg.trainer.max_staleness} version(s) off-policy" if cfg.trainer.max_staleness else ""),
+        settings_line(cfg, this_machine()),
     ]
 
 

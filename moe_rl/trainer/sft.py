@@ -22,6 +22,8 @@ from moe_rl.actor.lr_schedule import LRSchedule
 from moe_rl.common import progress
 from moe_rl.common.distributed import world_max
 from moe_rl.common.gc_startup import start_up_done
+from moe_rl.common.machine import settings_line
+from moe_rl.common.platform import this_machine
 from moe_rl.config import SFTConfig
 from moe_rl.config.validate import validate_sft
 from moe_rl.data.prompts import DataError, PromptSource
@@ -96,6 +98,7 @@ class SFTTrainer:
             f"{dist.get_world_size()} = DP {dp} x TP {p.tp} x PP {p.pp} x CP {p.cp}, EP {p.ep}; {train} train and "
             f"{val} val examples, {cfg.data.batch_size} per step"
         )
+        say(f"[moe-rl] {settings_line(cfg, this_machine())}")
 
     def _examples(self) -> tuple[list[Example], list[Example]]:
         d, seed = self.cfg.data, self.cfg.trainer.seed

@@ -11,7 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from moe_rl.common.platform import as_on_cuda
+from moe_rl.common.machine import resolve
+from moe_rl.common.platform import as_on_cuda, this_machine
 from moe_rl.config import (
     AlgorithmConfig,
     ConfigError,
@@ -44,8 +45,10 @@ def test_composed_defaults_are_the_dataclass_defaults():
 def test_the_arithmetic_recipe_config_changes_only_what_it_says():
     """conf/arithmetic_rl.yaml (the recipe's RL stage): valid, and train_moe.yaml's defaults everywhere else."""
     obj: TrainConfig = OmegaConf.to_object(_compose(name="arithmetic_rl"))
-    validate(obj, world_size=2)
-    default = dict(_flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig()))))
+    validate(obj, world_size=2)  # resolves the `auto` settings for this machine: compare with the defaults resolved
+    base = TrainConfig()
+    resolve(base, this_machine())
+    default = dict(_flat(OmegaConf.to_container(OmegaConf.structured(base))))
     changed = {k: v for k, v in _flat(OmegaConf.to_container(OmegaConf.structured(obj))) if default[k] != v}
     assert set(changed) == {
         "data.task",
@@ -145,7 +148,7 @@ TYPOS = {  # a value outside a key's fixed set, and the valid ones the refusal l
     "algorithm.kl_type=k2": "config algorithm.kl_type='k2': choose one of k1, k3, low_var_kl",
     "buffer.priority=fifo": "config buffer.priority='fifo': choose one of uniform, recency, advantage, rarity, mixed",
     "algorithm.prox_logp=approx": "config algorithm.prox_logp='approx': choose one of recompute, loglinear",
-    "model.dtype=fp16": "config model.dtype='fp16': choose one of float32, bfloat16",
+    "model.dtype=fp16": "config model.dtype='fp16': choose one of auto, float32, bfloat16",
     "trainer.mode=eval": "config trainer.mode='eval': choose one of train, rollout_only, from_dump",
     "data.task=gsm8k": "config data.task='gsm8k': choose one of toy, file, arithmetic",
     "rollout.placement=remote": "config rollout.placement='remote': choose one of colocated, separate",

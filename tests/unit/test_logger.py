@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from moe_rl.common.machine import Machine, resolve
 from moe_rl.config import TrainConfig
 from moe_rl.trainer.logger import RunLogger
 
@@ -94,11 +95,16 @@ def test_the_run_header_names_the_model_layout_and_objective(tiny_models, tmp_pa
     path = str(tiny_models["qwen3_moe"])
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), {"parallel": {"tp": 2, "ep": 2}}))
     cfg.model.path = path
+    resolve(cfg, Machine(cuda=False, transformer_engine=False))  # the `auto` settings, as validation resolves them
     lines = run_header(cfg, tmp_path, path, load_hf_config(path), world=4)
     params = AutoModelForCausalLM.from_pretrained(path).num_parameters()
     assert f"{params / 1e6:,.1f}M parameters" in lines[1] and "(qwen3_moe)" in lines[1]
     assert lines[2].endswith("world 4 = DP 2 x TP 2 x PP 1 x CP 1, EP 2, ETP 1; 2 engine(s) of TP 1 in float32")
     assert "train: 30 steps x 4 prompts x 8 samples per DP rank; gspo + icepop, advantage grpo" in lines[3]
+    assert lines[4] == (
+        "machine settings (CPU; `auto` resolves here): model.transformer_engine=false, model.dtype=float32, "
+        "rollout.dtype=float32"
+    )
 
 
 def test_the_run_header_says_once_what_the_engines_cast(tiny_models, tmp_path):

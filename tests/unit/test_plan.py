@@ -179,7 +179,11 @@ def test_refusals_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="world size 6 is not divisible by tp"):
         check(build_config([*GPU_BASE, "parallel.tp=4"]), spec, 6)
     with pytest.raises(ConfigError, match="actor.packing"):  # the trainer's GPU rule, refused here too
-        check(build_config(["model.dtype=bfloat16"]), spec, 1)
+        check(build_config(["model.transformer_engine=false"]), spec, 1)
+    with pytest.raises(ConfigError, match="actor.optimizer_offload.fraction: 0.5 needs actor.distributed_optimizer"):
+        check(build_config(["actor.optimizer_offload.fraction=0.5"]), spec, 8)
+    with pytest.raises(ConfigError, match="actor.optimizer_offload.fraction: 2.0: must be in"):
+        check(build_config(["actor.distributed_optimizer=true", "actor.optimizer_offload.fraction=2"]), spec, 8)
     with pytest.raises(ConfigError, match="did you mean parallel.tp"):
         build_config(["parallel.tpp=2"])
 
@@ -264,8 +268,10 @@ def test_what_megatron_and_the_trainer_hold_where_the_rules_differ():
     assert "full" in logits.note and logits.bytes > GIB
     half = make_plan(spec, build_config([*GPU_BASE, "rollout.dtype=half"]), 8, 80 * GIB)  # vLLM's name for float16
     assert half.tables[-1].rows[0].note.startswith("half")
-    with pytest.raises(ConfigError, match="rollout.dtype: 'auto'"):
-        make_plan(spec, build_config([*GPU_BASE, "rollout.dtype=auto"]), 8, 80 * GIB)
+    auto = make_plan(spec, build_config(["rollout.dtype=auto"]), 8, 80 * GIB)  # auto: bfloat16 on CUDA
+    assert auto.tables[-1].rows[0].note.startswith("bfloat16") and auto.settings["rollout.dtype"] == "bfloat16"
+    with pytest.raises(ConfigError, match="rollout.dtype: 'float8'"):
+        make_plan(spec, build_config([*GPU_BASE, "rollout.dtype=float8"]), 8, 80 * GIB)
 
 
 def test_the_command_line_refuses_counts_that_cannot_be(capsys):
@@ -338,12 +344,7 @@ def test_assumptions_lift_only_their_own_rule_and_move_only_their_own_bytes():
         check(wide, spec, 128)
     assert check(wide, spec, 128, frozenset({"engine-across-nodes"})).engine_tp == 16
 
-    # optimizer-offload: the optimizer-state row, and only it, leaves the GPU's total
     qwen, cfg = load_spec("qwen3-30b-a3b"), build_config(dist[:-1])
-    on_gpu = make_plan(qwen, cfg, 8, 80 * GIB).tables[0]
-    offload = make_plan(qwen, cfg, 8, 80 * GIB, assumed=frozenset({"optimizer-offload"})).tables[0]
-    state = next(r for r in offload.rows if r.name == "optimizer state")
-    assert state.host and state.bytes > 0 and offload.total == on_gpu.total - state.bytes
     # trainer-offload: a shared GPU holds the engine's budget or the trainer and a sleeping engine, whichever is more
     shared = make_plan(qwen, cfg, 8, 80 * GIB, assumed=frozenset({"trainer-offload"}))
     engine = shared.tables[-1].extra["budget_bytes"]
@@ -370,16 +371,117 @@ def test_deepseek_v3_fits_only_with_what_moe_rl_lacks(capsys):
         main([*base, "--search", "--gpus", "416"])
     out = json.loads(capsys.readouterr().out)
     assert done.value.code == 1 and out["fits"] is False and "engine-across-nodes" in out["reason"]
-    assume = ["--assume", "engine-across-nodes", "--assume", "optimizer-offload"]
+    assume = ["--assume", "engine-across-nodes"]
+    offload = ["actor.optimizer_offload.fraction=1"]  # a feature now (it was --assume optimizer-offload)
     layout = ["parallel.pp=13", "rollout.tensor_parallel_size=32", "rollout.engines=1"]
     with pytest.raises(SystemExit) as done:
-        main([*base, *assume, *layout, "--search", "--gpus", "416"])
+        main([*base, *assume, *offload, *layout, "--search", "--gpus", "416"])
     out = json.loads(capsys.readouterr().out)
-    assert done.value.code == 0 and out["fits"] and out["assumed"] == sorted(assume[1::2])
+    assert done.value.code == 0 and out["fits"] and out["assumed"] == ["engine-across-nodes"]
     assert out["layout"]["pp"] == 13 and out["layout"]["engine_tp"] == 32 and out["layout"]["assumed"] == out["assumed"]
     with pytest.raises(SystemExit) as done:
-        main([*base, *assume[:2], *layout, "--gpus", "416"])  # one plan, without the optimizer offload
+        main([*base, *assume, *layout, "--gpus", "416"])  # one plan, without the optimizer offload
     assert done.value.code == 1 and not json.loads(capsys.readouterr().out)["fits"]
+    with pytest.raises(SystemExit) as done:
+        main([*base, "--assume", "optimizer-offload", "--gpus", "8"])
+    assert done.value.code == 2 and "actor.optimizer_offload.fraction=1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
         main([*base, "--assume", "cpu-adam", "--gpus", "8"])
     assert done.value.code == 2 and "invalid choice: 'cpu-adam'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_optimizer_offload_moves_its_share_of_the_optimizer_rows_to_host_memory(fraction):
+    """actor.optimizer_offload.fraction f: (1 - f) of the optimizer-state row stays on the GPU; f of the rank's state
+    elements go to the host as fp32 master + Adam moments (12 B) and a pinned fp32 gradient copy (4 B); the fp32 main
+    grads and everything else stay where they were."""
+    qwen = load_spec("qwen3-30b-a3b")
+    base = ["actor.distributed_optimizer=true", "parallel.ep=8", "data.max_prompt_tokens=1024"]
+    on_gpu = make_plan(qwen, build_config(base), 8, 80 * GIB).tables[0]
+    off = make_plan(qwen, build_config([*base, f"actor.optimizer_offload.fraction={fraction}"]), 8, 80 * GIB).tables[0]
+    before, after = ({r.name: r for r in t.rows} for t in (on_gpu, off))
+    layout = check(build_config(base), qwen, 8)
+    rp = trainer_rank_params(qwen, count(qwen), 1, 1, None, 8, 1, 0)
+    elements = rp.dense // (layout.dp * layout.cp) + rp.experts // layout.expert_dp
+    assert before["optimizer state"].bytes == elements * 12  # bf16: fp32 master + two moments, sharded
+    assert after["optimizer state"].bytes == int(elements * 12 * (1 - fraction))
+    host = after["optimizer state (host)"]
+    assert host.host and host.bytes == int(elements * fraction) * 12
+    assert after["gradient copies (host)"].bytes == int(elements * fraction) * 4
+    assert after["gradients"] == before["gradients"]  # the DDP buffer's fp32 main grads stay on the GPU
+    assert on_gpu.total - off.total == before["optimizer state"].bytes - after["optimizer state"].bytes
+    assert off.host_total - on_gpu.host_total == int(elements * fraction) * 16
+
+
+def test_optimizer_offload_is_refused_on_a_cpu_run():
+    from moe_rl.config import TrainConfig
+    from moe_rl.config.validate import validate
+
+    cfg = TrainConfig()
+    cfg.actor.optimizer_offload.fraction = 1.0
+    with pytest.raises(ConfigError, match="actor.optimizer_offload.fraction: 1.0: megatron's CPU optimizer offload"):
+        validate(cfg, 2)
+
+
+def test_the_offload_options_are_megatrons_optimizer_config_fields():
+    """The fields actor.optimizer_offload sets exist in the installed megatron-core's OptimizerConfig, with the type
+    of their default (megatron's __post_init__ needs Transformer Engine once they are on: not built here)."""
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from moe_rl.actor.config import OptimizerOffloadConfig
+    from moe_rl.actor.optimizer import offload_options
+
+    assert offload_options(OptimizerOffloadConfig()) == {}
+    options = offload_options(OptimizerOffloadConfig(fraction=0.25, overlap=False))
+    defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
+    assert set(options) <= set(defaults)
+    assert all(type(v) is type(defaults[k]) for k, v in options.items())
+    assert options["optimizer_offload_fraction"] == 0.25 and options["overlap_cpu_optimizer_d2h_h2d"] is False
+
+
+def test_a_plan_of_the_defaults_plans_what_a_cuda_run_runs(tiny_models, tmp_path, monkeypatch, capsys):
+    """`moe-rl-plan --model qwen3-30b-a3b --gpus 64 --gpu-memory-gib 80` with no other argument gives a plan (not a
+    refusal), and its machine settings are the ones a CUDA run's header prints: the trainer's validation and header
+    on a machine whose platform probe says CUDA with Transformer Engine installed."""
+    import torch
+
+    from moe_rl.actor.model import load_hf_config
+    from moe_rl.common import platform
+    from moe_rl.config import TrainConfig
+    from moe_rl.config.validate import validate
+    from moe_rl.trainer.logger import run_header
+
+    args = ["--model", "qwen3-30b-a3b", "--gpus", "64", "--gpu-memory-gib", "80"]
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert done.value.code in (0, 1) and out["layout"]["dp"] == 64 and out["ranks"]  # a plan, not a refusal (2)
+    with pytest.raises(SystemExit):
+        main(args)
+    planned = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("machine settings"))
+    path = str(tiny_models["qwen3_moe"])
+
+    def header() -> tuple[TrainConfig, list[str]]:
+        cfg = TrainConfig()
+        cfg.model.path = path
+        validate(cfg, 64)  # what the trainer's start-up runs first: resolves `auto` for the machine
+        return cfg, run_header(cfg, tmp_path, path, load_hf_config(path), world=64)
+
+    cpu_cfg, cpu_lines = header()
+    assert cpu_lines[-1].startswith("machine settings (CPU;") and cpu_cfg.model.dtype == "float32"
+    assert cpu_cfg.model.transformer_engine is False and cpu_cfg.rollout.dtype == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(platform, "transformer_engine_installed", lambda: True)
+    cuda_cfg, cuda_lines = header()
+    assert cuda_lines[-1] == planned
+    assert out["settings"] == {
+        "model.transformer_engine": cuda_cfg.model.transformer_engine,
+        "model.dtype": str(cuda_cfg.model.dtype),
+        "rollout.dtype": cuda_cfg.rollout.dtype,
+    }
+    assert out["settings"] == {"model.transformer_engine": True, "model.dtype": "bfloat16", "rollout.dtype": "bfloat16"}
+    monkeypatch.setattr(platform, "transformer_engine_installed", lambda: False)  # CUDA without transformer-engine
+    with pytest.raises(ConfigError, match="auto is false here: transformer-engine is not installed"):
+        header()
