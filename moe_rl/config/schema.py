@@ -62,7 +62,7 @@ class Task(StrEnum):
 
 TASK_REWARDS = {
     Task.toy: "moe_rl.data.rewards:toy_low_token_reward",
-    Task.file: "moe_rl.data.rewards:toy_low_token_reward",
+    Task.file: "moe_rl.reward.builtin:compute_score",  # by each row's data_source
     Task.arithmetic: "moe_rl.data.rewards:numeric_answer_reward",
 }
 """The reward a task is scored with when data.reward is empty."""
@@ -295,15 +295,32 @@ class DataConfig:
     """Validation prompts (same formats and keys as path), evaluated every trainer.val_every steps."""
     answer_key: str = "answer"
     """Field holding the reference answer passed to the reward (task=file)."""
-    reward: str = ""
-    """Reward plugin `module:function(responses, answers, response_ids) -> list[float]`; empty: the task's own
-    (toy and file: moe_rl.data.rewards:toy_low_token_reward; arithmetic: moe_rl.data.rewards:numeric_answer_reward,
-    1 when the last integer of the response is the answer)."""
+    reward: Any = ""
+    """Reward function spec, or a list of them: `module:function` or `path/to/reward.py:function`, in verl's form
+    `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, TRL's `f(prompts, completions,
+    completion_ids, **columns)` or moe-rl's `f(responses, answers, response_ids)` / `@per_sample` (told from the
+    signature: docs/guides/reward-functions.md). Empty: the task's own (toy: moe_rl.data.rewards:toy_low_token_reward;
+    arithmetic: moe_rl.data.rewards:numeric_answer_reward; file: the built-in reward of each row's data_source,
+    moe_rl.reward.builtin:compute_score, and a data_source it does not know is refused at start)."""
+    reward_weights: list[float] | None = None
+    """Weight of each data.reward function in the combined reward (the weighted sum over the functions that scored
+    the sample, as TRL's reward_weights); null: all 1.0."""
+    reward_workers: int = 0
+    """Worker processes that run synchronous per-sample rewards (verl's form, @per_sample, the built-ins) on each
+    scoring rank; 0: min(8, the CPU cores this process may use)."""
+    reward_call_timeout_s: float = 30.0
+    """Seconds one per-sample call in the worker processes may take; a call past it is killed, scores
+    data.reward_timeout_score and is counted in reward/timeouts. 0: no limit."""
+    reward_timeout_score: float = 0.0
+    """The score of a per-sample call that ran past data.reward_call_timeout_s."""
+    reward_error_score: float | None = None
+    """null: a per-sample call (in the worker processes) that raises stops the run, naming the sample and its row;
+    a number: such a call scores it and is counted in reward/errors."""
     reward_timeout_s: float = 0.0
-    """Seconds the reward plugin may take for one step's samples (and for validation's); a plugin that has not
-    returned by then stops the run, naming it and the samples still pending (a judge or sandbox that stopped
-    answering). 0: no limit of its own; trainer.hang_timeout_s still ends a run whose reward makes no progress
-    (a @per_sample plugin progresses with each sample, a batched one only when it returns)."""
+    """Seconds the rewards that run in this process (batched ones, TRL's, async ones) may take for one step's
+    samples (and for validation's); one that has not returned by then stops the run, naming it and the samples
+    still pending (a judge or sandbox that stopped answering). 0: no limit of its own; trainer.hang_timeout_s still
+    ends a run whose reward makes no progress."""
     prompts_per_step: int = 4
     """Prompts per step on each data-parallel rank (samples = prompts * rollout.n)."""
     overlong_prompts: Overlong = Overlong.error
@@ -318,9 +335,14 @@ class DataConfig:
     """task=arithmetic: problems of the val split that validation scores when data.val_path is empty."""
 
     @property
+    def reward_specs(self) -> list[str]:
+        """The reward functions the run uses: data.reward, or the task's own."""
+        return reward_specs(self.reward) or [TASK_REWARDS[self.task]]
+
+    @property
     def reward_spec(self) -> str:
-        """The reward plugin the run uses: data.reward, or the task's own."""
-        return self.reward or TASK_REWARDS[self.task]
+        """The reward functions the run uses, as one string (for messages)."""
+        return ", ".join(self.reward_specs)
 
     def check(self) -> None:
         """This section's own rules: the files exist (that the reward loads is validate's)."""
@@ -330,14 +352,35 @@ class DataConfig:
             refuse("data.path", f"{self.path!r} does not exist")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             refuse("data.max_prompt_tokens", f"{self.max_prompt_tokens}: must be >= 1 (or null)")
-        if self.reward_timeout_s < 0:
-            refuse("data.reward_timeout_s", f"{self.reward_timeout_s:g}: must be >= 0 (0: no limit)")
+        check_reward_keys(self)
         if self.task == "arithmetic":
             check_problems(self)
         if self.val_path and not os.path.exists(self.val_path):
             refuse("data.val_path", f"{self.val_path!r} does not exist")
         if self.prompts_per_step < 1:
             refuse("data.prompts_per_step", "must be >= 1")
+
+
+def reward_specs(reward) -> list[str]:
+    """data.reward as a list of specs ("" or [] -> [])."""
+    if isinstance(reward, str):
+        return [reward] if reward else []
+    return [str(r) for r in reward]
+
+
+def check_reward_keys(data) -> None:
+    """The data.reward* keys of either trainer's data section."""
+    if not isinstance(data.reward, str) and not all(isinstance(r, str) and r for r in data.reward):
+        refuse("data.reward", f"{data.reward!r}: a spec or a list of specs ('module:function', 'file.py:function')")
+    weights = data.reward_weights
+    if weights is not None and len(weights) != len(reward_specs(data.reward) or [""]):
+        refuse("data.reward_weights", f"{list(weights)}: one weight per data.reward function")
+    if data.reward_timeout_s < 0:
+        refuse("data.reward_timeout_s", f"{data.reward_timeout_s:g}: must be >= 0 (0: no limit)")
+    if data.reward_call_timeout_s < 0:
+        refuse("data.reward_call_timeout_s", f"{data.reward_call_timeout_s:g}: must be >= 0 (0: no limit)")
+    if data.reward_workers < 0:
+        refuse("data.reward_workers", f"{data.reward_workers}: must be >= 0 (0: min(8, cores))")
 
 
 def check_problems(data) -> None:
@@ -675,14 +718,31 @@ class SFTDataConfig:
     answer_key: str = "answer"
     """task=file: field of a validation row holding the reference answer that validation by generation scores
     (val.generate)."""
-    reward: str = ""
-    """Reward plugin of validation by generation, as RL's data.reward; empty: the task's own (arithmetic:
-    moe_rl.data.rewards:numeric_answer_reward; task=file has none, so its validation is val/loss only)."""
+    reward: Any = ""
+    """Reward function(s) of validation by generation, as RL's data.reward (a spec or a list); empty: the task's own
+    (arithmetic: moe_rl.data.rewards:numeric_answer_reward; task=file has none, so its validation is val/loss only)."""
+    reward_weights: list[float] | None = None
+    """As RL's data.reward_weights: one weight per data.reward function; null: all 1.0."""
+    reward_workers: int = 0
+    """As RL's: worker processes of synchronous per-sample rewards; 0: min(8, cores)."""
+    reward_call_timeout_s: float = 30.0
+    """As RL's: seconds one per-sample call may take (then it scores data.reward_timeout_score); 0: no limit."""
+    reward_timeout_score: float = 0.0
+    """As RL's: the score of a per-sample call past data.reward_call_timeout_s."""
+    reward_error_score: float | None = None
+    """As RL's: null: a per-sample call that raises is an error naming the sample; a number: it scores that."""
+    reward_timeout_s: float = 0.0
+    """As RL's: seconds the in-process rewards may take for validation's samples; 0: no limit."""
+
+    @property
+    def reward_specs(self) -> list[str]:
+        """The reward functions validation by generation uses ([] = none): data.reward, or the task's own."""
+        return reward_specs(self.reward) or ([TASK_REWARDS[Task.arithmetic]] if self.task == "arithmetic" else [])
 
     @property
     def reward_spec(self) -> str:
-        """The reward plugin validation by generation uses ("" = none): data.reward, or the task's own."""
-        return self.reward or (TASK_REWARDS[Task.arithmetic] if self.task == "arithmetic" else "")
+        """The reward functions validation by generation uses, as one string ("" = none)."""
+        return ", ".join(self.reward_specs)
 
     def check(self) -> None:
         """This section's own rules (that the reward loads is validate's)."""
@@ -695,6 +755,7 @@ class SFTDataConfig:
                     refuse(f"data.{key}", f"{value!r} does not exist")
         else:
             check_problems(self)
+        check_reward_keys(self)
         if self.batch_size < 1:
             refuse("data.batch_size", f"{self.batch_size}: must be >= 1")
         if self.max_length is not None and self.max_length < 2:

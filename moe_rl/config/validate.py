@@ -9,8 +9,8 @@ from moe_rl.common.errors import refuse
 from moe_rl.common.machine import resolve
 from moe_rl.common.platform import cpu_engine_has_amx, has_cuda, this_machine
 from moe_rl.config.schema import ActorConfig, ModelConfig, SFTConfig, TrainConfig
-from moe_rl.data.rewards import load_reward
 from moe_rl.objectives.config import ADVANTAGE_NAMES
+from moe_rl.reward.load import RewardLoadError, load
 from moe_rl.rollout.config import DEVICE_TRANSPORTS, RolloutConfig
 from moe_rl.rollout.multi_turn.builtin_envs import env_class
 
@@ -61,12 +61,14 @@ def check_rollout_device(rollout: RolloutConfig) -> None:
         )
 
 
-def check_reward(spec: str) -> None:
-    """The reward plugin `spec` (module:function) loads."""
-    try:
-        load_reward(spec)
-    except ValueError as e:
-        refuse("data.reward", str(e))
+def check_reward(specs: list[str]) -> None:
+    """Each reward function of `specs` (module:function or file.py:function) loads and has one of the reward forms
+    (told from its signature; it is not called)."""
+    for spec in specs:
+        try:
+            load(spec)
+        except RewardLoadError as e:
+            refuse("data.reward", str(e))
 
 
 def _check_sections(cfg: TrainConfig) -> None:
@@ -76,7 +78,7 @@ def _check_sections(cfg: TrainConfig) -> None:
     cfg.actor.check()
     check_actor_device(cfg.actor)
     cfg.data.check()
-    check_reward(cfg.data.reward_spec)
+    check_reward(cfg.data.reward_specs)
     for section in (cfg.trainer, cfg.val, cfg.sampling):
         section.check()
     check_rollout_device(cfg.rollout)
@@ -307,10 +309,9 @@ def validate_sft(cfg: SFTConfig, world_size: int) -> None:
     check_model_device(cfg.model)
     cfg.actor.check()
     check_actor_device(cfg.actor)
-    if cfg.data.reward:
-        check_reward(cfg.data.reward)
     for section in (cfg.data, cfg.trainer, cfg.val):
         section.check()
+    check_reward(cfg.data.reward_specs if cfg.data.reward else [])
     if cfg.actor.router_replay != "off":
         refuse("actor.router_replay", f"{cfg.actor.router_replay}: SFT has no rollout routes to replay; set off")
     if cfg.actor.mini_batches != 1:

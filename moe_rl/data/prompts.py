@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_rl.data.config import OVERLONG_POLICIES, ArithmeticConfig, Split
@@ -39,6 +39,10 @@ class Prompt:
     """The row's chat conversation, if it had one instead of a prompt string."""
     ids: list[int] | None = None
     """Token ids of `text`, set by PromptSource when it is given a tokenizer."""
+    data_source: str = ""
+    """The row's data_source column (verl); "" when the row has none."""
+    row: dict = field(default_factory=dict)
+    """Every column of the row as read (nested dicts and lists kept as they are)."""
 
 
 TOY_WORDS = [
@@ -169,16 +173,24 @@ class PromptSource:
         return out
 
 
+def _arithmetic_row(problem) -> dict:
+    """An arithmetic problem as the row a reward sees (the columns of the task's own files)."""
+    return {"prompt": problem.prompt, "response": problem.response, "answer": str(problem.answer)}
+
+
 def _load(task: str, path: str, prompt_key: str, answer_key: str, messages_key: str, seed: int, problems) -> list:
     """The prompts of the toy task, of a built-in task's split (`problems`), or of a prompt file."""
     if task == "toy":
         rng = random.Random(seed)
         words = [" ".join(rng.choice(TOY_WORDS) for _ in range(rng.randint(2, 8))) for _ in range(512)]
-        return [Prompt(w, source=f"toy:{i}") for i, w in enumerate(words)]
+        return [Prompt(w, source=f"toy:{i}", data_source="toy") for i, w in enumerate(words)]
     if task == "arithmetic":
         cfg, split, count = problems
         drawn = generate(cfg, split, count, seed)
-        return [Prompt(p.prompt, str(p.answer), source=f"{task}:{split}:{i}") for i, p in enumerate(drawn)]
+        return [
+            Prompt(p.prompt, str(p.answer), source=f"{task}:{split}:{i}", data_source=task, row=_arithmetic_row(p))
+            for i, p in enumerate(drawn)
+        ]
     return read_prompt_file(path, prompt_key, answer_key, messages_key)
 
 

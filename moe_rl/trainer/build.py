@@ -16,6 +16,7 @@ from moe_rl.actor.replay import holds_routes
 from moe_rl.data.prompts import PromptSource
 from moe_rl.plan.kv import cpu_kv_cache_gib
 from moe_rl.plan.spec import load_spec
+from moe_rl.reward import RewardSet
 from moe_rl.rollout import dump, placement
 from moe_rl.rollout.ahead import AheadSource
 from moe_rl.rollout.buffer import BufferSource, ReplayBuffer
@@ -31,18 +32,22 @@ from moe_rl.trainer.run import data_parallel
 from moe_rl.trainer.validation import Validator
 
 
-def answers_needed(cfg, reward_fn, training: bool) -> str | None:
+def answers_needed(cfg, rewards: RewardSet, training: bool) -> str | None:
     """What scores the prompts against their reference answers (so every prompt needs one): the multi-turn
-    environment in training, else the reward function; None when neither needs answers."""
+    environment in training, else the reward functions; None when neither needs answers."""
     env = cfg.rollout.multi_turn.env
     if training and env != "none":  # the environment scores; the reward function is not called
         needs = getattr(env_class(env), "needs_answer", False)  # an optional attribute of an environment class
         return f"rollout.multi_turn.env={env}" if needs else None
-    needs = getattr(reward_fn, "needs_answer", False)
-    return f"data.reward={cfg.data.reward_spec}" if needs else None
+    return rewards.needs_answer
 
 
-def training_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> PromptSource:
+def scored_by_rewards(cfg, training: bool) -> bool:
+    """Whether the reward functions score these prompts (in training a multi-turn environment scores instead)."""
+    return not training or cfg.rollout.multi_turn.env == "none"
+
+
+def training_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int) -> PromptSource:
     """This data-parallel rank's shard of the training prompts (data.*), for responses of sampling.max_tokens in
     the engines' `context` (context-parallel ranks share their samples)."""
     d = cfg.data
@@ -54,9 +59,11 @@ def training_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> Prom
         dp_size=dp,
         tokenizer=tokenizer,
         context_limit=context - cfg.sampling.max_tokens,
-        answers_for=answers_needed(cfg, reward_fn, training=True),
+        answers_for=answers_needed(cfg, rewards, training=True),
         problems=(d.arithmetic, "train", d.problems),
     )
+    if scored_by_rewards(cfg, training=True):  # a data_source no reward knows: refused before the model is built
+        rewards.check_prompts(data.items, d.path or d.task)
     if data.dropped and rank == 0:
         say(
             f"[moe-rl] data: dropped {data.dropped} prompts of {d.path or d.task} longer than "
@@ -65,7 +72,7 @@ def training_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> Prom
     return data
 
 
-def validation_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> PromptSource:
+def validation_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int) -> PromptSource:
     """Every validation prompt (data.val_path, else the arithmetic task's val split), the same on every rank."""
     d = cfg.data
     max_tokens = cfg.val.max_tokens or cfg.sampling.max_tokens
@@ -77,9 +84,10 @@ def validation_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> Pr
         seed=cfg.trainer.seed,
         tokenizer=tokenizer,
         context_limit=context - max_tokens,
-        answers_for=answers_needed(cfg, reward_fn, training=False),
+        answers_for=answers_needed(cfg, rewards, training=False),
         problems=None if split else (d.arithmetic, "val", d.val_problems),
     )
+    rewards.check_prompts(val.items, f"validation {d.val_path or 'the arithmetic val split'}")
     if rank == 0:
         dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
         where = d.val_path or "the arithmetic val split"
@@ -201,10 +209,9 @@ def buffer_source(cfg, inner, actor, tokenizer, rewarder, objective, warn) -> Bu
     )
 
 
-def validator(cfg, prompts: PromptSource, groups, engine, tokenizer, reward_fn, may_stop) -> Validator:
-    """Validation by generation over every engine (trainer.val_every, val.*)."""
-    args = (tokenizer, reward_fn, cfg.val, cfg.sampling, may_stop)
-    return Validator(prompts.items, groups, engine, *args, reward_timeout_s=cfg.data.reward_timeout_s)
+def validator(cfg, prompts: PromptSource, groups, engine, tokenizer, rewards: RewardSet, may_stop) -> Validator:
+    """Validation by generation over every engine (trainer.val_every, val.*), scored by the run's rewards."""
+    return Validator(prompts.items, groups, engine, tokenizer, rewards, cfg.val, cfg.sampling, may_stop)
 
 
 class BufferState:

@@ -27,17 +27,17 @@ from moe_rl.common.gc_startup import start_up_done
 from moe_rl.config import TrainConfig
 from moe_rl.config.validate import validate
 from moe_rl.critic.critic import Critic, gae_targets
-from moe_rl.data.rewards import load_reward
 from moe_rl.diagnostics.step_hooks import StepDiagnostics
 from moe_rl.objectives import Objective
 from moe_rl.plan.preflight import preflight
+from moe_rl.reward import RewardSet
 from moe_rl.rollout.balance import balance_rollout
 from moe_rl.trainer import build
 from moe_rl.trainer.checkpoint import CheckpointError
 from moe_rl.trainer.health import ExactCheck, HealthMonitor, SkipCounter
 from moe_rl.trainer.logger import run_header, say
-from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics
-from moe_rl.trainer.reward import Rewarder
+from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics, reward_metrics
+from moe_rl.trainer.reward import Rewarder, reward_peers
 from moe_rl.trainer.run import Checkpoints, NothingToTrain, StartUp, data_parallel, run_steps, start_up
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
 from moe_rl.weight_sync import WeightSync, sync_metrics
@@ -59,13 +59,13 @@ class Trainer:
         self.context = cfg.rollout.max_model_len or start.hf_config.max_position_embeddings
         # Data and reward before the model and engines: a bad file fails in seconds.
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        reward_fn = load_reward(cfg.data.reward_spec)
-        self.rewarder = Rewarder(reward_fn, self.tokenizer, cfg.data.reward_timeout_s)
-        self.data = build.training_prompts(cfg, self.tokenizer, self.context, reward_fn, self.rank)
+        rewards = RewardSet.from_config(cfg.data)  # worker processes start at the first score
+        self.rewarder = Rewarder(rewards, self.tokenizer, reward_peers(data_parallel()[0]))
+        self.data = build.training_prompts(cfg, self.tokenizer, self.context, rewards, self.rank)
         self.objective = Objective(cfg.algorithm, cfg.sampling.n)
         self.memory = PeakMemory()
         self.memory.reset()  # probes whether the peak can be reset per step
-        announce(cfg, start, self.objective, self.memory.resettable)
+        announce(cfg, start, self.objective, self.memory.resettable, rewards.describe())
         self.actor = Actor(
             cfg.actor,
             cfg.model,
@@ -94,7 +94,7 @@ class Trainer:
         self.exact = ExactCheck(t.true_on_policy_strict, self.logger) if self.actor.exact_logprobs else None
         if t.true_on_policy:  # the engine's side of the mode, before it starts
             true_on_policy_engines(self.rank)
-        self._build_rollout(cfg, reward_fn, may_stop)
+        self._build_rollout(cfg, rewards, may_stop)
         self.updates = t.mode != "rollout_only"
         parts = {"critic": build.CriticState(critic)} if critic is not None else {}
         if self.source.buffer is not None:
@@ -104,12 +104,12 @@ class Trainer:
             self._resume()
         self.data_position = self.data.position  # prompts consumed by completed steps
 
-    def _build_rollout(self, cfg: TrainConfig, reward_fn, may_stop) -> None:
+    def _build_rollout(self, cfg: TrainConfig, rewards: RewardSet, may_stop) -> None:
         """The rollout source (trainer.mode), this rank's engine, the weight sync into the engines and the validator."""
         t, tok = cfg.trainer, self.tokenizer
         val = None
         if t.val_every or t.val_before_train:  # before the engines: they size KV for it
-            val = build.validation_prompts(cfg, tok, self.context, reward_fn, self.rank)
+            val = build.validation_prompts(cfg, tok, self.context, rewards, self.rank)
         self.engine = self.weight_sync = self.validator = None
         if t.mode == "from_dump":
             self.source = build.dump_source(cfg, self.actor)
@@ -126,7 +126,7 @@ class Trainer:
         bucket_mb, transport = r.weight_sync_bucket_mb, r.weight_transport
         self.weight_sync = WeightSync(self.actor, self.engine, groups.leaders, bucket_mb, transport)
         if val is not None:
-            self.validator = build.validator(cfg, val, groups, self.engine, tok, self.rewarder.fn, may_stop)
+            self.validator = build.validator(cfg, val, groups, self.engine, tok, rewards, may_stop)
 
     def _resume(self) -> None:
         """Restore the checkpoint chosen (and verified) at start into every part; the engines get the resumed
@@ -186,6 +186,7 @@ class Trainer:
         progress.mark("metrics")  # the step's reductions and its log line
         peaks = timer.times | self.memory.read() | idle_times(self.source, timer, time.perf_counter() - start) | synced
         metrics = global_metrics(rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, peaks)
+        metrics |= reward_metrics(self.rewarder.take())  # per reward function and data_source, over every rank
         metrics |= val | balance | staleness(self.source, self.step_index, rollout)
         return self._log(metrics, rollout, old)
 
@@ -266,10 +267,13 @@ class Trainer:
         pass  # RL leaves its checkpoints; nothing to export
 
     def close(self) -> None:
-        self.source.close()
-        for line in self.health.summary():
-            self.logger.warn(self.step_index, line)
-        self.logger.close()
+        try:
+            self.source.close()
+            for line in self.health.summary():
+                self.logger.warn(self.step_index, line)
+            self.logger.close()
+        finally:
+            self.rewarder.close()  # the reward worker processes, whatever else failed
 
 
 def lr_schedules(cfg: TrainConfig, actor: Actor, critic: Critic | None) -> dict[str, LRSchedule]:
@@ -298,9 +302,12 @@ def idle_times(source, timer: Timer, step_s: float) -> dict[str, float]:
     return {"time/step": step_s} | source.idle_times(rollout_s, step_s)
 
 
-def announce(cfg: TrainConfig, start: StartUp, objective: Objective, memory_resettable: bool) -> None:
-    """The run header, the notes on settings that change what runs, and the planner's preflight of this run: said
-    before the model is built (the preflight may refuse the layout)."""
+def announce(
+    cfg: TrainConfig, start: StartUp, objective: Objective, memory_resettable: bool, reward_lines: list[str] = ()
+) -> None:
+    """The run header (with `reward_lines`, naming each reward function: RewardSet.describe), the notes on settings
+    that change what runs, and the planner's preflight of this run: said before the model is built (the preflight
+    may refuse the layout)."""
     notes = [objective.fused_note] if objective.fused_note else []
     if cfg.trainer.true_on_policy and cfg.actor.fused_logprob:
         notes.append(
@@ -313,7 +320,7 @@ def announce(cfg: TrainConfig, start: StartUp, objective: Objective, memory_rese
     if not memory_resettable:
         notes.append("memory/peak_rss_gib is the process's lifetime peak (/proc/self/clear_refs is not writable)")
     world = dist.get_world_size()
-    lines = run_header(cfg, start.run_dir, start.model_path, start.hf_config, world) + notes
+    lines = run_header(cfg, start.run_dir, start.model_path, start.hf_config, world) + list(reward_lines) + notes
     for line in lines if start.rank == 0 else []:
         say(f"[moe-rl] {line}")
     if cfg.trainer.preflight:  # the planner's sizing of this run, before the model is built

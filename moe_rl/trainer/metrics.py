@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.common import progress
+from moe_rl.common.distributed import all_gather_objects
 from moe_rl.objectives.metrics import mismatch_from_sums, mismatch_sums
+from moe_rl.reward import combine
 
 
 class Timer:
@@ -71,6 +73,15 @@ def _all_reduce(values: dict[str, float], op) -> dict[str, float]:
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=op)
     return dict(zip(keys, t.tolist(), strict=True))
+
+
+def reward_metrics(parts: list[tuple[dict, dict]]) -> dict[str, float]:
+    """The step's reward metrics over every data-parallel rank (collective): reward/<function>/mean and extras,
+    reward/<data_source>/mean, reward/timeouts and reward/errors, from the (totals, counts) each scoring rank holds
+    (trainer.reward.Rewarder.take; one scorer per data-parallel replica, so nothing is counted twice). Gathered as
+    objects: the data sources, and so the keys, differ per rank."""
+    every = [p for rank_parts in all_gather_objects(parts) for p in rank_parts]
+    return combine(every) if every else {}
 
 
 def global_metrics(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -27,8 +26,8 @@ from moe_rl.common.platform import this_machine
 from moe_rl.config import SFTConfig
 from moe_rl.config.validate import validate_sft
 from moe_rl.data.prompts import DataError, PromptSource
-from moe_rl.data.rewards import load_reward
 from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
+from moe_rl.reward import RewardSet
 from moe_rl.rollout.config import RolloutConfig, SamplingConfig
 from moe_rl.rollout.engine import RolloutEngine
 from moe_rl.rollout.engine_groups import engine_groups
@@ -58,9 +57,9 @@ class SFTTrainer:
         for examples in (train, val):
             check_lengths(examples, limit, limit_name)
         generate = bool(val and t.val_every and cfg.val.generate)
-        val_prompts, reward_fn = [], None
+        val_prompts, self.rewards = [], None
         if generate and cfg.data.reward_spec:
-            val_prompts, reward_fn = self._val_prompts(hf_config.max_position_embeddings)
+            val_prompts, self.rewards = self._val_prompts(hf_config.max_position_embeddings)
         dp_rank, dp = data_parallel()
         self.batches = Batches(train, cfg.data.batch_size, t.seed, dp_rank, dp)
         if 0 < len(val) < dp:
@@ -81,7 +80,7 @@ class SFTTrainer:
         self.may_stop = functools.partial(self.stop.engine_may_stop, self.logger.warn_now)
         self.engine = self.weight_sync = self.generation = None
         if val_prompts:
-            self._start_generation(val_prompts, reward_fn)
+            self._start_generation(val_prompts, self.rewards)
         elif generate and self.rank == 0:
             say("[moe-rl] validation: val/loss only (task=file has no reward: set data.reward to score generations)")
         if start.resumed:
@@ -108,12 +107,11 @@ class SFTTrainer:
         keys = (d.prompt_key, d.response_key, d.messages_key, self.tokenizer)
         return read_examples(d.path, *keys), read_examples(d.val_path, *keys) if d.val_path else []
 
-    def _val_prompts(self, context: int) -> tuple[list, Callable]:
+    def _val_prompts(self, context: int) -> tuple[list, RewardSet]:
         """The validation prompts of generation (every rank the same list) and the reward that scores them; a row
         without an answer the reward needs, or too long for the context with val.max_tokens, is an error naming it."""
         cfg, d = self.cfg, self.cfg.data
-        reward_fn = load_reward(d.reward_spec)
-        needs = f"data.reward={d.reward_spec}" if getattr(reward_fn, "needs_answer", False) else None
+        rewards = RewardSet.from_config(d)  # worker processes start at the first score
         prompts = PromptSource(
             d.task,
             d.val_path,
@@ -123,12 +121,13 @@ class SFTTrainer:
             messages_key=d.messages_key,
             tokenizer=self.tokenizer,
             context_limit=context - cfg.val.max_tokens,
-            answers_for=needs,
+            answers_for=rewards.needs_answer,
             problems=(d.arithmetic, "val", d.val_problems),
         ).items
-        return prompts, reward_fn
+        rewards.check_prompts(prompts, f"validation {d.val_path or 'the arithmetic val split'}")
+        return prompts, rewards
 
-    def _start_generation(self, prompts: list, reward_fn: Callable) -> None:
+    def _start_generation(self, prompts: list, rewards: RewardSet) -> None:
         """Validation by generation (val.*): one engine (on rank 0) that gets the actor's weights before each
         validation, and RL's Validator over `prompts`."""
         cfg = self.cfg
@@ -141,7 +140,7 @@ class SFTTrainer:
             self.engine = RolloutEngine(engine_cfg, lay.moe_layers, lay.num_experts, lay.topk)
         self.weight_sync = WeightSync(self.actor, self.engine, groups.leaders, bucket_mb=64)
         sampling = SamplingConfig(max_tokens=cfg.val.max_tokens)
-        args = (self.tokenizer, reward_fn, cfg.val, sampling, self.may_stop)
+        args = (self.tokenizer, rewards, cfg.val, sampling, self.may_stop)
         self.generation = Validator(prompts, groups, self.engine, *args)
         if self.rank == 0:
             what = f"{len(prompts)} prompts, {cfg.data.reward_spec}, one engine"
@@ -202,9 +201,13 @@ class SFTTrainer:
             say(f"[moe-rl] HF folder of step {self.step_index}: {out}")
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-        self.logger.close()
+        try:
+            if self.engine is not None:
+                self.engine.shutdown()
+            self.logger.close()
+        finally:
+            if self.rewards is not None:
+                self.rewards.close()  # the reward worker processes
 
 
 def sft(cfg: SFTConfig, run_dir: str | Path) -> list[dict[str, float]]:

@@ -14,25 +14,22 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.common import progress
-from moe_rl.data.rewards import score
+from moe_rl.reward import RewardSet, samples_of
 
 VAL_SUMS = ("prompts", "samples", "reward", "length", "passed", "correct", "stopped")
 
 
 class Validator:
-    def __init__(
-        self, prompts: list, groups, engine, tokenizer, reward_fn, val_cfg, sampling, may_stop, reward_timeout_s=0.0
-    ):
+    def __init__(self, prompts: list, groups, engine, tokenizer, rewards: RewardSet, val_cfg, sampling, may_stop):
         """`prompts`: every validation Prompt (with token ids), the same list on every rank; `groups`:
-        EngineGroups; `engine`: this rank's engine (leaders) or None; `val_cfg`: config.ValConfig;
-        `sampling`: the training SamplingConfig (its stop strings are kept); `may_stop`: as EngineSource's;
-        `reward_timeout_s`: data.reward_timeout_s."""
-        self.reward_timeout_s = reward_timeout_s
+        EngineGroups; `engine`: this rank's engine (leaders) or None; `rewards`: the run's RewardSet (each engine
+        leader scores its own share, so every sample once); `val_cfg`: config.ValConfig; `sampling`: the training
+        SamplingConfig (its stop strings are kept); `may_stop`: as EngineSource's."""
         e, engines = groups.leaders.index(groups.leader), len(groups.leaders)
         self.first = e * len(prompts) // engines
         share = prompts[self.first : (e + 1) * len(prompts) // engines]
         self.share = share if groups.is_leader else []
-        self.engine, self.tokenizer, self.reward_fn, self.may_stop = engine, tokenizer, reward_fn, may_stop
+        self.engine, self.tokenizer, self.rewards, self.may_stop = engine, tokenizer, rewards, may_stop
         self.cfg = val_cfg
         self.sampling = replace(
             sampling,
@@ -70,12 +67,9 @@ class Validator:
         if batch is None:
             return torch.tensor([0, 0, 0, 0, 0, 0, 1], dtype=torch.float64)
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        prompts = [self.share[i] for i in batch.prompt_index]
-        answers, sources = [p.answer for p in prompts], [p.text for p in prompts]
-        rank = dist.get_rank() if dist.get_world_size() > 1 else None
-        ids, limit = batch.response_ids, self.reward_timeout_s
-        rewards = score(self.reward_fn, texts, answers, ids, sources, step, rank, phase="validation", timeout_s=limit)
-        r = torch.tensor(rewards, dtype=torch.float64)
+        samples = samples_of(self.share, batch.prompt_index, texts, batch.response_ids)
+        rank = f" (rank {dist.get_rank()})" if dist.get_world_size() > 1 else ""
+        r = torch.tensor(self.rewards.score(samples, step, phase=f"validation{rank}").rewards, dtype=torch.float64)
         correct = (r >= self.cfg.pass_threshold).double()
         passed = torch.zeros(len(self.share), dtype=torch.float64).index_add_(
             0, torch.as_tensor(batch.prompt_index), correct

@@ -17,3 +17,15 @@ def never_returns(responses, answers, response_ids):
         f.write(f"{time.time()}\n")
     while True:
         time.sleep(60)
+
+
+def count_calls(data_source, solution_str, ground_truth, extra_info=None):
+    """A verl-form reward that records each call (the trainer rank whose worker process made it, and the response)
+    in $MOE_RL_TEST_REWARD_CALLS and scores 0: given weight 0 beside the task's reward, it counts the reward calls
+    of a run without changing what it learns."""
+    import json
+    import os
+
+    with open(os.environ["MOE_RL_TEST_REWARD_CALLS"], "a") as f:
+        f.write(json.dumps({"rank": os.environ.get("RANK"), "source": data_source, "response": solution_str}) + "\n")
+    return 0.0

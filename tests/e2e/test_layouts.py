@@ -34,13 +34,26 @@ def _history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(run_dir: Path, nproc: int, overrides: list[str], timeout: int = 900) -> list[dict]:
+def _train(run_dir: Path, nproc: int, overrides: list[str], timeout: int = 900, env: dict | None = None) -> list[dict]:
     cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "launch/train_moe.py"]
-    run_job([*cmd, f"hydra.run.dir={run_dir}", *COMMON, *overrides], timeout=timeout)
+    run_job([*cmd, f"hydra.run.dir={run_dir}", *COMMON, *overrides], timeout=timeout, env=env)
     return _history(run_dir)
 
 
-def _train_two_nodes(run_dir: Path, overrides: list[str], timeout: int = 900) -> list[dict]:
+# The toy reward plus a verl-form reward of weight 0 that records its calls (tests/e2e/plugins.py): the run learns
+# what it learns without it, and the calls show who scored what.
+COUNTED = [
+    'data.reward=["moe_rl.data.rewards:toy_low_token_reward","tests.e2e.plugins:count_calls"]',
+    "data.reward_weights=[1.0,0.0]",
+]
+SAMPLES_PER_STEP = 4 * 8  # data.prompts_per_step x sampling.n (the defaults) per data-parallel rank
+
+
+def _calls(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _train_two_nodes(run_dir: Path, overrides: list[str], calls: Path, timeout: int = 900) -> list[dict]:
     """Two torchrun agents (--nnodes=2 --nproc-per-node=1) meeting through c10d rendezvous; the first hosts its
     store, as launch/slurm/multi_node.sbatch says (on one host torch's guess makes both agents try to)."""
     port = free_port()
@@ -53,7 +66,7 @@ def _train_two_nodes(run_dir: Path, overrides: list[str], timeout: int = 900) ->
 
     script = f"{agent(True)} > {run_dir}.node0.log 2>&1 & a=$!; {agent(False)} > {run_dir}.node1.log 2>&1 & b=$!; "
     script += "wait $a; ra=$?; wait $b; rb=$?; cat " + f"{run_dir}.node0.log {run_dir}.node1.log; exit $((ra | rb))"
-    run_job(["bash", "-c", script], timeout=timeout)
+    run_job(["bash", "-c", script], timeout=timeout, env={"MOE_RL_TEST_REWARD_CALLS": str(calls)})
     return _history(run_dir)
 
 
@@ -92,7 +105,16 @@ def one_rank(tmp_path_factory) -> dict:
 def test_tp2_pp2_and_cp2_learn_and_step_1_equals_one_rank(layout, one_rank, tmp_path):
     pp = layout == "parallel.pp=2"  # each stage gets (and replays) its own layers' routes; dumps hold every layer's
     # the default job length (30 steps), as the issue states it: at 20 steps TP=2 learned 2.02x, too near the bound
-    history = _train(tmp_path, 2, [layout, "trainer.steps=30", *(["trainer.dump_every=10"] if pp else [])])
+    tp = layout == "parallel.tp=2"  # counts the reward's calls: each sample once per step, on one rank of the two
+    extra = [*(["trainer.dump_every=10"] if pp else []), *(COUNTED if tp else [])]
+    calls = tmp_path / "reward_calls.jsonl"
+    history = _train(tmp_path, 2, [layout, "trainer.steps=30", *extra], env={"MOE_RL_TEST_REWARD_CALLS": str(calls)})
+    if tp:  # data-parallel size 1: 30 steps x 32 samples, every call from rank 0, none for anything but training
+        got = _calls(calls)
+        assert len(got) == 30 * SAMPLES_PER_STEP and {c["rank"] for c in got} == {"0"}, len(got)
+        assert {c["source"] for c in got} == {"toy"}
+        assert all(h["reward/count_calls/mean"] == 0.0 and h["reward/timeouts"] == 0 for h in history)
+        assert all(h["reward/toy/mean"] == h["reward/mean"] for h in history)
     if pp:
         _assert_dumps_hold_every_layer(tmp_path / "dumps" / "step_000000")
         # both stages dump data-parallel rank 0's 32 samples; moe-rl-diagnose offline pools them once (it counted 64)
@@ -122,8 +144,11 @@ def test_tp2_pp2_and_cp2_learn_and_step_1_equals_one_rank(layout, one_rank, tmp_
 
 
 def test_tp2_ep2_on_4_ranks_equals_dp2_on_two_nodes(tmp_path):
-    reference = _train_two_nodes(tmp_path / "dp2_two_nodes", ["trainer.steps=1"])
+    calls = tmp_path / "reward_calls.jsonl"
+    reference = _train_two_nodes(tmp_path / "dp2_two_nodes", ["trainer.steps=1", *COUNTED], calls)
     assert reference[0]["step"] == 1
+    by_rank = [[c["response"] for c in _calls(calls) if c["rank"] == r] for r in ("0", "1")]
+    assert [len(r) for r in by_rank] == [SAMPLES_PER_STEP] * 2  # each data-parallel rank scores its own 32 samples
     history = _train(tmp_path / "tp2_ep2", 4, ["parallel.tp=2", "parallel.ep=2", "trainer.steps=2"])
     assert len(history) == 2
     _assert_same_step(history[0], reference[0], "tp=2 x ep=2 vs dp=2")

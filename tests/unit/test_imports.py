@@ -93,6 +93,7 @@ def test_tools_are_leaves():
 LAYERS = [
     {"kernels", "routing"},  # torch (and Triton) only: the fused kernels, the route contract
     {"common"},  # batch types and collective helpers every part uses
+    {"reward"},  # reward functions users write, loaded by spec, run on whole samples (torch-free)
     {"objectives", "compat", "data", "models"},  # losses and corrections; reaches into megatron/vLLM; prompts
     {"actor", "rollout"},  # the Megatron actor; the vLLM engines and rollout sources (neither knows the other)
     {"weight_sync", "critic", "diagnostics"},  # actor -> engines; the value model; step hooks and the CLI
