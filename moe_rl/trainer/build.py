@@ -5,6 +5,7 @@ here, never inside a step."""
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from moe_rl.actor.replay import holds_routes
+from moe_rl.data.config import validation_sets
 from moe_rl.data.prompts import PromptSource
 from moe_rl.plan.kv import cpu_kv_cache_gib
 from moe_rl.plan.spec import load_spec
@@ -57,6 +59,8 @@ def training_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> Prom
         answers_for=answers_needed(cfg, reward_fn, training=True),
         problems=(d.arithmetic, "train", d.problems),
     )
+    if rank == 0 and (line := data.describe(str(d.path))):
+        say(line)
     if data.dropped and rank == 0:
         say(
             f"[moe-rl] data: dropped {data.dropped} prompts of {d.path or d.task} longer than "
@@ -65,26 +69,46 @@ def training_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> Prom
     return data
 
 
-def validation_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> PromptSource:
-    """Every validation prompt (data.val_path, else the arithmetic task's val split), the same on every rank."""
+def validation_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> dict[str, PromptSource]:
+    """Every validation prompt, the same on every rank, one PromptSource per set: each of data.val_path's sets under
+    its name (moe_rl.data.config.validation_sets: "val" for a single path), else the arithmetic task's val split
+    as "val"."""
     d = cfg.data
     max_tokens = cfg.val.max_tokens or cfg.sampling.max_tokens
-    split = d.val_path or d.task != "arithmetic"
-    val = PromptSource.from_config(
-        d,
-        path=d.val_path,
-        task="file" if split else d.task,
-        seed=cfg.trainer.seed,
-        tokenizer=tokenizer,
-        context_limit=context - max_tokens,
-        answers_for=answers_needed(cfg, reward_fn, training=False),
-        problems=None if split else (d.arithmetic, "val", d.val_problems),
-    )
-    if rank == 0:
-        dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
-        where = d.val_path or "the arithmetic val split"
-        say(f"[moe-rl] validation: {len(val.items)} prompts of {where}{dropped}")
-    return val
+    sets = validation_sets(d.val_path) if d.val_path or d.task != "arithmetic" else {"val": None}
+    out = {}
+    for name, path in sets.items():
+        val = PromptSource.from_config(
+            d,
+            path=path or "",
+            task="file" if path is not None else d.task,
+            seed=cfg.trainer.seed,
+            tokenizer=tokenizer,
+            context_limit=context - max_tokens,
+            answers_for=answers_needed(cfg, reward_fn, training=False),
+            problems=None if path is not None else (d.arithmetic, "val", d.val_problems),
+            split=d.val_split,
+        )
+        if rank == 0:
+            dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
+            where = path or "the arithmetic val split"
+            named = "" if len(sets) == 1 else f" {name!r}"
+            if line := val.describe(str(path)):
+                say(line)
+            say(f"[moe-rl] validation{named}: {len(val.items)} prompts of {where}{dropped}")
+        out[name] = val
+    return out
+
+
+def joined(sets: dict[str, PromptSource]) -> PromptSource:
+    """The validation sets as one source, their prompts in order (what the Validator scores today, as one set)."""
+    first = next(iter(sets.values()))
+    if len(sets) == 1:
+        return first
+    whole = copy.copy(first)
+    whole.items = [p for s in sets.values() for p in s.items]
+    whole.token_limit = max(s.token_limit for s in sets.values())
+    return whole
 
 
 @dataclass

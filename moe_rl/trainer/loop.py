@@ -109,7 +109,8 @@ class Trainer:
         t, tok = cfg.trainer, self.tokenizer
         val = None
         if t.val_every or t.val_before_train:  # before the engines: they size KV for it
-            val = build.validation_prompts(cfg, tok, self.context, reward_fn, self.rank)
+            # one source over every set until the Validator reports each under its name (issue 79)
+            val = build.joined(build.validation_prompts(cfg, tok, self.context, reward_fn, self.rank))
         self.engine = self.weight_sync = self.validator = None
         if t.mode == "from_dump":
             self.source = build.dump_source(cfg, self.actor)
