@@ -54,9 +54,9 @@ def read_rows(path, split: str = "train", key: str = "data.path") -> list[tuple[
 
 
 def _quiet(datasets) -> None:
-    """No progress bars or info lines from datasets on every rank."""
+    """No progress bars or log lines from datasets on every rank (a file it fails on, our reader names)."""
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
 
 
 def _folder_rows(folder: Path, split: str) -> list[tuple[str, dict]]:
