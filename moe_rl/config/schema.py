@@ -14,7 +14,15 @@ from typing import Any
 
 from moe_rl.actor.config import COLLECTIVE_TIMEOUT_S, OptimizerOffloadConfig, ParallelConfig, Recompute
 from moe_rl.common.errors import ConfigError, refuse
-from moe_rl.data.config import ArithmeticConfig, Overlong, check_count
+from moe_rl.data.config import (
+    ArithmeticConfig,
+    DataFormat,
+    Overlong,
+    check_count,
+    path_entries,
+    path_problem,
+    validation_sets,
+)
 from moe_rl.models.config import Arch, Size
 from moe_rl.objectives.config import (
     ADVANTAGE_NAMES,
@@ -279,10 +287,14 @@ class DataConfig:
     task: Task = Task.toy
     """toy (built in, learnable by a tiny random model) | file (data.path) | arithmetic (generated problems with
     worked solutions and integer answers: data.arithmetic)."""
-    path: str = ""
-    """jsonl or parquet file, or the folder of an HF dataset saved with save_to_disk (task=file)."""
+    path: Any = ""
+    """task=file: local data as datasets.load_dataset reads it: a parquet / jsonl / json (array or lines) / arrow
+    file, a glob (`data/*.parquet`), a list of files (`[a.parquet,b.parquet]`), a folder of such files (Hub-style
+    shards `train-00000-of-00001.parquet`, the split chosen by data.split from their names), or a save_to_disk
+    folder (a Dataset, or a DatasetDict and its data.split). No Hub names: these machines cannot reach the Hub."""
     prompt_key: str = "prompt"
-    """Field of a prompt row holding the prompt text (task=file)."""
+    """Field of a prompt row holding the prompt: a string, or (data.format verl / trl) chat messages; a dotted path
+    reaches a nested field (task=file)."""
     messages_key: str = "messages"
     """Field of a prompt row holding a chat: a list of {"role", "content"} (needs apply_chat_template)."""
     apply_chat_template: bool = False
@@ -291,10 +303,13 @@ class DataConfig:
     max_prompt_tokens: int | None = None
     """Longest prompt in tokens (after the chat template); null = what fits the engine's context with
     sampling.max_tokens. Longer prompts follow overlong_prompts."""
-    val_path: str = ""
-    """Validation prompts (same formats and keys as path), evaluated every trainer.val_every steps."""
+    val_path: Any = ""
+    """Validation prompts (same formats and keys as path), evaluated every trainer.val_every steps: a path (one set,
+    "val"), a list of paths (one set each, named by its file stem) or a mapping {name: path}."""
     answer_key: str = "answer"
-    """Field holding the reference answer passed to the reward (task=file)."""
+    """Field holding the reference answer passed to the reward (task=file); a dotted path reaches a nested field
+    and must be in every row (`reward_model.ground_truth`, verl's, is data.format=verl's when this is left at
+    `answer`)."""
     reward: Any = ""
     """Reward function spec, or a list of them: `module:function` or `path/to/reward.py:function`, in verl's form
     `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, TRL's `f(prompts, completions,
@@ -333,6 +348,22 @@ class DataConfig:
     of the split's distinct problems (8,000 of the default task's 16,000)."""
     val_problems: int = 200
     """task=arithmetic: problems of the val split that validation scores when data.val_path is empty."""
+    # Datasets in the formats users have (issue 79): moe_rl/data/formats.py, moe_rl/data/files.py
+    format: DataFormat = DataFormat.auto
+    """How a row's columns are read: auto (from the first row's columns; the choice printed at start) | verl
+    (`prompt` chat messages, answer `reward_model.ground_truth`, data_source / ability / extra_info kept) | trl
+    (`prompt` string or messages, `messages`) | plain (prompt_key a string, messages_key, answer_key as they are).
+    Chat rows of verl and trl are rendered with the chat template without data.apply_chat_template."""
+    split: str = "train"
+    """The split data.path reads from a DatasetDict folder or a folder of split-named files."""
+    val_split: str = "validation"
+    """The split each validation set reads from a DatasetDict folder or a folder of split-named files."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the tokenizer's apply_chat_template for every rendered prompt (e.g. Qwen3's
+    `{enable_thinking: false}`)."""
+    system_prompt: str = ""
+    """A system message put before every prompt (a chat that starts with a system message keeps its own); set, it
+    renders every prompt with the chat template."""
 
     @property
     def reward_specs(self) -> list[str]:
@@ -346,17 +377,19 @@ class DataConfig:
 
     def check(self) -> None:
         """This section's own rules: the files exist (that the reward loads is validate's)."""
-        if self.task == "file" and not self.path:
-            refuse("data.path", "task=file needs a jsonl or parquet path")
-        if self.task == "file" and not os.path.exists(self.path):
-            refuse("data.path", f"{self.path!r} does not exist")
+        if self.task == "file":
+            check_paths("data.path", self.path, "task=file needs a dataset: a file, a folder or a list of files")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             refuse("data.max_prompt_tokens", f"{self.max_prompt_tokens}: must be >= 1 (or null)")
         check_reward_keys(self)
         if self.task == "arithmetic":
             check_problems(self)
-        if self.val_path and not os.path.exists(self.val_path):
-            refuse("data.val_path", f"{self.val_path!r} does not exist")
+        try:
+            sets = validation_sets(self.val_path)
+        except ConfigError as e:
+            refuse("data.val_path", str(e))
+        for name, path in sets.items():
+            check_paths("data.val_path" if name == "val" else f"data.val_path.{name}", path, "")
         if self.prompts_per_step < 1:
             refuse("data.prompts_per_step", "must be >= 1")
 
@@ -381,6 +414,20 @@ def check_reward_keys(data) -> None:
         refuse("data.reward_call_timeout_s", f"{data.reward_call_timeout_s:g}: must be >= 0 (0: no limit)")
     if data.reward_workers < 0:
         refuse("data.reward_workers", f"{data.reward_workers}: must be >= 0 (0: min(8, cores))")
+
+
+def check_paths(key: str, path, empty: str) -> None:
+    """Refuse a data path value (a str or a list) that is empty (when `empty` says why it may not be) or names
+    something that cannot be read here (a missing file, a glob matching nothing, a Hub name)."""
+    try:
+        entries = path_entries(path)
+    except ConfigError as e:
+        refuse(key, str(e))
+    if not entries and empty:
+        refuse(key, empty)
+    for entry in entries:
+        if (problem := path_problem(entry)) is not None:
+            refuse(key, problem)
 
 
 def check_problems(data) -> None:
@@ -691,10 +738,13 @@ class SFTDataConfig:
 
     task: SFTTask = SFTTask.arithmetic
     """arithmetic (generated problems with their worked solutions: data.arithmetic) | file (data.path)."""
-    path: str = ""
-    """task=file: jsonl or parquet rows (or a save_to_disk folder) with a prompt and a response, or a chat."""
-    val_path: str = ""
-    """task=file: validation rows in the same format (val/loss); empty: no validation."""
+    path: Any = ""
+    """task=file: rows with a prompt and a response, TRL's prompt/completion (strings or chat messages), or a chat;
+    local data as RL's data.path reads it (a file, a glob, a list of files, a folder of shards, a save_to_disk
+    folder)."""
+    val_path: Any = ""
+    """task=file: validation rows in the same format (val/loss); a path or a list of paths (one set); empty: no
+    validation."""
     prompt_key: str = "prompt"
     """Field of a row holding the prompt."""
     response_key: str = "response"
@@ -739,6 +789,22 @@ class SFTDataConfig:
         """The reward functions validation by generation uses ([] = none): data.reward, or the task's own."""
         return reward_specs(self.reward) or ([TASK_REWARDS[Task.arithmetic]] if self.task == "arithmetic" else [])
 
+    # Datasets in the formats users have (issue 79): moe_rl/data/formats.py, moe_rl/data/files.py
+    format: DataFormat = DataFormat.auto
+    """How a row's columns are read: auto (from the first row's columns; the choice printed at start) | trl
+    (`prompt` + `completion`, strings or chat messages, the loss on the completion only; or `messages`) | plain
+    (prompt_key, response_key, messages_key as they are) | verl (`prompt` chat messages with response_key)."""
+    split: str = "train"
+    """The split data.path reads from a DatasetDict folder or a folder of split-named files."""
+    val_split: str = "validation"
+    """The split data.val_path reads from a DatasetDict folder or a folder of split-named files."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the tokenizer's apply_chat_template for every rendered example (e.g. Qwen3's
+    `{enable_thinking: false}`)."""
+    system_prompt: str = ""
+    """A system message put before every example (a chat that starts with a system message keeps its own); set,
+    a prompt/response row becomes a chat of a user and an assistant turn."""
+
     @property
     def reward_spec(self) -> str:
         """The reward functions validation by generation uses, as one string ("" = none)."""
@@ -747,12 +813,8 @@ class SFTDataConfig:
     def check(self) -> None:
         """This section's own rules (that the reward loads is validate's)."""
         if self.task == "file":
-            if not self.path:
-                refuse("data.path", "task=file needs a jsonl or parquet file of prompt/response rows")
-            for key in ("path", "val_path"):
-                value = getattr(self, key)
-                if value and not os.path.exists(value):
-                    refuse(f"data.{key}", f"{value!r} does not exist")
+            check_paths("data.path", self.path, "task=file needs a dataset of prompt/response rows (or chats)")
+            check_paths("data.val_path", self.val_path, "")
         else:
             check_problems(self)
         check_reward_keys(self)

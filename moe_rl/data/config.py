@@ -1,11 +1,16 @@
-"""`data.arithmetic.*` and `data.overlong_prompts` as data: the built-in arithmetic task's settings and the splits
-their problems fall in (moe_rl/data/tasks.py generates them), and what happens to an overlong prompt
-(moe_rl/data/prompts.py)."""
+"""`data.arithmetic.*`, `data.overlong_prompts`, `data.format` and the data paths as data: the built-in arithmetic
+task's settings and the splits their problems fall in (moe_rl/data/tasks.py generates them), what happens to an
+overlong prompt (moe_rl/data/prompts.py), the dataset formats (moe_rl/data/formats.py) and what a `data.path` /
+`data.val_path` names (moe_rl/data/files.py reads it)."""
 
 from __future__ import annotations
 
+import glob
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from moe_rl.common.errors import ConfigError
 
@@ -72,3 +77,60 @@ class Overlong(StrEnum):
 
 
 OVERLONG_POLICIES = tuple(m.value for m in Overlong)
+
+
+class DataFormat(StrEnum):
+    """How the columns of a row are read (data.format; moe_rl/data/formats.py)."""
+
+    auto = "auto"  # detected from the columns of the first row, the choice printed
+    verl = "verl"  # verl's RL schema: prompt (chat messages), reward_model.ground_truth, data_source, extra_info
+    trl = "trl"  # TRL's: prompt (string or messages), completion (string or messages), messages
+    plain = "plain"  # moe-rl's own keys as they are: data.prompt_key (a string), data.messages_key, data.answer_key
+
+
+GLOB_CHARS = "*?["
+
+
+def path_entries(path) -> list[str]:
+    """The entries of a data.path value: one str, or a list of them ([] for "")."""
+    if isinstance(path, str):
+        return [path] if path else []
+    if isinstance(path, Sequence) and all(isinstance(p, str) and p for p in path):
+        return list(path)
+    raise ConfigError(f"expected a path or a list of paths, got {path!r:.120}")
+
+
+def path_problem(entry: str) -> str | None:
+    """Why a data path entry cannot be read here (None: it can): a glob that matches nothing, or a name that is no
+    local file or folder (a Hugging Face Hub name: these machines cannot reach the Hub)."""
+    if any(c in entry for c in GLOB_CHARS):
+        return None if glob.glob(entry) else f"{entry!r}: the pattern matches no file"
+    if os.path.exists(entry):
+        return None
+    return (
+        f"{entry!r} does not exist (no local file or folder of that name; a Hugging Face Hub dataset cannot be "
+        "reached from these machines: download it where the Hub can be reached, e.g. "
+        "datasets.load_dataset(NAME).save_to_disk(DIR) or `hf download NAME --repo-type dataset --local-dir DIR`, "
+        "copy it here and point the path at that folder)"
+    )
+
+
+def validation_sets(val_path) -> dict[str, str | list[str]]:
+    """{name: path} of each validation set data.val_path names: a str is one set named "val"; a list, one set per
+    entry named by its file stem (`math.parquet` -> "math"); a mapping, its names as given. {} for ""."""
+    if isinstance(val_path, Mapping):
+        sets = dict(val_path.items())
+        bad = [name for name, p in sets.items() if not (isinstance(name, str) and name and path_entries(p))]
+        if bad:
+            raise ConfigError(f"each validation set needs a name and a path, got {bad!r:.120}")
+        return sets
+    entries = path_entries(val_path)
+    if isinstance(val_path, str):
+        return {"val": val_path} if val_path else {}
+    names = [Path(e.rstrip("/")).name.split(".")[0] or "val" for e in entries]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(
+            f"validation sets {twice} have the same file stem; name each set: data.val_path={{name: path, ...}}"
+        )
+    return dict(zip(names, entries, strict=True))

@@ -1,30 +1,29 @@
-"""Prompt sources: the built-in toy prompts, a built-in task's problems (moe_rl/data/tasks.py), jsonl/parquet files
-or a `Dataset.save_to_disk` folder.
+"""Prompt sources: the built-in toy prompts, a built-in task's problems (moe_rl/data/tasks.py), or the rows of local
+dataset files (moe_rl/data/files.py reads them as `datasets.load_dataset` does) in verl's, TRL's or moe-rl's own
+format (moe_rl/data/formats.py; data.format).
 
-A row holds a prompt string (`data.prompt_key`) or a chat conversation (`data.messages_key`: a list
-of {"role": str, "content": str}). With `data.apply_chat_template=true` every prompt is rendered by
-the tokenizer's chat template (a prompt string as one user message); a conversation is never
-flattened into text without it. Each prompt is tokenized once here and keeps its token ids.
+A row holds a prompt string or a chat conversation (a list of {"role": str, "content": str}). A chat is rendered by
+the tokenizer's chat template (under data.format=plain only with `data.apply_chat_template=true`, else it is an
+error: never flattened into text); `data.apply_chat_template=true` or a `data.system_prompt` renders every prompt
+(a prompt string as one user message). Each prompt is tokenized once here and keeps its token ids, and keeps its
+whole row (`Prompt.row`) and `data_source` for the reward.
 
-Files are read here line by line (jsonl) or with pyarrow (parquet) so that every bad row is
-reported with its file and line; nothing is skipped silently. Prompts longer than
-min(data.max_prompt_tokens, the engine's context - sampling.max_tokens) are an error naming the
-line, or are dropped with a count when `data.overlong_prompts=drop`.
+Every bad row is reported with its file and line (or row) and the key; nothing is skipped silently. Prompts longer
+than min(data.max_prompt_tokens, the engine's context - sampling.max_tokens) are an error naming the line, or are
+dropped with a count when `data.overlong_prompts=drop`.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from moe_rl.data.config import OVERLONG_POLICIES, ArithmeticConfig, Split
+from moe_rl.data.config import OVERLONG_POLICIES, ArithmeticConfig, DataFormat, Split
+from moe_rl.data.files import DataError, read_rows
+from moe_rl.data.formats import MISSING, Keys, check_messages, lookup, present, required, resolve_keys
 from moe_rl.data.tasks import generate
 
-
-class DataError(ValueError):
-    """A prompt file that cannot be used as it is; the message names the file and line."""
+__all__ = ["DataError", "Prompt", "PromptSource", "check_messages", "read_prompt_file", "read_prompts", "read_rows"]
 
 
 @dataclass
@@ -40,7 +39,7 @@ class Prompt:
     ids: list[int] | None = None
     """Token ids of `text`, set by PromptSource when it is given a tokenizer."""
     data_source: str = ""
-    """The row's data_source column (verl); "" when the row has none."""
+    """The row's `data_source` column (verl's: which dataset, which scorer); "" when the row has none."""
     row: dict = field(default_factory=dict)
     """Every column of the row as read (nested dicts and lists kept as they are)."""
 
@@ -76,12 +75,13 @@ class PromptSource:
     `max_prompt_tokens` (data.max_prompt_tokens) and `context_limit` (the engine's context -
     sampling.max_tokens): prompts longer than the smaller are an error naming their line
     (overlong="error") or are dropped before sharding, so every rank drops the same rows.
+    `keys` (task=file): the format and columns the rows were read by (its `describe` is the start-up line).
     """
 
     def __init__(
         self,
         task: str,
-        path: str = "",
+        path: str | list[str] = "",
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         seed: int = 0,
@@ -96,24 +96,36 @@ class PromptSource:
         overlong: str = "error",
         answers_for: str | None = None,
         problems: tuple[ArithmeticConfig, Split, int] | None = None,
+        format: DataFormat | str = DataFormat.auto,  # noqa: A002 - the setting's name (data.format)
+        split: str = "train",
+        chat: ChatSettings | None = None,
     ):
         """`answers_for`: what needs every prompt's reference answer (a reward or an environment), named in the
         error when a prompt has none; None: answers are optional. `problems` (task=arithmetic): the task's
-        settings, the split and how many distinct problems of it to draw with `seed`."""
+        settings, the split and how many distinct problems of it to draw with `seed`. `format`, `split`: how a
+        file's rows are read (data.format, data.split); `chat`: data.system_prompt and data.chat_template_kwargs."""
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong_prompts={overlong!r}: choose one of {OVERLONG_POLICIES}")
-        self.items = _load(task, path, prompt_key, answer_key, messages_key, seed, problems)
-        _render_and_tokenize(self.items, tokenizer, apply_chat_template, messages_key)
+        self.keys: Keys | None = None
+        if task in ("toy", "arithmetic"):
+            self.items = _task_prompts(task, seed, problems)
+        else:
+            self.items, self.keys = read_prompts(path, prompt_key, answer_key, messages_key, format, split)
+        chat = chat or ChatSettings()
+        chat_rendered = self.keys is not None and self.keys.chat_rendered
+        _render_and_tokenize(self.items, tokenizer, apply_chat_template, chat, chat_rendered, messages_key)
         # the longest prompt kept (None: no limit) and the setting it comes from, for messages
         self.token_limit, self.limit_name = _token_limit(max_prompt_tokens, context_limit)
         self.dropped = 0
         if self.token_limit is not None:
             if tokenizer is None:
                 raise ValueError("a prompt token limit needs the tokenizer")
-            self.items, self.dropped = _check_lengths(self.items, self.token_limit, self.limit_name, overlong)
+            what = path or task
+            self.items, self.dropped = _check_lengths(self.items, self.token_limit, self.limit_name, overlong, what)
         if answers_for is not None and (bare := next((p for p in self.items if p.answer is None), None)):
+            key = self.keys.answer if self.keys is not None else answer_key
             raise DataError(
-                f"{bare.source}: the prompt has no answer (data.answer_key={answer_key!r}), and {answers_for} needs "
+                f"{bare.source}: the prompt has no answer (data.answer_key={key!r}), and {answers_for} needs "
                 "one for every prompt"
             )
         if len(self.items) < dp_size:
@@ -131,15 +143,17 @@ class PromptSource:
         seed: int,
         dp_rank: int = 0,
         dp_size: int = 1,
-        path: str | None = None,
+        path: str | list[str] | None = None,
         task: str | None = None,
         tokenizer=None,
         context_limit: int | None = None,
         answers_for: str | None = None,
         problems: tuple[ArithmeticConfig, Split, int] | None = None,
+        split: str | None = None,
     ) -> PromptSource:
-        """The prompts data.* (moe_rl.config.DataConfig) names: its task, file, keys, chat template and limits;
-        `path` and `task` in place of data.path and data.task (validation reads data.val_path as a file)."""
+        """The prompts data.* (moe_rl.config.DataConfig) names: its task, file, format, keys, chat template and
+        limits; `path`, `task` and `split` in place of data.path, data.task and data.split (validation reads each
+        of data.val_path's sets as a file)."""
         return cls(
             data.task if task is None else task,
             data.path if path is None else path,
@@ -156,7 +170,14 @@ class PromptSource:
             overlong=data.overlong_prompts,
             answers_for=answers_for,
             problems=problems,
+            format=data.format,
+            split=data.split if split is None else split,
+            chat=ChatSettings.of(data),
         )
+
+    def describe(self, where: str) -> str | None:
+        """The start-up line naming the file and its format (None for a built-in task)."""
+        return None if self.keys is None else self.keys.describe(where)
 
     def skip(self, count: int) -> None:
         """Fast-forward `count` prompts: a resumed run continues the same stream."""
@@ -173,64 +194,98 @@ class PromptSource:
         return out
 
 
-def _arithmetic_row(problem) -> dict:
-    """An arithmetic problem as the row a reward sees (the columns of the task's own files)."""
-    return {"prompt": problem.prompt, "response": problem.response, "answer": str(problem.answer)}
+@dataclass(frozen=True)
+class ChatSettings:
+    """How chats are rendered beyond the template itself: data.system_prompt and data.chat_template_kwargs."""
+
+    system_prompt: str = ""
+    """Prepended as a system message to every prompt (a chat that starts with its own system message keeps it)."""
+    template_kwargs: dict = field(default_factory=dict)
+    """Passed to `apply_chat_template` (e.g. Qwen3's enable_thinking=False)."""
+
+    @classmethod
+    def of(cls, data) -> ChatSettings:
+        """The settings of a data section (RL's or SFT's)."""
+        return cls(data.system_prompt, dict(data.chat_template_kwargs or {}))
+
+    def conversation(self, messages: list[dict]) -> list[dict]:
+        """`messages` with the system prompt in front (unless they start with a system message of their own)."""
+        if not self.system_prompt or (messages and messages[0]["role"] == "system"):
+            return messages
+        return [{"role": "system", "content": self.system_prompt}, *messages]
+
+    def render(self, tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+        """The chat template's text of `messages` (the system prompt in front), with the template kwargs."""
+        return tokenizer.apply_chat_template(
+            self.conversation(messages),
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **self.template_kwargs,
+        )
 
 
-def _load(task: str, path: str, prompt_key: str, answer_key: str, messages_key: str, seed: int, problems) -> list:
-    """The prompts of the toy task, of a built-in task's split (`problems`), or of a prompt file."""
+def _task_prompts(task: str, seed: int, problems) -> list[Prompt]:
+    """The prompts of the toy task or of a built-in task's split (`problems`)."""
     if task == "toy":
         rng = random.Random(seed)
         words = [" ".join(rng.choice(TOY_WORDS) for _ in range(rng.randint(2, 8))) for _ in range(512)]
         return [Prompt(w, source=f"toy:{i}", data_source="toy") for i, w in enumerate(words)]
-    if task == "arithmetic":
-        cfg, split, count = problems
-        drawn = generate(cfg, split, count, seed)
-        return [
-            Prompt(p.prompt, str(p.answer), source=f"{task}:{split}:{i}", data_source=task, row=_arithmetic_row(p))
-            for i, p in enumerate(drawn)
-        ]
-    return read_prompt_file(path, prompt_key, answer_key, messages_key)
+    cfg, split, count = problems
+    drawn = generate(cfg, split, count, seed)
+    return [
+        Prompt(p.prompt, str(p.answer), f"{task}:{split}:{i}", data_source=task, row=p.row())
+        for i, p in enumerate(drawn)
+    ]
 
 
-def _render_and_tokenize(items: list[Prompt], tokenizer, apply_chat_template: bool, messages_key: str) -> None:
-    """Render every prompt with the chat template (data.apply_chat_template; a chat row needs it) and keep its token
-    ids: a rendered prompt tokenized without special tokens (the template holds them), a plain one as
-    `tokenizer(text)` does."""
-    if apply_chat_template:
-        if tokenizer is None:
-            raise ValueError("data.apply_chat_template=true needs the model's tokenizer")
-        render_chat(items, tokenizer)
-    else:
-        chat = next((p for p in items if p.messages is not None), None)
-        if chat is not None:
+def _render_and_tokenize(
+    items: list[Prompt], tokenizer, apply_chat_template: bool, chat: ChatSettings, chat_rendered: bool, messages_key
+) -> None:
+    """Render the prompts with the chat template and keep their token ids: every prompt under
+    data.apply_chat_template or a data.system_prompt, else the chat rows (verl, trl; under plain a chat row without
+    the flag is an error). A rendered prompt is tokenized without special tokens (the template holds them), a plain
+    one as `tokenizer(text)` does."""
+    every = apply_chat_template or bool(chat.system_prompt)
+    if not every and not chat_rendered:
+        first = next((p for p in items if p.messages is not None), None)
+        if first is not None:
             raise DataError(
-                f"{chat.source}: a chat {messages_key!r} row needs data.apply_chat_template=true (the "
-                "conversation is rendered by the tokenizer's chat template, never joined into plain text)"
+                f"{first.source}: a chat {messages_key!r} row needs data.apply_chat_template=true under "
+                "data.format=plain (the conversation is rendered by the tokenizer's chat template, never joined "
+                "into plain text; data.format=trl or verl renders chats by itself)"
             )
+    rendered = [p for p in items if every or p.messages is not None]
+    if rendered:
+        if tokenizer is None:
+            raise ValueError("rendering prompts with the chat template needs the model's tokenizer")
+        render_chat(rendered, tokenizer, chat)
     if tokenizer is not None:
-        ids = tokenizer([p.text for p in items], add_special_tokens=not apply_chat_template)["input_ids"]
-        for p, prompt_ids in zip(items, ids, strict=True):
-            p.ids = prompt_ids
+        for group, special in ((rendered, False), ([p for p in items if not (every or p.messages)], True)):
+            if group:
+                ids = tokenizer([p.text for p in group], add_special_tokens=special)["input_ids"]
+                for p, prompt_ids in zip(group, ids, strict=True):
+                    p.ids = prompt_ids
 
 
-def render_chat(items: list[Prompt], tokenizer) -> None:
+def render_chat(items: list[Prompt], tokenizer, chat: ChatSettings | None = None) -> None:
     """Set each prompt's text to its chat-template rendering, ending with the assistant's turn."""
     # heavy: jinja2, imported on first use
     from jinja2 import TemplateError
 
+    chat = chat or ChatSettings()
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
+            "the prompts are rendered with a chat template (chat rows, a data.system_prompt or "
             f"data.apply_chat_template=true, but the tokenizer of {tokenizer.name_or_path or 'the model'} has no "
-            "chat template (chat_template.jinja, or chat_template in tokenizer_config.json); add one to the model "
-            "folder, or set data.apply_chat_template=false and use plain prompt rows"
+            "chat template "
+            "(chat_template.jinja, or chat_template in tokenizer_config.json); add one to the model folder, or use "
+            "plain prompt rows with data.apply_chat_template=false"
         )
     for p in items:
         messages = p.messages if p.messages is not None else [{"role": "user", "content": p.text}]
         try:
-            p.text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except (TemplateError, ValueError) as e:
+            p.text = chat.render(tokenizer, messages, generation_prompt=True)
+        except (TemplateError, ValueError, TypeError) as e:
             raise DataError(f"{p.source}: the chat template rejects this conversation: {e}") from e
 
 
@@ -245,7 +300,7 @@ def _token_limit(max_prompt_tokens: int | None, context_limit: int | None) -> tu
     return None, ""
 
 
-def _check_lengths(items: list[Prompt], limit: int, limit_name: str, policy: str) -> tuple[list[Prompt], int]:
+def _check_lengths(items: list[Prompt], limit: int, limit_name: str, policy: str, what) -> tuple[list[Prompt], int]:
     kept = [p for p in items if len(p.ids) <= limit]
     if len(kept) < len(items) and policy == "error":
         first = next(p for p in items if len(p.ids) > limit)
@@ -256,108 +311,67 @@ def _check_lengths(items: list[Prompt], limit: int, limit_name: str, policy: str
             "data.overlong_prompts=drop."
         )
     if not kept:
-        raise DataError(f"every one of the {len(items)} prompts is longer than {limit} tokens ({limit_name})")
+        raise DataError(
+            f"{what}: no prompt is left: every one of the {len(items)} prompts is longer than {limit} tokens "
+            f"({limit_name}; data.overlong_prompts=drop dropped them all)"
+        )
     return kept, len(items) - len(kept)
 
 
-def read_prompt_file(path: str, prompt_key: str, answer_key: str, messages_key: str = "messages") -> list[Prompt]:
-    """Prompts of a jsonl or parquet file or a `Dataset.save_to_disk` folder; a DataError names the
-    file and line (`file:line`, `file:row N` counting from 1) of any bad row."""
-    items = [_prompt(where, row, prompt_key, answer_key, messages_key) for where, row in read_rows(path)]
-    if not items:
+def read_prompts(
+    path: str | list[str],
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    messages_key: str = "messages",
+    format: DataFormat | str = DataFormat.auto,  # noqa: A002 - the setting's name (data.format)
+    split: str = "train",
+) -> tuple[list[Prompt], Keys]:
+    """The prompts of local dataset files (moe_rl/data/files.py) read in `format` (auto: detected from the first
+    row), and the Keys they were read by; a DataError names the file and line (`file:line`, `file:row N` from 1) and
+    the key of any bad row."""
+    rows = read_rows(path, split)
+    if not rows:
         raise DataError(f"{path}: holds no prompts (empty file)")
-    return items
+    keys = resolve_keys(format, rows[0][1], prompt=prompt_key, answer=answer_key, messages=messages_key)
+    return [row_prompt(where, row, keys) for where, row in rows], keys
 
 
-def read_rows(path: str):
-    """(where, row) of each row of a jsonl or parquet file or a `Dataset.save_to_disk` folder; `where` is `file:line`
-    or `file:row N` (counting from 1)."""
-    p = Path(path)
-    if p.is_dir():
-        return _dataset_folder_rows(p)
-    if p.is_file():
-        return _parquet_rows(p) if p.suffix == ".parquet" else _jsonl_rows(p)
-    raise FileNotFoundError(f"data.path={path!r} does not exist")
+def read_prompt_file(path: str, prompt_key: str, answer_key: str, messages_key: str = "messages", **how) -> list:
+    """The Prompts of `read_prompts` (`how`: format, split)."""
+    return read_prompts(path, prompt_key, answer_key, messages_key, **how)[0]
 
 
-def _prompt(where: str, row, prompt_key: str, answer_key: str, messages_key: str) -> Prompt:
-    """One row as a Prompt; a missing (or null) key counts as absent."""
+def row_prompt(where: str, row, keys: Keys) -> Prompt:
+    """One row as a Prompt, read by `keys`; a missing (or null) key counts as absent, but a dotted answer path (a
+    nested column: verl's reward_model.ground_truth) must be in every row."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    text, messages = row.get(prompt_key), row.get(messages_key)
-    if text is None and messages is None:
+    text, messages = lookup(row, keys.prompt), lookup(row, keys.messages)
+    if keys.format != DataFormat.plain and isinstance(text, list):
+        text, messages = MISSING, text  # a conversational prompt (verl's, TRL's)
+        where_messages = keys.prompt
+    else:
+        where_messages = keys.messages
+    if text is MISSING and messages is MISSING:
         raise DataError(
-            f"{where}: no key data.prompt_key={prompt_key!r} or data.messages_key={messages_key!r} "
-            f"(keys: {sorted(row)})"
+            f"{where}: no key data.prompt_key={keys.prompt!r} or data.messages_key={keys.messages!r} "
+            f"(keys: {sorted(present(row))})"
         )
-    if text is not None and messages is not None:
+    if text is not MISSING and messages is not MISSING:
         raise DataError(
-            f"{where}: has both {prompt_key!r} and {messages_key!r}; keep one, or point data.prompt_key or "
+            f"{where}: has both {keys.prompt!r} and {keys.messages!r}; keep one, or point data.prompt_key or "
             "data.messages_key at the one to use"
         )
-    answer = row.get(answer_key)
-    answer = None if answer is None else str(answer)
-    if messages is None:
+    if "." in keys.answer and keys.answer not in row:
+        answer = required(where, row, keys.answer, "data.answer_key")
+    else:
+        answer = lookup(row, keys.answer)
+    answer = None if answer is MISSING else str(answer)
+    source = row.get("data_source")
+    common = {"data_source": "" if source is None else str(source), "row": row}
+    if messages is MISSING:
         if not isinstance(text, str) or not text.strip():
-            raise DataError(f"{where}: {prompt_key!r} must be a non-empty string, got {text!r:.80}")
-        return Prompt(text, answer, where)
-    check_messages(where, messages, messages_key)
-    return Prompt("", answer, where, messages=messages)
-
-
-def check_messages(where: str, messages, messages_key: str) -> None:
-    """A DataError naming the row (`where`) unless `messages` is a non-empty list of {"role", "content"} strings."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: {messages_key!r} must be a non-empty list of messages, got {messages!r:.80}")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise DataError(
-                f"{where}: {messages_key!r}[{i}] must be an object with string 'role' and 'content', got {m!r:.80}"
-            )
-
-
-def _jsonl_rows(path: Path):
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            where = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-
-
-def _parquet_rows(path: Path):
-    # heavy: pyarrow, imported on first use
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"{path}: not a readable parquet file ({e})") from None
-    for number, row in enumerate(table.to_pylist(), start=1):
-        yield f"{path}:row {number}", row
-
-
-def _dataset_folder_rows(path: Path):
-    """Rows of a folder written by `datasets.Dataset.save_to_disk`."""
-    # heavy: datasets, imported on first use
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except FileNotFoundError as e:
-        raise DataError(f"{path}: a folder, but not a Hugging Face dataset saved with save_to_disk ({e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        raise DataError(
-            f"{path}: a DatasetDict with splits {list(ds)}; point data.path at one split's folder "
-            f"(e.g. {path / next(iter(ds), 'train')})"
-        )
-    for number, row in enumerate(ds.to_list(), start=1):
-        yield f"{path}:row {number}", row
+            raise DataError(f"{where}: {keys.prompt!r} must be a non-empty string, got {text!r:.80}")
+        return Prompt(text, answer, where, **common)
+    check_messages(where, messages, where_messages)
+    return Prompt("", answer, where, messages=messages, **common)

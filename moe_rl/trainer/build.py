@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from moe_rl.actor.replay import holds_routes
+from moe_rl.data.config import validation_sets
 from moe_rl.data.prompts import PromptSource
 from moe_rl.plan.kv import cpu_kv_cache_gib
 from moe_rl.plan.spec import load_spec
@@ -29,7 +30,7 @@ from moe_rl.routing.records import filler_row, route_dtype
 from moe_rl.trainer.checkpoint import load_part, save_part
 from moe_rl.trainer.logger import say
 from moe_rl.trainer.run import data_parallel
-from moe_rl.trainer.validation import Validator
+from moe_rl.trainer.validation import ValidationSets, Validator
 
 
 def answers_needed(cfg, rewards: RewardSet, training: bool) -> str | None:
@@ -64,6 +65,8 @@ def training_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int
     )
     if scored_by_rewards(cfg, training=True):  # a data_source no reward knows: refused before the model is built
         rewards.check_prompts(data.items, d.path or d.task)
+    if rank == 0 and (line := data.describe(str(d.path))):
+        say(line)
     if data.dropped and rank == 0:
         say(
             f"[moe-rl] data: dropped {data.dropped} prompts of {d.path or d.task} longer than "
@@ -72,27 +75,36 @@ def training_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int
     return data
 
 
-def validation_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int) -> PromptSource:
-    """Every validation prompt (data.val_path, else the arithmetic task's val split), the same on every rank."""
+def validation_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int) -> dict[str, PromptSource]:
+    """Every validation prompt, the same on every rank, one PromptSource per set: each of data.val_path's sets under
+    its name (moe_rl.data.config.validation_sets: "val" for a single path), else the arithmetic task's val split
+    as "val"."""
     d = cfg.data
     max_tokens = cfg.val.max_tokens or cfg.sampling.max_tokens
-    split = d.val_path or d.task != "arithmetic"
-    val = PromptSource.from_config(
-        d,
-        path=d.val_path,
-        task="file" if split else d.task,
-        seed=cfg.trainer.seed,
-        tokenizer=tokenizer,
-        context_limit=context - max_tokens,
-        answers_for=answers_needed(cfg, rewards, training=False),
-        problems=None if split else (d.arithmetic, "val", d.val_problems),
-    )
-    rewards.check_prompts(val.items, f"validation {d.val_path or 'the arithmetic val split'}")
-    if rank == 0:
-        dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
-        where = d.val_path or "the arithmetic val split"
-        say(f"[moe-rl] validation: {len(val.items)} prompts of {where}{dropped}")
-    return val
+    sets = validation_sets(d.val_path) if d.val_path or d.task != "arithmetic" else {"val": None}
+    out = {}
+    for name, path in sets.items():
+        val = PromptSource.from_config(
+            d,
+            path=path or "",
+            task="file" if path is not None else d.task,
+            seed=cfg.trainer.seed,
+            tokenizer=tokenizer,
+            context_limit=context - max_tokens,
+            answers_for=answers_needed(cfg, rewards, training=False),
+            problems=None if path is not None else (d.arithmetic, "val", d.val_problems),
+            split=d.val_split,
+        )
+        rewards.check_prompts(val.items, f"validation {path or 'the arithmetic val split'}")
+        if rank == 0:
+            dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
+            where = path or "the arithmetic val split"
+            named = "" if len(sets) == 1 else f" {name!r}"
+            if line := val.describe(str(path)):
+                say(line)
+            say(f"[moe-rl] validation{named}: {len(val.items)} prompts of {where}{dropped}")
+        out[name] = val
+    return out
 
 
 @dataclass
@@ -132,10 +144,10 @@ def start_engines(cfg, layout, model_path: str, tokenizer, context: int, kv_need
     return Engines(groups, engine, agent, engine_cores)
 
 
-def kv_cache_gib(cfg, model_path: str, context: int, data: PromptSource, val: PromptSource | None):
+def kv_cache_gib(cfg, model_path: str, context: int, data: PromptSource, val: dict[str, PromptSource] | None):
     """rollout.kv_cache_gib left null, CPU: `(served, engines)` -> what an engine serving `served` data-parallel ranks
-    of `engines` holds at most at once, at full length, its share of a step's samples or of a validation pass's,
-    whichever takes more (plan/kv.py cpu_kv_cache_gib)."""
+    of `engines` holds at most at once, at full length, its share of a step's samples or of a validation set's pass
+    (the sets run one after another), whichever takes more (plan/kv.py cpu_kv_cache_gib)."""
 
     def longest(prompts: PromptSource, max_tokens: int) -> int:  # a multi-turn sample grows to the context
         single = cfg.rollout.multi_turn.env == "none"  # token_limit: the prompt sources always get a context limit
@@ -143,9 +155,9 @@ def kv_cache_gib(cfg, model_path: str, context: int, data: PromptSource, val: Pr
 
     def need(served: int, engines: int) -> float:
         n = [(cfg.data.prompts_per_step * served * cfg.sampling.n, longest(data, cfg.sampling.max_tokens))]
-        if val is not None:
-            share = -(-len(val.items) // engines)
-            n.append((share * cfg.val.n, longest(val, cfg.val.max_tokens or cfg.sampling.max_tokens)))
+        for one in (val or {}).values():
+            share = -(-len(one.items) // engines)
+            n.append((share * cfg.val.n, longest(one, cfg.val.max_tokens or cfg.sampling.max_tokens)))
         spec, r = load_spec(model_path), cfg.rollout
         return max(cpu_kv_cache_gib(spec, r.tensor_parallel_size, r.dtype, s, tokens) for s, tokens in n)
 
@@ -209,9 +221,13 @@ def buffer_source(cfg, inner, actor, tokenizer, rewarder, objective, warn) -> Bu
     )
 
 
-def validator(cfg, prompts: PromptSource, groups, engine, tokenizer, rewards: RewardSet, may_stop) -> Validator:
-    """Validation by generation over every engine (trainer.val_every, val.*), scored by the run's rewards."""
-    return Validator(prompts.items, groups, engine, tokenizer, rewards, cfg.val, cfg.sampling, may_stop)
+def validator(
+    cfg, sets: dict[str, PromptSource], groups, engine, tokenizer, rewards: RewardSet, may_stop
+) -> ValidationSets:
+    """Validation by generation over every engine (trainer.val_every, val.*) of each validation set, scored by the
+    run's rewards."""
+    args = (groups, engine, tokenizer, rewards, cfg.val, cfg.sampling, may_stop)
+    return ValidationSets({name: Validator(s.items, *args) for name, s in sets.items()})
 
 
 class BufferState:

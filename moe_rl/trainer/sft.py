@@ -25,8 +25,8 @@ from moe_rl.common.machine import settings_line
 from moe_rl.common.platform import this_machine
 from moe_rl.config import SFTConfig
 from moe_rl.config.validate import validate_sft
-from moe_rl.data.prompts import DataError, PromptSource
-from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
+from moe_rl.data.prompts import ChatSettings, DataError, PromptSource
+from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, read_sft, task_examples
 from moe_rl.reward import RewardSet
 from moe_rl.rollout.config import RolloutConfig, SamplingConfig
 from moe_rl.rollout.engine import RolloutEngine
@@ -105,7 +105,11 @@ class SFTTrainer:
             train = task_examples(d.arithmetic, "train", d.problems, seed, self.tokenizer)
             return train, task_examples(d.arithmetic, "val", d.val_problems, seed, self.tokenizer)
         keys = (d.prompt_key, d.response_key, d.messages_key, self.tokenizer)
-        return read_examples(d.path, *keys), read_examples(d.val_path, *keys) if d.val_path else []
+        how = {"format": d.format, "chat": ChatSettings.of(d)}
+        train, read_by = read_sft(d.path, *keys, split=d.split, **how)
+        if self.rank == 0:
+            say(read_by.describe(str(d.path)))
+        return train, read_examples(d.val_path, *keys, split=d.val_split, **how) if d.val_path else []
 
     def _val_prompts(self, context: int) -> tuple[list, RewardSet]:
         """The validation prompts of generation (every rank the same list) and the reward that scores them; a row
@@ -123,6 +127,9 @@ class SFTTrainer:
             context_limit=context - cfg.val.max_tokens,
             answers_for=rewards.needs_answer,
             problems=(d.arithmetic, "val", d.val_problems),
+            format=d.format,
+            split=d.val_split,
+            chat=ChatSettings.of(d),
         ).items
         rewards.check_prompts(prompts, f"validation {d.val_path or 'the arithmetic val split'}")
         return prompts, rewards

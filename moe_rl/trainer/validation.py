@@ -4,6 +4,8 @@
 The prompts are split over the engines in contiguous shares and prompt i (in file order) samples
 with seed `val.seed + i`, so the result does not depend on the engine layout, and the training
 streams (their own data order and per-step seeds) are the same with or without validation.
+Several validation sets (data.val_path as a list or a mapping) are sampled one after another, each
+reported under its own name (val/<name>/...); a single set keeps the plain val/... names.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class Validator:
             seed=val_cfg.seed + self.first,
         )
 
-    def __call__(self, step: int) -> dict[str, float]:
-        """val/* metrics over every engine's prompts (collective: every rank calls it); {} when a stop
+    def __call__(self, step: int, prefix: str = "val/") -> dict[str, float]:
+        """`prefix`* metrics over every engine's prompts (collective: every rank calls it); {} when a stop
         signal took an engine."""
         progress.mark("validation")
         sums = torch.zeros(len(VAL_SUMS), dtype=torch.float64)
@@ -53,11 +55,11 @@ class Validator:
         if s["stopped"] or not s["prompts"]:
             return {}
         return {
-            "val/reward_mean": s["reward"] / s["samples"],
-            "val/pass@k": s["passed"] / s["prompts"],
-            "val/pass@1": s["correct"] / s["samples"],
-            "val/length_mean": s["length"] / s["samples"],
-            "val/prompts": s["prompts"],
+            f"{prefix}reward_mean": s["reward"] / s["samples"],
+            f"{prefix}pass@k": s["passed"] / s["prompts"],
+            f"{prefix}pass@1": s["correct"] / s["samples"],
+            f"{prefix}length_mean": s["length"] / s["samples"],
+            f"{prefix}prompts": s["prompts"],
         }
 
     def _score(self, step: int) -> torch.Tensor:
@@ -78,3 +80,22 @@ class Validator:
         return torch.tensor(
             [len(self.share), len(r), r.sum(), lengths, (passed > 0).sum(), correct.sum(), 0], dtype=torch.float64
         )
+
+
+class ValidationSets:
+    """Every validation set's Validator, run in order: one set's metrics are val/..., several sets' are
+    val/<name>/... each (collective, as Validator)."""
+
+    def __init__(self, validators: dict[str, Validator]):
+        self.validators = validators
+
+    def __call__(self, step: int) -> dict[str, float]:
+        """The metrics of every set; {} when a stop signal took an engine during any of them."""
+        single = len(self.validators) == 1
+        out: dict[str, float] = {}
+        for name, validator in self.validators.items():
+            metrics = validator(step, "val/" if single else f"val/{name}/")
+            if not metrics:
+                return {}
+            out |= metrics
+        return out

@@ -46,6 +46,6 @@ def test_on_gpu_the_mode_needs_transformer_engine():
 
     with as_on_cuda():
         with pytest.raises(ValueError, match="model.transformer_engine=false on GPU") as e:
-            validate(_cfg(["trainer.true_on_policy=true", "actor.packing=false"]), 2)
+            validate(_cfg(["trainer.true_on_policy=true", "actor.packing=false", "model.transformer_engine=false"]), 2)
         assert "config trainer.true_on_policy: cannot be exact" in str(e.value)
         validate(_cfg(["trainer.true_on_policy=true", "model.transformer_engine=true"]), 2)  # nothing else refused

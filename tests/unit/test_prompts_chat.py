@@ -148,36 +148,18 @@ def test_a_saved_dataset_folder_round_trips_prompts_and_answers(tmp_path, tok):
         read_prompt_file(str(tmp_path / "bad"), "prompt", "answer")
 
 
-def test_a_dataset_dict_folder_names_its_splits(tmp_path):
+def test_a_dataset_dict_folder_reads_data_split(tmp_path):
+    """A DatasetDict folder gives the rows of data.split (issue 79: it was refused before); a split it does not hold
+    is an error naming its splits."""
     import datasets
 
-    split = datasets.Dataset.from_dict({"prompt": ["a"]})
-    datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(DataError, match=r"dd: a DatasetDict with splits \['train', 'test'\]; point data.path at one"):
-        read_prompt_file(str(tmp_path / "dd"), "prompt", "answer")
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_dict({"prompt": ["a", "b"]}), test=datasets.Dataset.from_dict({"prompt": ["t"]})
+    ).save_to_disk(str(tmp_path / "dd"))
+    assert [p.text for p in read_prompt_file(str(tmp_path / "dd"), "prompt", "answer")] == ["a", "b"]
+    assert [p.text for p in read_prompt_file(str(tmp_path / "dd"), "prompt", "answer", split="test")] == ["t"]
+    with pytest.raises(DataError, match=r"dd: a DatasetDict with splits \['train', 'test'\], none named data.split"):
+        read_prompt_file(str(tmp_path / "dd"), "prompt", "answer", split="validation")
     (tmp_path / "plain").mkdir()
-    with pytest.raises(DataError, match="plain: a folder, but not a Hugging Face dataset saved with save_to_disk"):
+    with pytest.raises(DataError, match="plain: a folder, but neither a dataset saved with save_to_disk nor a folder"):
         read_prompt_file(str(tmp_path / "plain"), "prompt", "answer")
-
-
-class WordTokenizer:
-    def __call__(self, texts, add_special_tokens=True):
-        return {"input_ids": [[0] * len(t.split()) for t in texts]}
-
-
-def test_max_prompt_tokens_drops_and_names_the_limit_that_applied(tmp_path):
-    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a " * n} for n in (3, 8, 4, 20)])
-    tok = WordTokenizer()
-    src = PromptSource("file", path, tokenizer=tok, max_prompt_tokens=5, context_limit=10, overlong="drop")
-    assert src.dropped == 2 and (src.token_limit, src.limit_name) == (5, "data.max_prompt_tokens=5")
-    with pytest.raises(
-        DataError, match=r"p.jsonl:2: the prompt has 8 tokens, more than the 5 allowed by data.max_prompt_tokens=5 "
-    ) as err:
-        PromptSource("file", path, tokenizer=tok, max_prompt_tokens=5, context_limit=10)
-    assert "raise data.max_prompt_tokens" in str(err.value)
-    with pytest.raises(DataError, match=r"p.jsonl:4: the prompt has 20 tokens, more than the 10 .*engine's context"):
-        PromptSource("file", path, tokenizer=tok, max_prompt_tokens=15, context_limit=10)
-    src = PromptSource("file", path, tokenizer=tok, max_prompt_tokens=None, context_limit=None)
-    assert src.dropped == 0 and src.token_limit is None and len(src.items) == 4
-    with pytest.raises(ValueError, match="data.max_prompt_tokens=0: must be at least 1"):
-        PromptSource("file", path, tokenizer=tok, max_prompt_tokens=0)

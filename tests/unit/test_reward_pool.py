@@ -65,7 +65,8 @@ def test_a_call_that_never_returns_scores_the_timeout_value_and_leaves_no_proces
     rewards = RewardSet.from_config(_data(VERL, call_timeout_s=5))
     try:
         scores, took = _timed_score(rewards, _samples(17, "hang", "my/source"))
-        assert len(_children() - before) >= 2  # the workers ran as processes of their own
+        # the workers ran as processes of their own (one may be between the killed hung worker and its replacement)
+        assert _children() - before
     finally:
         rewards.close()
     print(f"\n64 samples, one never returning: {took:.1f} s")

@@ -16,6 +16,7 @@ from megatron.core.optimizer import OptimizerConfig
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
+from moe_rl.common.machine import MACHINE_KEYS
 from moe_rl.config import TrainConfig
 from moe_rl.config.store import register_configs
 from moe_rl.config.validate import validate
@@ -41,7 +42,7 @@ def test_the_trl_side_gets_the_settings_moe_rl_trains_with():
     default = dict(_flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig()))))
     changed = {k for k, v in _flat(OmegaConf.to_container(OmegaConf.structured(cfg))) if default[k] != v}
     bookkeeping = {"logging.wandb.mode", "trainer.checkpoint_every", "logging.router_agreement_every"}
-    assert changed <= {"model.dtype", "rollout.dtype"} | bookkeeping, changed
+    assert changed <= set(MACHINE_KEYS) | bookkeeping, changed  # the `auto` settings resolved, bf16 set
     assert cfg.trainer.max_staleness == 0 and str(cfg.rollout.dtype) == str(cfg.model.dtype)
     settings = bench.moe_rl_settings()
     default = TrainConfig()
