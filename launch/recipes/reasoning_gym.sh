@@ -16,18 +16,19 @@
 # messages and reward_model (a bridge for readers without the verl format; the scores are the same scorer's).
 set -euo pipefail
 OUT=${1:?usage: bash launch/recipes/reasoning_gym.sh OUT_DIR [SFT_STEPS] [RL_STEPS]}
-SFT_STEPS=${2:-800}
-RL_STEPS=${3:-150}
+SFT_STEPS=${2:-600}
+RL_STEPS=${3:-100}
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-$(bash "$HERE/launch/setup_env.sh" --print-venv)/bin/python}  # the environment launch/setup_env.sh made
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node=2)
 TEST_N=500
-# Two-term sums and differences in two templates: "Calculate 64 + 20." (basic_arithmetic) and "State the final answer
-# to the following arithmetic problem: 74 + 30 =" (chain_sum); the response is the bare answer.
-DATASETS=basic_arithmetic,chain_sum
-SETTINGS='{"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
-  "operators": ["+", "-"], "allow_parentheses": false, "allow_negation": false},
-  "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}'
+# Two-term sums and differences of numbers up to 99, "Calculate 64 + 20." (basic_arithmetic), the response the bare
+# answer. RG_DATASETS (name[:weight],...) and RG_SETTINGS (JSON {name: {config key: value}}) choose others; prompts
+# cost: chain_sum's longer template ("State the final answer to the following arithmetic problem: 74 + 30 =", 65
+# tokens with the chat template against 38) made an SFT step 2.0 s instead of ~1 s on 2 shared cores.
+DATASETS=${RG_DATASETS:-basic_arithmetic}
+SETTINGS=${RG_SETTINGS:-'{"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
+  "operators": ["+", "-"], "allow_parentheses": false, "allow_negation": false}}'}
 mkdir -p "$OUT/data"
 OUT=$(cd "$OUT" && pwd)
 D=$OUT/data
@@ -69,8 +70,8 @@ evaluate() {  # evaluate NAME MODEL
   echo "[recipe] $1: $(cat "$OUT/$1_eval.json")"
 }
 
-write train 20000 0 "$D/sft.parquet" --format sft 2>"$OUT/data.log"
-write train 20000 0 "$D/train.parquet" "${PLAIN[@]}" 2>>"$OUT/data.log"
+write train 8000 0 "$D/sft.parquet" --format sft 2>"$OUT/data.log"
+write train 8000 0 "$D/train.parquet" "${PLAIN[@]}" 2>>"$OUT/data.log"
 write val 200 0 "$D/val.parquet" --exclude "$D/train.parquet" "${PLAIN[@]}" 2>>"$OUT/data.log"
 write test "$TEST_N" 0 "$D/test.parquet" --exclude "$D/train.parquet" --exclude "$D/val.parquet" "${PLAIN[@]}" \
   2>>"$OUT/data.log"
@@ -101,7 +102,8 @@ steps = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text()
 kl = [r["actor/ppo_kl"] for r in steps if "actor/ppo_kl" in r]
 summary["rl"]["ppo_kl_mean"] = sum(kl) / len(kl)  # the policy's pace: mean over the RL steps
 summary["rl"]["gain_pass@1"] = round(summary["rl"]["pass@1"] - summary["sft"]["pass@1"], 3)
-summary["datasets"] = {m: {"weight": 1.0, "settings": settings.get(m, {})} for m in names}
+weights = {m.partition(":")[0]: float(m.partition(":")[2] or 1) for m in names}
+summary["datasets"] = {m: {"weight": w, "settings": settings.get(m, {})} for m, w in weights.items()}
 summary["test_seeds"] = list(seed_range("test", 0))  # the test entries' seed + index range [start, end)
 summary["train_seeds"] = list(seed_range("train", 0))
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -14,7 +14,7 @@ from typing import Any
 
 from moe_rl.actor.config import COLLECTIVE_TIMEOUT_S, ParallelConfig, Recompute
 from moe_rl.common.errors import ConfigError, refuse
-from moe_rl.data.config import ArithmeticConfig, Overlong, check_count
+from moe_rl.data.config import ArithmeticConfig, Overlong, ReasoningGymConfig, check_count
 from moe_rl.models.config import Arch, Size
 from moe_rl.objectives.config import (
     ADVANTAGE_NAMES,
@@ -57,12 +57,15 @@ class Task(StrEnum):
     toy = "toy"  # the built-in toy prompts
     file = "file"  # data.path
     arithmetic = "arithmetic"  # generated arithmetic problems (moe_rl/data/tasks.py; data.arithmetic)
+    reasoning_gym = "reasoning_gym"  # reasoning-gym datasets (moe_rl/data/reasoning_gym.py; data.reasoning_gym)
 
 
 TASK_REWARDS = {
     Task.toy: "moe_rl.data.rewards:toy_low_token_reward",
     Task.file: "moe_rl.data.rewards:toy_low_token_reward",
     Task.arithmetic: "moe_rl.data.rewards:numeric_answer_reward",
+    # verl's signature: scored through the reward set, which gives it the row's data_source and extra_info
+    Task.reasoning_gym: "moe_rl.data.reasoning_gym:compute_score",
 }
 """The reward a task is scored with when data.reward is empty."""
 
@@ -307,6 +310,9 @@ class DataConfig:
     of the split's distinct problems (8,000 of the default task's 16,000)."""
     val_problems: int = 200
     """task=arithmetic: problems of the val split that validation scores when data.val_path is empty."""
+    # --- data.task=reasoning_gym (issue 79, part 3) ---
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """task=reasoning_gym: the datasets with their weights and settings, the seed and the train / val sizes."""
 
     @property
     def reward_spec(self) -> str:
@@ -631,6 +637,7 @@ class SFTTask(StrEnum):
 
     arithmetic = "arithmetic"  # generated problems with worked solutions (data.arithmetic)
     file = "file"  # data.path
+    reasoning_gym = "reasoning_gym"  # reasoning-gym questions, their answers as responses (data.reasoning_gym)
 
 
 @dataclass
@@ -657,6 +664,10 @@ class SFTDataConfig:
     distinct problems (8,000 of the default task's 16,000)."""
     val_problems: int = 200
     """task=arithmetic: problems of the val split scored by val/loss."""
+    # --- data.task=reasoning_gym (issue 79, part 3) ---
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """task=reasoning_gym: the datasets with their weights and settings (the answer is the response), the seed and
+    the train / val sizes."""
     batch_size: int = 64
     """Examples per optimizer step over all data-parallel ranks (a multiple of the data-parallel size). At scale
     a few hundred sequences (Qwen3-30B-A3B SFT recipes: 256-512 at 4-8k tokens)."""
@@ -673,7 +684,7 @@ class SFTDataConfig:
     @property
     def reward_spec(self) -> str:
         """The reward plugin validation by generation uses ("" = none): data.reward, or the task's own."""
-        return self.reward or (TASK_REWARDS[Task.arithmetic] if self.task == "arithmetic" else "")
+        return self.reward or (TASK_REWARDS[Task(self.task)] if self.task != "file" else "")
 
     def check(self) -> None:
         """This section's own rules (that the reward loads is validate's)."""
@@ -684,7 +695,7 @@ class SFTDataConfig:
                 value = getattr(self, key)
                 if value and not os.path.exists(value):
                     refuse(f"data.{key}", f"{value!r} does not exist")
-        else:
+        elif self.task == "arithmetic":
             check_problems(self)
         if self.batch_size < 1:
             refuse("data.batch_size", f"{self.batch_size}: must be >= 1")

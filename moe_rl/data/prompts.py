@@ -179,6 +179,12 @@ def _load(task: str, path: str, prompt_key: str, answer_key: str, messages_key: 
         cfg, split, count = problems
         drawn = generate(cfg, split, count, seed)
         return [Prompt(p.prompt, str(p.answer), source=f"{task}:{split}:{i}") for i, p in enumerate(drawn)]
+    if task == "reasoning_gym":
+        # heavy: reasoning_gym, imported on first use
+        from moe_rl.data.reasoning_gym import task_prompts
+
+        cfg, split, _ = problems
+        return task_prompts(cfg, split, Prompt)
     return read_prompt_file(path, prompt_key, answer_key, messages_key)
 
 

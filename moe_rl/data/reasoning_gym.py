@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
 
 from moe_rl.common.errors import ConfigError
+from moe_rl.data.config import ReasoningGymConfig, ReasoningGymDataset
 
 SOURCE_PREFIX = "reasoning_gym/"
 SPLIT_STARTS = {"train": 0, "val": 2**30, "test": 2**31}
@@ -38,15 +37,7 @@ MAX_SEED = 2**30 // SEED_STRIDE  # 1024 seeds per split
 TRIES_PER_ROW = 50  # give up drawing when the task space is this exhausted (repeats and excluded questions)
 
 
-@dataclass
-class DatasetSpec:
-    """One reasoning-gym dataset of a mix: its weight and its settings (its config class's fields)."""
-
-    weight: float = 1.0
-    """Share of the rows drawn from this dataset, relative to the others' weights (> 0)."""
-    settings: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the dataset's config (e.g. basic_arithmetic: {max_terms: 2, max_digits: 2}); seed and
-    size are set by the draw."""
+DatasetSpec = ReasoningGymDataset  # one dataset of a mix: weight and settings (data.reasoning_gym.datasets)
 
 
 def parse_datasets(names: str) -> dict[str, DatasetSpec]:
@@ -199,3 +190,22 @@ def score_key_reward(responses: list[str], answers: list, response_ids: list[lis
 
 
 score_key_reward.needs_answer = True  # as moe_rl.data.rewards.needs_answer marks it
+
+
+def task_rows(cfg: ReasoningGymConfig, split: str) -> list[dict]:
+    """data.task=reasoning_gym: the train draw, or the val draw without the train draw's questions."""
+    train = generate(cfg.datasets, "train", cfg.train_size, cfg.seed)
+    if split == "train":
+        return train
+    return generate(cfg.datasets, split, cfg.val_size, cfg.seed, {r["extra_info"]["question"] for r in train})
+
+
+def task_prompts(cfg: ReasoningGymConfig, split: str, prompt_cls) -> list:
+    """data.task=reasoning_gym's prompts (moe_rl.data.prompts.Prompt, passed in to keep this module apart from the
+    loaders): the row's chat messages, its ground truth as the answer, its data_source and every column."""
+    out = []
+    for i, row in enumerate(task_rows(cfg, split)):
+        p = prompt_cls("", row["reward_model"]["ground_truth"], f"reasoning_gym:{split}:{i}", messages=row["prompt"])
+        p.data_source, p.row = row["data_source"], row  # Prompt's fields (issue 79's contract)
+        out.append(p)
+    return out

@@ -55,7 +55,7 @@ def training_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> Prom
         tokenizer=tokenizer,
         context_limit=context - cfg.sampling.max_tokens,
         answers_for=answers_needed(cfg, reward_fn, training=True),
-        problems=(d.arithmetic, "train", d.problems),
+        problems=_task(d, "train"),
     )
     if data.dropped and rank == 0:
         say(
@@ -65,11 +65,19 @@ def training_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> Prom
     return data
 
 
+def _task(d, split: str) -> tuple:
+    """A built-in task's settings, split and size (PromptSource's `problems`)."""
+    if d.task == "reasoning_gym":
+        size = d.reasoning_gym.train_size if split == "train" else d.reasoning_gym.val_size
+        return d.reasoning_gym, split, size
+    return d.arithmetic, split, d.problems if split == "train" else d.val_problems
+
+
 def validation_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> PromptSource:
     """Every validation prompt (data.val_path, else the arithmetic task's val split), the same on every rank."""
     d = cfg.data
     max_tokens = cfg.val.max_tokens or cfg.sampling.max_tokens
-    split = d.val_path or d.task != "arithmetic"
+    split = d.val_path or d.task not in ("arithmetic", "reasoning_gym")
     val = PromptSource.from_config(
         d,
         path=d.val_path,
@@ -78,7 +86,7 @@ def validation_prompts(cfg, tokenizer, context: int, reward_fn, rank: int) -> Pr
         tokenizer=tokenizer,
         context_limit=context - max_tokens,
         answers_for=answers_needed(cfg, reward_fn, training=False),
-        problems=None if split else (d.arithmetic, "val", d.val_problems),
+        problems=None if split else _task(d, "val"),
     )
     if rank == 0:
         dropped = f", {val.dropped} dropped as too long" if val.dropped else ""

@@ -26,7 +26,7 @@ from moe_rl.config import SFTConfig
 from moe_rl.config.validate import validate_sft
 from moe_rl.data.prompts import DataError, PromptSource
 from moe_rl.data.rewards import load_reward
-from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, task_examples
+from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, reasoning_gym_examples, task_examples
 from moe_rl.rollout.config import RolloutConfig, SamplingConfig
 from moe_rl.rollout.engine import RolloutEngine
 from moe_rl.rollout.engine_groups import engine_groups
@@ -102,6 +102,8 @@ class SFTTrainer:
         if d.task == "arithmetic":
             train = task_examples(d.arithmetic, "train", d.problems, seed, self.tokenizer)
             return train, task_examples(d.arithmetic, "val", d.val_problems, seed, self.tokenizer)
+        if d.task == "reasoning_gym":
+            return tuple(reasoning_gym_examples(d.reasoning_gym, s, self.tokenizer) for s in ("train", "val"))
         keys = (d.prompt_key, d.response_key, d.messages_key, self.tokenizer)
         return read_examples(d.path, *keys), read_examples(d.val_path, *keys) if d.val_path else []
 
@@ -121,7 +123,9 @@ class SFTTrainer:
             tokenizer=self.tokenizer,
             context_limit=context - cfg.val.max_tokens,
             answers_for=needs,
-            problems=(d.arithmetic, "val", d.val_problems),
+            problems=(d.reasoning_gym, "val", 0)
+            if d.task == "reasoning_gym"
+            else (d.arithmetic, "val", d.val_problems),
         ).items
         return prompts, reward_fn
 
