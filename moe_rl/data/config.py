@@ -8,9 +8,10 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from moe_rl.common.errors import ConfigError
 
@@ -134,3 +135,38 @@ def validation_sets(val_path) -> dict[str, str | list[str]]:
             f"validation sets {twice} have the same file stem; name each set: data.val_path={{name: path, ...}}"
         )
     return dict(zip(names, entries, strict=True))
+
+
+# --- data.task=reasoning_gym (moe_rl/data/reasoning_gym.py) ---
+
+
+@dataclass
+class ReasoningGymDataset:
+    """One reasoning-gym dataset of data.reasoning_gym.datasets: its weight and its settings."""
+
+    weight: float = 1.0
+    """Share of the rows drawn from this dataset, relative to the others' weights (> 0)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the dataset's config class (e.g. basic_arithmetic: {max_terms: 2, max_digits: 2});
+    seed and size are set by the draw."""
+
+
+def _default_reasoning_gym_datasets() -> dict[str, ReasoningGymDataset]:
+    # the recipe's task (launch/recipes/reasoning_gym.sh): two-term sums and differences of numbers up to 99
+    settings = {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+", "-"], "allow_parentheses": False}
+    return {"basic_arithmetic": ReasoningGymDataset(1.0, settings | {"allow_negation": False})}
+
+
+@dataclass
+class ReasoningGymConfig:
+    """data.task=reasoning_gym: datasets of the reasoning-gym package, each scored by its own score_answer; train and
+    validation drawn from disjoint seed ranges, validation without any question of the train draw."""
+
+    datasets: dict[str, ReasoningGymDataset] = field(default_factory=_default_reasoning_gym_datasets)
+    """{dataset name: {weight, settings}} (names: reasoning_gym.factory.DATASETS)."""
+    seed: int = 0
+    """Which seed range of each split the entries come from (0..1023; train and val ranges never overlap)."""
+    train_size: int = 5000
+    """Distinct questions of the train draw (the prompt pool, or SFT's examples)."""
+    val_size: int = 200
+    """Distinct questions of the val draw (validation when data.val_path is empty)."""

@@ -107,12 +107,13 @@ class PromptSource:
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong_prompts={overlong!r}: choose one of {OVERLONG_POLICIES}")
         self.keys: Keys | None = None
-        if task in ("toy", "arithmetic"):
+        if task in ("toy", "arithmetic", "reasoning_gym"):
             self.items = _task_prompts(task, seed, problems)
         else:
             self.items, self.keys = read_prompts(path, prompt_key, answer_key, messages_key, format, split)
         chat = chat or ChatSettings()
-        chat_rendered = self.keys is not None and self.keys.chat_rendered
+        # reasoning-gym's rows are chats, rendered as a verl file's are
+        chat_rendered = task == "reasoning_gym" or (self.keys is not None and self.keys.chat_rendered)
         _render_and_tokenize(self.items, tokenizer, apply_chat_template, chat, chat_rendered, messages_key)
         # the longest prompt kept (None: no limit) and the setting it comes from, for messages
         self.token_limit, self.limit_name = _token_limit(max_prompt_tokens, context_limit)
@@ -230,6 +231,12 @@ def _task_prompts(task: str, seed: int, problems) -> list[Prompt]:
         rng = random.Random(seed)
         words = [" ".join(rng.choice(TOY_WORDS) for _ in range(rng.randint(2, 8))) for _ in range(512)]
         return [Prompt(w, source=f"toy:{i}", data_source="toy") for i, w in enumerate(words)]
+    if task == "reasoning_gym":
+        # heavy: reasoning_gym, imported on first use
+        from moe_rl.data.reasoning_gym import task_prompts
+
+        cfg, split, _ = problems
+        return task_prompts(cfg, split, Prompt)
     cfg, split, count = problems
     drawn = generate(cfg, split, count, seed)
     return [

@@ -207,3 +207,14 @@ def pad(examples: list[Example], pad_id: int, pad_to_multiple: int = 1, min_leng
         attn[i, : len(e.ids)] = 1
         mask[i, : len(e.ids)] = torch.tensor(e.mask, dtype=torch.float32)
     return PaddedBatch(ids, attn, mask, torch.zeros(len(examples), t), None)
+
+
+def reasoning_gym_examples(cfg, split: str, tokenizer) -> list[Example]:
+    """data.task=reasoning_gym: each question as a chat (the tokenizer's template), its answer the assistant's turn."""
+    # heavy: reasoning_gym, imported on first use
+    from moe_rl.data.reasoning_gym import sft_row, task_rows
+
+    rows = task_rows(cfg, split)
+    return [
+        _chat(f"reasoning_gym:{split}:{i}", sft_row(r)["messages"], "messages", tokenizer) for i, r in enumerate(rows)
+    ]

@@ -8,6 +8,9 @@ one operation per step and ends with the result (`12+34=46;46-5=41`), so the las
 answer (`moe_rl.data.rewards:numeric_answer_reward` scores it).
 
     python -m moe_rl.data.tasks arithmetic --split test --n 500 --seed 7 --out test.jsonl
+
+`python -m moe_rl.data.tasks reasoning_gym ...` writes reasoning-gym datasets as verl parquet
+(moe_rl/data/reasoning_gym_files.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moe_rl.common.errors import ConfigError
+from moe_rl.data import reasoning_gym_files
 from moe_rl.data.config import SPLIT_SHARES, ArithmeticConfig, Split, check_count
 
 
@@ -91,6 +95,9 @@ TASKS = {"arithmetic": ArithmeticConfig}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["reasoning_gym"]:  # its own options (datasets, settings, verl parquet): reasoning_gym_files.py
+        return reasoning_gym_files.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m moe_rl.data.tasks",
         description="Write a split of a built-in task as jsonl rows {prompt, response, answer}.",
@@ -98,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="examples:\n"
         "  python -m moe_rl.data.tasks arithmetic --split test --n 500 --seed 7 --out test.jsonl\n"
         "  python -m moe_rl.data.tasks arithmetic --split train --n 20000 --operands 3 --digits 2 "
-        "--operators '+-*' --out train.jsonl",
+        "--operators '+-*' --out train.jsonl\n"
+        "  python -m moe_rl.data.tasks reasoning_gym --help   # reasoning-gym datasets as verl parquet",
     )
     parser.add_argument("task", choices=sorted(TASKS))
     parser.add_argument("--split", choices=[s.value for s in Split], default="train")

@@ -61,7 +61,7 @@ def training_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int
         tokenizer=tokenizer,
         context_limit=context - cfg.sampling.max_tokens,
         answers_for=answers_needed(cfg, rewards, training=True),
-        problems=(d.arithmetic, "train", d.problems),
+        problems=_task(d, "train"),
     )
     if scored_by_rewards(cfg, training=True):  # a data_source no reward knows: refused before the model is built
         rewards.check_prompts(data.items, d.path or d.task)
@@ -75,13 +75,24 @@ def training_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int
     return data
 
 
+BUILT_IN_SPLITS = ("arithmetic", "reasoning_gym")  # built-in tasks with a val split of their own
+
+
+def _task(d, split: str) -> tuple:
+    """A built-in task's settings, split and size (PromptSource's `problems`)."""
+    if d.task == "reasoning_gym":
+        size = d.reasoning_gym.train_size if split == "train" else d.reasoning_gym.val_size
+        return d.reasoning_gym, split, size
+    return d.arithmetic, split, d.problems if split == "train" else d.val_problems
+
+
 def validation_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int) -> dict[str, PromptSource]:
     """Every validation prompt, the same on every rank, one PromptSource per set: each of data.val_path's sets under
-    its name (moe_rl.data.config.validation_sets: "val" for a single path), else the arithmetic task's val split
+    its name (moe_rl.data.config.validation_sets: "val" for a single path), else the built-in task's val split
     as "val"."""
     d = cfg.data
     max_tokens = cfg.val.max_tokens or cfg.sampling.max_tokens
-    sets = validation_sets(d.val_path) if d.val_path or d.task != "arithmetic" else {"val": None}
+    sets = validation_sets(d.val_path) if d.val_path or d.task not in BUILT_IN_SPLITS else {"val": None}
     out = {}
     for name, path in sets.items():
         val = PromptSource.from_config(
@@ -92,13 +103,13 @@ def validation_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: i
             tokenizer=tokenizer,
             context_limit=context - max_tokens,
             answers_for=answers_needed(cfg, rewards, training=False),
-            problems=None if path is not None else (d.arithmetic, "val", d.val_problems),
+            problems=None if path is not None else _task(d, "val"),
             split=d.val_split,
         )
-        rewards.check_prompts(val.items, f"validation {path or 'the arithmetic val split'}")
+        rewards.check_prompts(val.items, f"validation {path or f'the {d.task} val split'}")
         if rank == 0:
             dropped = f", {val.dropped} dropped as too long" if val.dropped else ""
-            where = path or "the arithmetic val split"
+            where = path or f"the {d.task} val split"
             named = "" if len(sets) == 1 else f" {name!r}"
             if line := val.describe(str(path)):
                 say(line)

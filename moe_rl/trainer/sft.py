@@ -26,7 +26,16 @@ from moe_rl.common.platform import this_machine
 from moe_rl.config import SFTConfig
 from moe_rl.config.validate import validate_sft
 from moe_rl.data.prompts import ChatSettings, DataError, PromptSource
-from moe_rl.data.sft import Batches, Example, check_lengths, pad, read_examples, read_sft, task_examples
+from moe_rl.data.sft import (
+    Batches,
+    Example,
+    check_lengths,
+    pad,
+    read_examples,
+    read_sft,
+    reasoning_gym_examples,
+    task_examples,
+)
 from moe_rl.reward import RewardSet
 from moe_rl.rollout.config import RolloutConfig, SamplingConfig
 from moe_rl.rollout.engine import RolloutEngine
@@ -104,6 +113,8 @@ class SFTTrainer:
         if d.task == "arithmetic":
             train = task_examples(d.arithmetic, "train", d.problems, seed, self.tokenizer)
             return train, task_examples(d.arithmetic, "val", d.val_problems, seed, self.tokenizer)
+        if d.task == "reasoning_gym":
+            return tuple(reasoning_gym_examples(d.reasoning_gym, s, self.tokenizer) for s in ("train", "val"))
         keys = (d.prompt_key, d.response_key, d.messages_key, self.tokenizer)
         how = {"format": d.format, "chat": ChatSettings.of(d)}
         train, read_by = read_sft(d.path, *keys, split=d.split, **how)
@@ -126,7 +137,9 @@ class SFTTrainer:
             tokenizer=self.tokenizer,
             context_limit=context - cfg.val.max_tokens,
             answers_for=rewards.needs_answer,
-            problems=(d.arithmetic, "val", d.val_problems),
+            problems=(d.reasoning_gym, "val", 0)
+            if d.task == "reasoning_gym"
+            else (d.arithmetic, "val", d.val_problems),
             format=d.format,
             split=d.val_split,
             chat=ChatSettings.of(d),

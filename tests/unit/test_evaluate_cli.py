@@ -1,0 +1,61 @@
+"""moe-rl-eval's argument errors: refused before any model, tokenizer or engine is loaded, naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_rl.tools import evaluate
+
+
+@pytest.fixture
+def model(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return str(tmp_path / "model")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/no/such/dir"], "--model /no/such/dir: no config.json there"),
+        (["--task", "file"], "--task file needs --data"),
+        (["--data", "/no/such.parquet", "--reward", "m:f"], "--data /no/such.parquet: does not exist"),
+        (["--data", "DATA", "--task", "arithmetic"], "--task arithmetic generates its problems"),
+        (["--data", "DATA"], "--data needs --reward module:function"),
+        (["--data", "DATA", "--reward", "m:f", "--set", "format"], "--set 'format': expected KEY=VALUE"),
+        (["--k", "0"], "--k, --n and --max-tokens must be at least 1"),
+        (["--task", "gsm8k"], "argument --task: invalid choice"),
+    ],
+)
+def test_bad_arguments_are_refused(model, tmp_path, capsys, args, message):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    args = [str(data) if a == "DATA" else a for a in args]
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(args if "--model" in args else ["--model", model, *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_set_the_schema_refuses_is_named(model, tmp_path):
+    with pytest.raises(SystemExit, match="--set apply_chat_template=maybe"):
+        evaluate.data_config("file", [str(tmp_path)], ["apply_chat_template=maybe"], "m:f")
+
+
+def test_summary_per_source():
+    out = evaluate.summarize({"pass@1": [1.0, 0.0, 1.0], "pass@2": [1.0, 1.0, 1.0]}, ["a", "b", "a"])
+    assert out == {
+        "pass@1": pytest.approx(2 / 3),
+        "pass@2": 1.0,
+        "problems": 3,
+        "by_source": {
+            "a": {"pass@1": 1.0, "pass@2": 1.0, "problems": 2},
+            "b": {"pass@1": 0.0, "pass@2": 1.0, "problems": 1},
+        },
+    }
+
+
+def test_help_has_examples(capsys):
+    with pytest.raises(SystemExit):
+        evaluate.main(["--help"])
+    assert "examples:" in capsys.readouterr().out
