@@ -11,9 +11,6 @@
 # OUT_DIR/summary.json: {"sft": {"pass@1", "pass@8", "minutes"}, "rl": {..., "ppo_kl_mean", "gain_pass@1"},
 # "test_problems", "datasets" (with their settings and weights), "test_seeds" (the seed range the test entries come
 # from)}. Measured with it: docs/guides/reasoning-gym.md.
-#
-# RG_PLAIN_COLUMNS=1: read the rows through a prompt string and a `score_key` answer column instead of verl's chat
-# messages and reward_model (a bridge for readers without the verl format; the scores are the same scorer's).
 set -euo pipefail
 OUT=${1:?usage: bash launch/recipes/reasoning_gym.sh OUT_DIR [SFT_STEPS] [RL_STEPS]}
 SFT_STEPS=${2:-600}
@@ -35,17 +32,6 @@ D=$OUT/data
 cd "$HERE"
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore VLLM_CONFIGURE_LOGGING=0
 
-if [[ ${RG_PLAIN_COLUMNS:-0} == 1 ]]; then
-  PLAIN=(--plain-columns)
-  RL_DATA=(data.prompt_key=question data.answer_key=score_key data.reward=moe_rl.data.reasoning_gym:score_key_reward)
-  EVAL_DATA=(--set prompt_key=question --set answer_key=score_key --set apply_chat_template=true
-    --reward moe_rl.data.reasoning_gym:score_key_reward)
-else
-  PLAIN=()
-  RL_DATA=(data.format=verl)
-  EVAL_DATA=(--set format=verl --set apply_chat_template=true --reward moe_rl.data.reasoning_gym:compute_score)
-fi
-
 stage() {  # stage NAME LOG command...: run it, say one line, keep its output in LOG
   local name=$1 log=$2 start=$SECONDS
   shift 2
@@ -65,15 +51,15 @@ write() {  # write SPLIT N SEED OUT_FILE [options]: a draw of the datasets as pa
 
 evaluate() {  # evaluate NAME MODEL
   stage "$1 test ($TEST_N problems)" "$OUT/$1_eval.log" "$PY" -m moe_rl.tools.evaluate --model "$2" \
-    --data "$D/test.parquet" "${EVAL_DATA[@]}" --k 8 --temperature 1.0 --max-tokens 16 --stop $'\n' \
+    --data "$D/test.parquet" --k 8 --temperature 1.0 --max-tokens 16 --stop $'\n' \
     --out "$OUT/$1_eval.json"
   echo "[recipe] $1: $(cat "$OUT/$1_eval.json")"
 }
 
 write train 8000 0 "$D/sft.parquet" --format sft 2>"$OUT/data.log"
-write train 8000 0 "$D/train.parquet" "${PLAIN[@]}" 2>>"$OUT/data.log"
-write val 200 0 "$D/val.parquet" --exclude "$D/train.parquet" "${PLAIN[@]}" 2>>"$OUT/data.log"
-write test "$TEST_N" 0 "$D/test.parquet" --exclude "$D/train.parquet" --exclude "$D/val.parquet" "${PLAIN[@]}" \
+write train 8000 0 "$D/train.parquet" 2>>"$OUT/data.log"
+write val 200 0 "$D/val.parquet" --exclude "$D/train.parquet" 2>>"$OUT/data.log"
+write test "$TEST_N" 0 "$D/test.parquet" --exclude "$D/train.parquet" --exclude "$D/val.parquet" \
   2>>"$OUT/data.log"
 echo "[recipe] data: $(wc -l <"$OUT/data.log") files in $D"
 stage "model (10.9M qwen3_moe)" "$OUT/model.log" "$PY" -m moe_rl.tools.tiny_model --size small --out "$OUT/model"
@@ -83,7 +69,7 @@ stage "SFT ($SFT_STEPS steps)" "$OUT/sft.log" "${TORCHRUN[@]}" launch/sft_moe.py
 evaluate sft "$OUT/sft/hf"
 stage "RL ($RL_STEPS steps)" "$OUT/rl.log" "${TORCHRUN[@]}" launch/train_moe.py --config-name=reasoning_gym_rl \
   hydra.run.dir="$OUT/rl" model.path="$OUT/sft/hf" data.path="$D/train.parquet" data.val_path="$D/val.parquet" \
-  "${RL_DATA[@]}" trainer.steps="$RL_STEPS" logging.wandb.mode=disabled
+  trainer.steps="$RL_STEPS" logging.wandb.mode=disabled
 stage "RL export" "$OUT/rl_export.log" "$PY" -m moe_rl.tools.export_hf "$OUT/rl/checkpoints" --out "$OUT/rl/hf"
 evaluate rl "$OUT/rl/hf"
 

@@ -176,22 +176,6 @@ def passes(score: float) -> bool:
     return score >= 1.0
 
 
-def score_key_reward(responses: list[str], answers: list, response_ids: list[list[int]]) -> list[float]:
-    """A bridge for the batched reward signature (responses, answers, response_ids): each answer is the
-    `score_key` column of `python -m moe_rl.data.tasks reasoning_gym --plain-columns` (JSON of data_source, ground
-    truth and extra_info), scored by `compute_score`. Not needed where rewards see the whole row."""
-    out = []
-    for text, key in zip(responses, answers, strict=True):
-        if key is None:
-            raise ValueError("score_key_reward needs the score_key column as the answer (data.answer_key=score_key)")
-        k = json.loads(key)
-        out.append(compute_score(k["data_source"], text, k["ground_truth"], k["extra"]))
-    return out
-
-
-score_key_reward.needs_answer = True  # as moe_rl.data.rewards.needs_answer marks it
-
-
 def task_rows(cfg: ReasoningGymConfig, split: str) -> list[dict]:
     """data.task=reasoning_gym: the train draw, or the val draw without the train draw's questions."""
     train = generate(cfg.datasets, "train", cfg.train_size, cfg.seed)

@@ -44,14 +44,6 @@ def questions_of(path: str | Path) -> set[str]:
     return out
 
 
-def plain_columns(row: dict) -> dict:
-    """A bridge for readers that take a prompt string and one answer column: `question` (the prompt's text) and
-    `score_key` (JSON of data_source, ground truth and extra_info, what `reasoning_gym:score_key_reward` scores
-    with). Not part of verl's schema; to be dropped once every reader takes verl rows."""
-    key = {"data_source": row["data_source"], "ground_truth": row["reward_model"]["ground_truth"]}
-    return row | {"question": row["prompt"][0]["content"], "score_key": json.dumps(key | {"extra": row["extra_info"]})}
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m moe_rl.data.tasks reasoning_gym",
@@ -66,7 +58,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="which stream of the split the entries come from")
     p.add_argument("--exclude", action="append", default=[], help="parquet file(s) whose questions are left out")
     p.add_argument("--format", choices=["verl", "sft"], default="verl", help="verl RL rows, or SFT conversations")
-    p.add_argument("--plain-columns", action="store_true", help="also write `question` and `score_key` columns")
     p.add_argument("--out", required=True, help="parquet file to write")
     return p
 
@@ -87,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.format == "sft":
         rows = [sft_row(r) for r in rows]
-    elif a.plain_columns:
-        rows = [plain_columns(r) for r in rows]
     write_parquet(rows, a.out)
     start, end = seed_range(a.split, a.seed)
     print(

@@ -3,14 +3,15 @@ loaders, chat templates and rewards: greedy pass@1 and pass@k (k samples at a te
 of its samples scores the full reward, 1), overall and per data_source, printed as one JSON line.
 
 The data: prompt files (--data, read as data.task=file reads them; data.* settings with --set KEY=VALUE, e.g.
---set format=verl --set apply_chat_template=true), or a built-in task's split (--task arithmetic, its settings as
---operands/--digits/--operators). The reward: --reward module:function, else the data's own (data.reward_for).
+--set format=verl --set system_prompt=...), or a built-in task's split (--task arithmetic, its settings as
+--operands/--digits/--operators). The reward: --reward (a spec as data.reward: `module:function` or
+`path/to/reward.py:function`, in verl's, TRL's or moe-rl's form), else the data's own: a file's rows are scored by
+the built-in reward of their data_source (moe_rl.reward.builtin), a task's by its own.
 
 examples:
   moe-rl-eval --model OUT/rl/hf --task arithmetic --split test --n 500 --k 8 --temperature 1.0 --out eval.json
-  moe-rl-eval --model OUT/sft/hf --data test.parquet --set apply_chat_template=true \\
-      --set prompt_key=question --set answer_key=score_key --reward moe_rl.data.reasoning_gym:score_key_reward
-  moe-rl-eval --model OUT/rl/hf --data gsm8k_test.jsonl --reward moe_rl.data.rewards:numeric_answer_reward --k 1
+  moe-rl-eval --model OUT/sft/hf --data test.parquet   # a verl parquet, scored by each row's data_source
+  moe-rl-eval --model OUT/rl/hf --data gsm8k_test.jsonl --reward my_reward.py:compute_score --k 1
 
 Output: {"pass@1", "pass@<k>", "score@1" (mean greedy reward), "problems", "split", "seconds",
 "by_source": {data_source: {"pass@1", "pass@<k>", "problems"}}}.
@@ -27,12 +28,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from moe_rl.common.errors import ConfigError
-from moe_rl.data import rewards
 from moe_rl.data.config import ArithmeticConfig, Split
+from moe_rl.reward import RewardSet, samples_of
 from moe_rl.rollout.config import RolloutConfig, SamplingConfig
 
-Scorer = Callable[[list, list[str], list[list[int]]], list[float]]
-"""(the Prompt of each sample, its response text, its response ids) -> one reward per sample."""
+Scorer = Callable[[list, list[int], list[str], list[list[int]]], list[float]]
+"""(the Prompts, each sample's prompt index, its response text, its response ids) -> one reward per sample."""
 
 
 def data_config(task: str, paths: list[str], sets: list[str], reward: str):
@@ -52,13 +53,11 @@ def data_config(task: str, paths: list[str], sets: list[str], reward: str):
         raise SystemExit(f"moe-rl-eval: error: --set {' '.join(sets)}: {e}") from None
 
 
-def scorer(data) -> Scorer:
-    """The reward the evaluation scores with. The one place that knows the reward interface: today the batched
-    plugin of moe_rl.data.rewards (data.reward, or the task's own); to be the trainer's reward set (RewardSet)."""
-    fn = rewards.load_reward(data.reward_spec)
+def scorer(rewards: RewardSet) -> Scorer:
+    """The rewards as the trainer scores with them (the same RewardSet, its worker pool and limits)."""
 
-    def score(prompts: list, texts: list[str], ids: list[list[int]]) -> list[float]:
-        return rewards.score(fn, texts, [p.answer for p in prompts], ids, [p.text for p in prompts], 0, phase="eval")
+    def score(prompts: list, index: list[int], texts: list[str], ids: list[list[int]]) -> list[float]:
+        return rewards.score(samples_of(prompts, index, texts, ids), 0, phase="eval").rewards
 
     return score
 
@@ -101,7 +100,7 @@ def evaluate(model: str, prompts: list, score: Scorer, task: str, k: int, temper
         for name, samples, temp in (("pass@1", 1, 0.0), (f"pass@{k}", k, temperature)):
             batch = engine.generate([p.ids for p in prompts], SamplingConfig(n=samples, temperature=temp, **sampling))
             texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-            scores = score([prompts[i] for i in batch.prompt_index], texts, batch.response_ids)
+            scores = score(prompts, batch.prompt_index, texts, batch.response_ids)
             solved = [0.0] * n
             for i, s in zip(batch.prompt_index, scores, strict=True):
                 solved[i] = max(solved[i], 1.0 if s >= 1.0 else 0.0)
@@ -130,7 +129,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF model folder (an SFT or RL run's hf/)")
     p.add_argument("--data", action="append", default=[], help="prompt file(s) to score (data.task=file), repeatable")
     p.add_argument("--task", choices=["file", "arithmetic"], help="(default: file with --data, else arithmetic)")
-    p.add_argument("--reward", default="", help="module:function (default: the data's own reward, data.reward)")
+    p.add_argument(
+        "--reward", action="append", default=[], help="a spec as data.reward, repeatable (default: the data's own)"
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a data.* setting, repeatable")
     p.add_argument("--split", choices=[s.value for s in Split], default="test", help="--task arithmetic: the split")
     p.add_argument("--n", type=int, help="problems scored (arithmetic: 500; files: the first N of each, or all)")
@@ -162,8 +163,6 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--set {bad[0]!r}: expected KEY=VALUE (a data.* key, e.g. apply_chat_template=true)")
     if a.k < 1 or (a.n is not None and a.n < 1) or a.max_tokens < 1:
         p.error("--k, --n and --max-tokens must be at least 1")
-    if a.task == "file" and not a.reward and not any(s.startswith("reward=") for s in a.set):
-        p.error("--data needs --reward module:function (a file has no reward of its own)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,19 +173,22 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     start = time.perf_counter()
-    data = data_config(a.task, a.data, a.set, a.reward)
+    data = data_config(a.task, a.data, a.set, a.reward or "")
     cfg = ArithmeticConfig(**{k: getattr(a, k) for k in asdict(ArithmeticConfig())})
     n = a.n or (500 if a.task == "arithmetic" else None)
     try:
         cfg.check(prefix="--")
-        score = scorer(data)
+        rewards = RewardSet.from_config(data)
         tokenizer = AutoTokenizer.from_pretrained(a.model)
         prompts = load_prompts(data, a.data, (cfg, Split(a.split), n), a.seed, n, tokenizer)
+        rewards.check_prompts(prompts, ", ".join(a.data) or a.task)
     except (ConfigError, ValueError) as e:
         print(f"moe-rl-eval: error: {e}", file=sys.stderr)
         return 2
     sampling = {"max_tokens": a.max_tokens, "stop": a.stop, "seed": a.seed}
-    result = evaluate(a.model, prompts, score, a.task, a.k, a.temperature, sampling)
+    print(f"[moe-rl-eval] {len(prompts)} prompts; " + "; ".join(rewards.describe()), file=sys.stderr)
+    with rewards:
+        result = evaluate(a.model, prompts, scorer(rewards), a.task, a.k, a.temperature, sampling)
     split = a.split if a.task != "file" else ",".join(a.data)
     line = json.dumps(result | {"split": split, "seconds": round(time.perf_counter() - start, 1)})
     print(line)

@@ -21,7 +21,7 @@ def model(tmp_path):
         (["--task", "file"], "--task file needs --data"),
         (["--data", "/no/such.parquet", "--reward", "m:f"], "--data /no/such.parquet: does not exist"),
         (["--data", "DATA", "--task", "arithmetic"], "--task arithmetic generates its problems"),
-        (["--data", "DATA"], "--data needs --reward module:function"),
+        (["--data", "DATA", "--reward", "/no/such_reward.py:f"], "/no/such_reward.py"),
         (["--data", "DATA", "--reward", "m:f", "--set", "format"], "--set 'format': expected KEY=VALUE"),
         (["--k", "0"], "--k, --n and --max-tokens must be at least 1"),
         (["--task", "gsm8k"], "argument --task: invalid choice"),
@@ -31,9 +31,11 @@ def test_bad_arguments_are_refused(model, tmp_path, capsys, args, message):
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     args = [str(data) if a == "DATA" else a for a in args]
-    with pytest.raises(SystemExit) as e:
-        evaluate.main(args if "--model" in args else ["--model", model, *args])
-    assert e.value.code == 2
+    try:  # argparse's refusals exit; the reward's and the data's return the status
+        code = evaluate.main(args if "--model" in args else ["--model", model, *args])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
     assert message in capsys.readouterr().err
 
 
