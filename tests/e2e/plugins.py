@@ -29,3 +29,15 @@ def count_calls(data_source, solution_str, ground_truth, extra_info=None):
     with open(os.environ["MOE_RL_TEST_REWARD_CALLS"], "a") as f:
         f.write(json.dumps({"rank": os.environ.get("RANK"), "source": data_source, "response": solution_str}) + "\n")
     return 0.0
+
+
+def trl_accuracy(prompts, completions, completion_ids, **kwargs):
+    """A reward function written for TRL's GRPOTrainer (conversational data: completions are message lists), run
+    unchanged: records what it was given and scores 1.0 when the completion ends with the row's `solution` column."""
+    import json
+    import os
+
+    with open(os.environ["MOE_RL_TEST_REWARD_CALLS"], "a") as f:
+        for row in zip(prompts, completions, completion_ids, kwargs["solution"], strict=True):
+            f.write(json.dumps(dict(zip(("prompt", "completion", "ids", "solution"), row, strict=True))) + "\n")
+    return [float(c[0]["content"].strip().endswith(s)) for c, s in zip(completions, kwargs["solution"], strict=True)]
