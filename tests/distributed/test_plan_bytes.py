@@ -40,12 +40,15 @@ def actor_bytes(tiny_models, tmp_path_factory):
 def test_planner_rows_equal_the_bytes_a_real_actor_holds(actor_bytes, tiny_models, layout, dtype):
     from omegaconf import OmegaConf
 
+    from moe_rl.common.machine import resolve
+    from moe_rl.common.platform import this_machine
     from tests.distributed.plan_bytes_worker import LAYOUTS as PARALLEL
     from tests.unit.test_config import _compose
 
     world = LAYOUTS[layout]
     overrides = [f"parallel.{k}={v}" for k, v in PARALLEL[layout].items()] + [f"model.dtype={dtype}"]
     cfg = OmegaConf.to_object(_compose(overrides))
+    resolve(cfg, this_machine())  # the `auto` settings as the trainer resolves them for the actor measured here
     spec = load_spec(str(tiny_models["qwen3_moe"]))
     plan = make_plan(spec, cfg, world, 1 << 40, layout_of(cfg, world))
     folder = actor_bytes(f"{layout}_{dtype}")
