@@ -174,11 +174,12 @@ class RewardSet:
             values = within(self.timeout_s, lambda: call_batch(rf, samples, step, done, log_metric))
         except TimedOut:
             pending = [j for j in range(len(samples)) if j not in done]
-            first = f", the first {samples[pending[0]].where}" if pending else ""
+            shown = ", ".join(map(str, pending[:10])) + (", ..." if len(pending) > 10 else "")
+            first = f"; the first: {samples[pending[0]].where}, {_source(samples[pending[0]])}" if pending else ""
             raise RewardError(
-                f"{where}: reward function {name} did not return within data.reward_timeout_s={self.timeout_s:g} s "
-                f"({len(pending)} of {len(samples)} samples pending{first}). A judge or sandbox that stopped "
-                "answering? Raise data.reward_timeout_s if it is only slow"
+                f"{where}: reward function {name} did not return within data.reward_timeout_s={self.timeout_s:g} s; "
+                f"{len(pending)} of {len(samples)} samples pending (samples {shown}{first}). A judge or sandbox that "
+                "stopped answering? Raise data.reward_timeout_s if it is only slow"
             ) from None
         except SampleFailed as e:
             s, cause = samples[e.index], e.__cause__
@@ -239,7 +240,9 @@ def unique_names(names: list[str]) -> list[str]:
 
 
 def _source(s: Sample) -> str:
-    return f"data_source {s.data_source!r}" if s.data_source else "no data_source"
+    """The sample's data_source and the start of its prompt, for errors."""
+    source = f"data_source {s.data_source!r}" if s.data_source else "no data_source"
+    return f"{source}, prompt {s.prompt[:60]!r}"
 
 
 def _short(row: dict) -> str:

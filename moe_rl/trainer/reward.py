@@ -59,7 +59,8 @@ class Rewarder:
             try:
                 texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
                 samples = samples_of(rollout.prompts, rollout.prompt_index, texts, rollout.response_ids)
-                scores = self.rewards.score(samples, step)
+                rank = f"(rank {dist.get_rank()})" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+                scores = self.rewards.score(samples, step, phase=rank)
                 payload = ("ok", scores.rewards, scores.totals, scores.counts)
                 self.parts.append((scores.totals, scores.counts))
             except Exception as e:

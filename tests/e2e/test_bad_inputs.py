@@ -47,7 +47,9 @@ def test_file_data_with_numeric_answer_reward_trains_a_step(tmp_path):
 def test_nan_reward_stops_the_run_naming_the_sample_and_saves_nothing(tmp_path):
     code, out = _run(tmp_path / "run", ["data.reward=tests.e2e.plugins:nan_reward"])
     assert code != 0
-    assert "step 1: reward function nan_reward returned nan for sample 0 (prompt '" in out, out[-5000:]
+    # the sample, its row and the start of its prompt
+    assert "step 1: reward function nan_reward returned nan for sample 0 (toy:" in out, out[-5000:]
+    assert "data_source 'toy', prompt '" in out, out[-5000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
