@@ -13,7 +13,7 @@
 # from)}. Measured with it: docs/guides/reasoning-gym.md.
 set -euo pipefail
 OUT=${1:?usage: bash launch/recipes/reasoning_gym.sh OUT_DIR [SFT_STEPS] [RL_STEPS]}
-SFT_STEPS=${2:-600}
+SFT_STEPS=${2:-900}
 RL_STEPS=${3:-100}
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-$(bash "$HERE/launch/setup_env.sh" --print-venv)/bin/python}  # the environment launch/setup_env.sh made
@@ -56,7 +56,7 @@ evaluate() {  # evaluate NAME MODEL
   echo "[recipe] $1: $(cat "$OUT/$1_eval.json")"
 }
 
-write train 8000 0 "$D/sft.parquet" --format sft 2>"$OUT/data.log"
+write train 8000 0 "$D/sft.parquet" --format sft --response worked 2>"$OUT/data.log"
 write train 8000 0 "$D/train.parquet" 2>>"$OUT/data.log"
 write val 200 0 "$D/val.parquet" --exclude "$D/train.parquet" 2>>"$OUT/data.log"
 write test "$TEST_N" 0 "$D/test.parquet" --exclude "$D/train.parquet" --exclude "$D/val.parquet" \

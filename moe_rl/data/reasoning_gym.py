@@ -14,9 +14,11 @@ Rows (verl's schema): `data_source` "reasoning_gym/<dataset>", `prompt` [{"role"
 strings (their keys differ per dataset, which one parquet schema cannot hold), what `score_answer` needs.
 
 Answers. The prompt is the dataset's question as it is, without reasoning-gym's system prompts asking for
-`<answer>` tags: a tiny model learns a bare answer far sooner than a tag format. `compute_score` therefore takes the
-last `<answer>...</answer>` (reasoning_gym.utils.extract_answer, as reasoning-gym's own evaluation does) when the
-response has one, and otherwise the whole response, stripped. The score is the dataset's `score_answer` on it.
+`<answer>` tags: a tiny model learns a bare answer, or a short worked step ending in it (`64+20=84`, the SFT
+responses of `sft_row(row, "worked")`), far sooner than a tag format. `compute_score` therefore takes the last
+`<answer>...</answer>` (reasoning_gym.utils.extract_answer, as reasoning-gym's own evaluation does) when the response
+has one; otherwise the whole response, stripped, and, when it holds an `=`, what follows the last `=`: the score is
+the better of the dataset's `score_answer` on the two.
 """
 
 from __future__ import annotations
@@ -130,9 +132,27 @@ def _row(name: str, entry: dict, settings: str, split: str, index: int) -> dict:
     }
 
 
-def sft_row(row: dict) -> dict:
-    """A verl row as an SFT conversation (TRL's `messages`): the question, then its answer as the assistant's turn."""
-    return {"messages": [*row["prompt"], {"role": "assistant", "content": row["reward_model"]["ground_truth"]}]}
+RESPONSES = ("answer", "worked")
+"""SFT responses: the bare answer, or a worked step ending in it where the dataset's metadata has the expression."""
+
+
+def worked_response(row: dict) -> str:
+    """The expression written out, then `=` and the answer (`64+20=84`; spaces dropped: the byte-level tokenizer
+    spends a token on each), for datasets whose entries hold their `expression` (basic_arithmetic, chain_sum); the
+    bare answer for the others. A tiny model learns the answer far sooner after restating the operands next to it,
+    as the built-in arithmetic task's solutions do."""
+    answer = row["reward_model"]["ground_truth"]
+    expression = json.loads(row["extra_info"]["metadata"]).get("expression")
+    return f"{expression.replace(' ', '')}={answer}" if isinstance(expression, str) else answer
+
+
+def sft_row(row: dict, response: str = "answer") -> dict:
+    """A verl row as an SFT conversation (TRL's `messages`): the question, then the assistant's turn: the answer
+    (`response="answer"`) or a worked step ending in it (`"worked"`, `worked_response`)."""
+    if response not in RESPONSES:
+        raise ConfigError(f"SFT response {response!r}: choose one of {RESPONSES}")
+    content = worked_response(row) if response == "worked" else row["reward_model"]["ground_truth"]
+    return {"messages": [*row["prompt"], {"role": "assistant", "content": content}]}
 
 
 @cache
@@ -145,18 +165,23 @@ def _dataset(name: str, settings: str, seed: int):
     return reasoning_gym.create_dataset(name, **json.loads(settings), seed=seed, size=SEED_STRIDE)
 
 
-def extract(solution_str: str) -> str:
-    """The answer of a response: the last <answer>...</answer> if there is one, else the whole response stripped."""
+def extract(solution_str: str) -> list[str]:
+    """The candidate answers of a response: the last <answer>...</answer> if there is one; else the whole response
+    stripped and, when it holds an `=` (a worked step, `64+20=84`), what follows the last `=`, stripped."""
     # heavy: reasoning_gym (imports its ~100 datasets), imported on first use
     from reasoning_gym.utils import extract_answer
 
     tagged = extract_answer(solution_str)
-    return tagged if tagged is not None else solution_str.strip()
+    if tagged is not None:
+        return [tagged]
+    whole = solution_str.strip()
+    return [whole, whole.rpartition("=")[2].strip()] if "=" in whole else [whole]
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    """verl's reward signature: the dataset's own `score_answer` on the response's answer (`extract`). The entry
-    is rebuilt from the row: its answer `ground_truth`, its question and metadata from `extra_info`."""
+    """verl's reward signature: the dataset's own `score_answer` on the response's answer (`extract`; of two
+    candidates, the better score: a bare answer that holds `=` keeps its score). The entry is rebuilt from the row:
+    its answer `ground_truth`, its question and metadata from `extra_info`."""
     if not data_source.startswith(SOURCE_PREFIX):
         raise ValueError(f"data_source {data_source!r} is not a reasoning-gym one ({SOURCE_PREFIX}<dataset>)")
     name = data_source[len(SOURCE_PREFIX) :]
@@ -168,7 +193,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
         "metadata": json.loads(metadata) if isinstance(metadata, str) else dict(metadata),
     }
     ds = _dataset(name, info.get("settings") or "{}", 0)
-    return float(ds.score_answer(extract(solution_str), entry))
+    return max(float(ds.score_answer(answer, entry)) for answer in extract(solution_str))
 
 
 def passes(score: float) -> bool:

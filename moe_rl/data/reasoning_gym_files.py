@@ -17,7 +17,15 @@ import sys
 from pathlib import Path
 
 from moe_rl.common.errors import ConfigError
-from moe_rl.data.reasoning_gym import SPLIT_STARTS, DatasetSpec, generate, parse_datasets, seed_range, sft_row
+from moe_rl.data.reasoning_gym import (
+    RESPONSES,
+    SPLIT_STARTS,
+    DatasetSpec,
+    generate,
+    parse_datasets,
+    seed_range,
+    sft_row,
+)
 
 
 def write_parquet(rows: list[dict], path: str | Path) -> None:
@@ -58,6 +66,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="which stream of the split the entries come from")
     p.add_argument("--exclude", action="append", default=[], help="parquet file(s) whose questions are left out")
     p.add_argument("--format", choices=["verl", "sft"], default="verl", help="verl RL rows, or SFT conversations")
+    p.add_argument(
+        "--response",
+        choices=list(RESPONSES),
+        default="answer",
+        help="--format sft: the assistant's turn, the bare answer or a worked step ending in it (64+20=84)",
+    )
     p.add_argument("--out", required=True, help="parquet file to write")
     return p
 
@@ -77,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.format == "sft":
-        rows = [sft_row(r) for r in rows]
+        rows = [sft_row(r, a.response) for r in rows]
     write_parquet(rows, a.out)
     start, end = seed_range(a.split, a.seed)
     print(

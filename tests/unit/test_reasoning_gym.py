@@ -54,6 +54,29 @@ def test_sft_rows_hold_the_answer_as_the_assistant_turn(tmp_path):
     ]
 
 
+def test_worked_sft_responses_end_in_the_answer(tmp_path):
+    """--response worked: the entry's own expression (reasoning-gym's metadata), '=' and the answer; scored 1.0 by
+    the dataset's score_answer through compute_score. A dataset without an expression keeps the bare answer."""
+    out = tmp_path / "sft.parquet"
+    args = ["reasoning_gym", "--datasets", "basic_arithmetic,leg_counting", "--n", "40", "--format", "sft"]
+    assert tasks.main([*args, "--response", "worked", "--out", str(out)]) == 0
+    verl = rg.generate({"basic_arithmetic": rg.DatasetSpec(), "leg_counting": rg.DatasetSpec()}, "train", 40, 0)
+    sources = set()
+    for v, sft in zip(verl, pq.read_table(out).to_pylist(), strict=True):
+        response = sft["messages"][1]["content"]
+        answer, info = v["reward_model"]["ground_truth"], v["extra_info"]
+        if v["data_source"] == "reasoning_gym/basic_arithmetic":
+            assert response == json.loads(info["metadata"])["expression"].replace(" ", "") + "=" + answer
+            assert response != answer and " " not in response
+        else:
+            assert response == answer
+        assert rg.compute_score(v["data_source"], response, answer, info) == 1.0
+        sources.add(v["data_source"])
+    assert len(sources) == 2
+    with pytest.raises(ConfigError, match="response"):
+        rg.sft_row(verl[0], "essay")
+
+
 def test_splits_and_seeds_draw_from_disjoint_streams():
     ranges = [rg.seed_range(split, seed) for split in ("train", "val", "test") for seed in (0, 1, rg.MAX_SEED - 1)]
     ranges.sort()
@@ -96,15 +119,18 @@ def test_compute_score_is_score_answer(name):
     scores = []
     for entry in ds:
         info = row["extra_info"] | {"question": entry["question"], "metadata": json.dumps(entry["metadata"])}
-        for response, answer in (
-            (entry["answer"], entry["answer"]),
-            (f"<think>x</think><answer>{entry['answer']}</answer>", entry["answer"]),
-            ("12345678", "12345678"),
-            (f" {entry['answer']}9 \n", f"{entry['answer']}9"),
-            ("<answer>1</answer> then <answer>2</answer>", "2"),
+        for response, answers in (
+            (entry["answer"], [entry["answer"]]),
+            (f"<think>x</think><answer>{entry['answer']}</answer>", [entry["answer"]]),
+            ("12345678", ["12345678"]),
+            (f" {entry['answer']}9 \n", [f"{entry['answer']}9"]),
+            ("<answer>1</answer> then <answer>2</answer>", ["2"]),
+            # a worked step: the better of the whole response and what follows its last '='
+            (f"1+2= {entry['answer']}\n", [f"1+2= {entry['answer']}", entry["answer"]]),
+            (f"{entry['answer']}=7", [f"{entry['answer']}=7", "7"]),
         ):
             got = rg.compute_score(f"reasoning_gym/{name}", response, entry["answer"], info)
-            assert got == pytest.approx(ds.score_answer(answer, entry)), (response, entry)
+            assert got == pytest.approx(max(ds.score_answer(a, entry) for a in answers)), (response, entry)
             scores.append(got)
     assert 1.0 in scores and min(scores) < 1.0  # both right and wrong answers were scored
 
