@@ -32,17 +32,7 @@ D=$OUT/data
 cd "$HERE"
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore VLLM_CONFIGURE_LOGGING=0
 
-stage() {  # stage NAME LOG command...: run it, say one line, keep its output in LOG
-  local name=$1 log=$2 start=$SECONDS
-  shift 2
-  if ! "$@" >"$log" 2>&1; then
-    echo "[recipe] $name failed after $((SECONDS - start)) s; the end of $log:" >&2
-    tail -n 30 "$log" >&2
-    exit 1
-  fi
-  echo "[recipe] $name: $((SECONDS - start)) s (log: $log)"
-  echo $((SECONDS - start)) >"$log.seconds"
-}
+source "$HERE/launch/recipes/stage.sh"  # stage NAME LOG command...
 
 write() {  # write SPLIT N SEED OUT_FILE [options]: a draw of the datasets as parquet
   "$PY" -m moe_rl.data.tasks reasoning_gym --datasets "$DATASETS" --settings "$SETTINGS" --split "$1" --n "$2" \
