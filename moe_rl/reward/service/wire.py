@@ -20,7 +20,8 @@ from moe_rl.reward.sample import Sample
 
 TOKEN_ENV = "MOE_RL_REWARD_TOKEN"
 """The environment variable holding the shared token when data.reward_token_file is empty."""
-SAMPLE_KEYS = frozenset(f.name for f in dataclasses.fields(Sample))
+SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
+SAMPLE_KEYS = frozenset(SAMPLE_FIELDS)
 
 
 class WireError(ValueError):
@@ -64,7 +65,7 @@ def samples_json(samples: list[Sample], request_id: str, step: int) -> bytes:
     rows = []
     for j, s in enumerate(samples):
         try:
-            rows.append(json.dumps(dataclasses.asdict(s), default=_plain))
+            rows.append(json.dumps({k: getattr(s, k) for k in SAMPLE_FIELDS}, default=_plain))  # asdict: a deep copy
         except (TypeError, ValueError) as e:
             raise WireError(f"sample {j} ({s.where}) cannot be sent to the reward service: its row: {e}") from None
     head = json.dumps({"request_id": request_id, "step": step})[:-1]
