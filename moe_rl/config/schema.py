@@ -346,7 +346,7 @@ class DataConfig:
     """File holding the reward service's shared token (the server's --token-file); empty: $MOE_RL_REWARD_TOKEN."""
     reward_batch_size: int = 64
     """Samples per request to a reward service; a step's requests are sent concurrently."""
-    reward_request_timeout_s: float = 300.0
+    reward_request_timeout_s: float = 240.0
     """Seconds one request to a reward service may take before it is retried (it may hold data.reward_batch_size
     samples of a slow reward)."""
     reward_retries: int = 30
@@ -821,7 +821,7 @@ class SFTDataConfig:
     """As RL's: the reward service's shared token file; empty: $MOE_RL_REWARD_TOKEN."""
     reward_batch_size: int = 64
     """As RL's: samples per request to a reward service."""
-    reward_request_timeout_s: float = 300.0
+    reward_request_timeout_s: float = 240.0
     """As RL's: seconds one request to a reward service may take before it is retried."""
     reward_retries: int = 30
     """As RL's: retries of a failed request to a reward service."""

@@ -38,7 +38,7 @@ class ServiceSettings:
 
     token: str
     batch_size: int = 64
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 240.0
     retries: int = 30
     service_timeout_s: float = 300.0
 
@@ -155,6 +155,7 @@ class RewardService:
                     f"the last: {failing.last}"
                 )
             retried["n"] = retried.get("n", 0.0) + 1
+            progress.mark()  # retrying is progress: data.reward_service_timeout_s, not the hang watchdog, ends it
             wait = min(BACKOFF_S[0] * 2 ** (failing.attempts - 1), BACKOFF_S[1])
             await asyncio.sleep(max(0.0, min(wait, failing.first + s.service_timeout_s - now)))
 
