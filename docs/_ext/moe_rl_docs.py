@@ -47,6 +47,7 @@ CLI_MODULES: dict[str, list[str]] = {
     "tasks": ["moe_rl.data.tasks", "--help"],
     "evaluate": ["moe_rl.tools.evaluate", "--help"],
     "moe-rl-sandbox run": ["moe_rl.sandbox.cli", "run", "--help"],
+    "reward-server": ["moe_rl.tools.reward_server", "--help"],
 }
 CLI_COMMANDS = [*CLI_SCRIPTS, *CLI_MODULES]
 

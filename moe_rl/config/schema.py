@@ -321,7 +321,8 @@ class DataConfig:
     completion_ids, **columns)` or moe-rl's `f(responses, answers, response_ids)` / `@per_sample` (told from the
     signature: docs/guides/reward-functions.md). Empty: the task's own (toy: moe_rl.data.rewards:toy_low_token_reward;
     arithmetic: moe_rl.data.rewards:numeric_answer_reward; file: the built-in reward of each row's data_source,
-    moe_rl.reward.builtin:compute_score, and a data_source it does not know is refused at start)."""
+    moe_rl.reward.builtin:compute_score, and a data_source it does not know is refused at start). A URL
+    `http://HOST:PORT` scores through a reward service (moe-rl-reward-server; docs/guides/reward-service.md)."""
     reward_weights: list[float] | None = None
     """Weight of each data.reward function in the combined reward (the weighted sum over the functions that scored
     the sample, as TRL's reward_weights); null: all 1.0."""
@@ -341,6 +342,20 @@ class DataConfig:
     samples (and for validation's); one that has not returned by then stops the run, naming it and the samples
     still pending (a judge or sandbox that stopped answering). 0: no limit of its own; trainer.hang_timeout_s still
     ends a run whose reward makes no progress."""
+    # --- a reward service (data.reward=http://HOST:PORT, moe-rl-reward-server; issue 80) ---
+    reward_token_file: str = ""
+    """File holding the reward service's shared token (the server's --token-file); empty: $MOE_RL_REWARD_TOKEN."""
+    reward_batch_size: int = 64
+    """Samples per request to a reward service; a step's requests are sent concurrently."""
+    reward_request_timeout_s: float = 240.0
+    """Seconds one request to a reward service may take before it is retried (it may hold data.reward_batch_size
+    samples of a slow reward)."""
+    reward_retries: int = 30
+    """Retries of a failed request to a reward service (refused connection, time limit, 5xx), with backoff from
+    0.25 s doubling to 5 s; a 401 (wrong token) or a reward that failed on the server is not retried."""
+    reward_service_timeout_s: float = 300.0
+    """Seconds a request to a reward service may keep failing (from its first failure; also how long the start-up
+    check waits for a server not up yet) before the run stops with an error naming the URL."""
     prompts_per_step: int = 4
     """Prompts per step on each data-parallel rank (samples = prompts * rollout.n)."""
     overlong_prompts: Overlong = Overlong.error
@@ -427,6 +442,13 @@ def check_reward_keys(data) -> None:
         refuse("data.reward_call_timeout_s", f"{data.reward_call_timeout_s:g}: must be >= 0 (0: no limit)")
     if data.reward_workers < 0:
         refuse("data.reward_workers", f"{data.reward_workers}: must be >= 0 (0: min(8, cores))")
+    if data.reward_batch_size < 1:
+        refuse("data.reward_batch_size", f"{data.reward_batch_size}: must be >= 1")
+    if data.reward_retries < 0:
+        refuse("data.reward_retries", f"{data.reward_retries}: must be >= 0")
+    for key in ("reward_request_timeout_s", "reward_service_timeout_s"):
+        if not getattr(data, key) > 0:
+            refuse(f"data.{key}", f"{getattr(data, key):g}: must be > 0")
 
 
 def check_paths(key: str, path, empty: str) -> None:
@@ -801,6 +823,16 @@ class SFTDataConfig:
     """As RL's: null: a per-sample call that raises is an error naming the sample; a number: it scores that."""
     reward_timeout_s: float = 0.0
     """As RL's: seconds the in-process rewards may take for validation's samples; 0: no limit."""
+    reward_token_file: str = ""
+    """As RL's: the reward service's shared token file; empty: $MOE_RL_REWARD_TOKEN."""
+    reward_batch_size: int = 64
+    """As RL's: samples per request to a reward service."""
+    reward_request_timeout_s: float = 240.0
+    """As RL's: seconds one request to a reward service may take before it is retried."""
+    reward_retries: int = 30
+    """As RL's: retries of a failed request to a reward service."""
+    reward_service_timeout_s: float = 300.0
+    """As RL's: seconds a request to a reward service may keep failing before the run stops naming the URL."""
 
     @property
     def reward_specs(self) -> list[str]:

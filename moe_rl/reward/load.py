@@ -8,6 +8,9 @@ The forms (docs/guides/reward-functions.md):
 - moe-rl batched: `f(responses, answers, response_ids) -> list[float]`, and per sample, marked `@per_sample`:
   `f(response, answer, response_ids) -> float`; either may take an optional `samples=` (batched) / `sample=`
   (per sample) keyword to see the whole Sample.
+
+A URL (`http://HOST:PORT`, `https://...`) names a reward service (moe-rl-reward-server, moe_rl/reward/service): its
+form is the server's business, so nothing is inspected here (its health is checked when the RewardSet starts).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -30,6 +34,7 @@ class Kind(StrEnum):
     trl = "trl"  # f(prompts, completions, completion_ids, **columns), batched
     batched = "batched"  # moe-rl's f(responses, answers, response_ids)
     per_sample = "per_sample"  # moe-rl's @per_sample f(response, answer, response_ids)
+    remote = "remote"  # a reward service at http(s)://HOST:PORT, scored by moe_rl.reward.service.client
 
 
 FORMS = (
@@ -61,6 +66,8 @@ class RewardFunction:
 
     @property
     def name(self) -> str:
+        if self.kind is Kind.remote:  # its functions' own names come back with the server's metrics
+            return self.spec
         return getattr(self.fn, "__name__", None) or self.spec.rsplit(":", 1)[-1]
 
     @property
@@ -121,9 +128,33 @@ def absolute_spec(spec: str) -> str:
     return spec
 
 
+def is_remote(spec: str) -> bool:
+    """Whether `spec` names a reward service (an http:// or https:// URL) rather than a function."""
+    return spec.startswith(("http://", "https://"))
+
+
+def service_url(spec: str) -> str:
+    """A reward service's URL as the client uses it (no trailing slash), or RewardLoadError saying what is wrong."""
+    url = urllib.parse.urlsplit(spec)
+    try:
+        url.port  # noqa: B018 -- raises ValueError on a port that is no number
+    except ValueError as e:
+        raise RewardLoadError(f"{spec!r}: {e}; a reward service is named as http://HOST:PORT") from None
+    if not url.hostname or url.query or url.fragment:
+        raise RewardLoadError(f"{spec!r}: a reward service is named as http://HOST:PORT (or https://HOST:PORT)")
+    return spec.rstrip("/")
+
+
+def remote_marker(*args, **kwargs):
+    """The `fn` of a reward service's RewardFunction: never called (the RewardSet sends its samples to the URL)."""
+    raise RuntimeError("a reward service is scored through moe_rl.reward.service.client, not called")
+
+
 def load(spec: str) -> RewardFunction:
     """Load `spec` and tell its form from its signature (the function is not called); a signature that matches
-    none of the three forms is refused, showing them."""
+    none of the three forms is refused, showing them. A URL is a reward service (Kind.remote), not loaded."""
+    if is_remote(spec):
+        return RewardFunction(service_url(spec), remote_marker, Kind.remote, False, False, None)
     spec = absolute_spec(spec)
     fn = load_function(spec)
     try:

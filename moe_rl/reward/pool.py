@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -75,16 +76,18 @@ class RewardPool:
     def __init__(self, specs: list[str], workers: int, timeout_s: float, preload: list[str] = ()):
         self.specs, self.workers, self.timeout_s, self.preload = list(specs), workers, timeout_s, list(preload)
         self.pool = None
+        self.lock = threading.Lock()  # a reward service scores batches on several threads: one pool for them all
 
     def _started(self):
-        if self.pool is None:
-            # heavy: pebble, imported when a reward first needs the pool
-            from pebble import ProcessPool
+        with self.lock:
+            if self.pool is None:
+                # heavy: pebble, imported when a reward first needs the pool
+                from pebble import ProcessPool
 
-            ctx = multiprocessing.get_context("spawn")
-            args = (self.specs, self.preload)
-            self.pool = ProcessPool(max_workers=self.workers, initializer=start_worker, initargs=args, context=ctx)
-        return self.pool
+                ctx = multiprocessing.get_context("spawn")
+                args = (self.specs, self.preload)
+                self.pool = ProcessPool(max_workers=self.workers, initializer=start_worker, initargs=args, context=ctx)
+            return self.pool
 
     def run(self, calls: list[tuple[str, Sample]]) -> list[Outcome]:
         """Every (spec, sample) call, spread over the workers; their outcomes in order. Waits at most about

@@ -1,5 +1,6 @@
 """The run's reward: one or more reward functions (data.reward, data.reward_weights) over a batch of Samples, the
-combined reward (the weighted sum over the functions that scored each sample) and its metrics."""
+combined reward (the weighted sum over the functions that scored each sample) and its metrics. A reward service
+(data.reward=http://HOST:PORT) is one more function: its combined rewards and metrics come back from the server."""
 
 from __future__ import annotations
 
@@ -11,10 +12,17 @@ from moe_rl.reward.inprocess import RewardError, SampleFailed, TimedOut, as_numb
 from moe_rl.reward.load import Kind, RewardFunction, RewardLoadError, load
 from moe_rl.reward.pool import Outcome, RewardPool, default_workers
 from moe_rl.reward.sample import Sample
+from moe_rl.reward.service.client import RewardService, ServiceError, ServiceSettings
 
 BUILTIN_SPEC = "moe_rl.reward.builtin:compute_score"
 """The built-in dispatch by data_source (what a file dataset with no data.reward is scored with)."""
-KIND_NAMES = {Kind.verl: "verl", Kind.trl: "TRL", Kind.batched: "moe-rl batched", Kind.per_sample: "moe-rl per sample"}
+KIND_NAMES = {
+    Kind.verl: "verl",
+    Kind.trl: "TRL",
+    Kind.batched: "moe-rl batched",
+    Kind.per_sample: "moe-rl per sample",
+    Kind.remote: "reward service",
+}
 
 
 @dataclass
@@ -61,6 +69,9 @@ class RewardSet:
         pooled = [rf.spec for rf in functions if rf.in_pool]
         preload = ["moe_rl.reward.math_answer"] if BUILTIN_SPEC in pooled else []  # math-verify: ~1 s to import
         self.pool = RewardPool(pooled, self.workers, self.call_timeout_s, preload) if pooled else None
+        remote = [i for i, rf in enumerate(functions) if rf.kind is Kind.remote]
+        settings = ServiceSettings.from_data(data) if remote else None
+        self.services = {i: RewardService(functions[i].spec, settings) for i in remote}
 
     @classmethod
     def from_config(cls, data) -> RewardSet:
@@ -75,7 +86,13 @@ class RewardSet:
                 functions.append(load(spec))
             except RewardLoadError as e:
                 refuse("data.reward", str(e))
-        return cls(functions, [float(w) for w in weights], data)
+        try:
+            rewards = cls(functions, [float(w) for w in weights], data)
+            for service in rewards.services.values():  # before the model is built: a wrong URL or token fails now
+                service.check()
+        except ServiceError as e:
+            refuse("data.reward", str(e))
+        return rewards
 
     @property
     def needs_answer(self) -> str | None:
@@ -91,6 +108,15 @@ class RewardSet:
         for rf, name, w in zip(self.functions, self.names, self.weights, strict=True):
             if rf.spec == BUILTIN_SPEC:
                 what = f"built-in by data_source ({builtin.KNOWN})"
+            elif rf.kind is Kind.remote:
+                service = self.services[self.functions.index(rf)]
+                s = service.settings
+                served = f" [{'; '.join(service.describe_lines)}]" if service.describe_lines else ""
+                lines.append(
+                    f"reward {name}: reward service{served}, weight {w:g}, requests of {s.batch_size} samples, "
+                    f"{s.request_timeout_s:g} s each, {s.retries} retries within {s.service_timeout_s:g} s"
+                )
+                continue
             else:
                 what = f"{rf.spec}, {KIND_NAMES[rf.kind]} form"
             runs = "in process"
@@ -117,6 +143,16 @@ class RewardSet:
 
     def score(self, samples: list[Sample], step: int, phase: str = "") -> Scores:
         """Score `samples` with every function; the combined rewards and the metrics (see Scores)."""
+        scores = self.score_functions(samples, step, phase)
+        for j, s in enumerate(samples):
+            if s.data_source:
+                t = scores.totals.setdefault(f"reward/{s.data_source}/mean", [0.0, 0.0])
+                t[0], t[1] = t[0] + scores.rewards[j], t[1] + 1
+        return scores
+
+    def score_functions(self, samples: list[Sample], step: int, phase: str = "") -> Scores:
+        """`score` without the per-data_source means (what a reward service answers: its client forms those from
+        the combined rewards, with its own functions')."""
         where = f"step {step}" + (f" {phase}" if phase else "")
         scores = Scores([0.0] * len(samples), counts={"reward/timeouts": 0.0, "reward/errors": 0.0})
         pooled = [i for i, rf in enumerate(self.functions) if rf.in_pool]
@@ -126,6 +162,10 @@ class RewardSet:
             if rf.in_pool:
                 k = pooled.index(i) * len(samples)
                 values = self._pool_values(outcomes[k : k + len(samples)], samples, name, where, scores.counts)
+            elif rf.kind is Kind.remote:
+                self._remote(self.services[i], samples, step, where, w, scores)
+                scored = [n + 1 for n in scored]
+                continue
             else:
                 values = self._in_process(rf, samples, step, name, where, scores)
             for j, v in enumerate(values):
@@ -137,10 +177,21 @@ class RewardSet:
         for j, (s, n) in enumerate(zip(samples, scored, strict=True)):
             if not n:
                 raise RewardError(f"{where}: no reward function scored sample {j} ({s.where}, {_source(s)})")
-            if s.data_source:
-                t = scores.totals.setdefault(f"reward/{s.data_source}/mean", [0.0, 0.0])
-                t[0], t[1] = t[0] + scores.rewards[j], t[1] + 1
         return scores
+
+    def _remote(self, service: RewardService, samples: list[Sample], step: int, where: str, w: float, scores) -> None:
+        """A reward service's combined rewards (weighted by `w`) and its metrics, merged into `scores`."""
+        got = service.score(samples, step)
+        for j, v in enumerate(got.rewards):
+            value = as_number(v)
+            if value is None:
+                raise RewardError(f"{where}: reward service {service.url} returned {v!r} for sample {j}")
+            scores.rewards[j] += w * value
+        for k, (total, n) in got.totals.items():
+            t = scores.totals.setdefault(k, [0.0, 0.0])
+            t[0], t[1] = t[0] + total, t[1] + n
+        for k, n in got.counts.items():
+            scores.counts[k] = scores.counts.get(k, 0.0) + n
 
     def _pool_values(self, outcomes: list[Outcome], samples, name: str, where: str, counts: dict) -> list:
         values = []
