@@ -58,6 +58,7 @@ def test_the_arithmetic_recipe_config_changes_only_what_it_says():
         "trainer.checkpoint_every",
         "trainer.val_every",
         "trainer.val_before_train",
+        "trainer.seed",  # RL's own prompt pool, not SFT's (the comment in the yaml)
     }, changed
     assert isinstance(obj.algorithm.loss, GSPOConfig) and isinstance(obj.algorithm.correction, IcePopConfig)
     assert obj.actor.router_replay == "r3"  # today's defaults: GSPO + IcePop + R3
