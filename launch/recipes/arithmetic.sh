@@ -12,7 +12,7 @@
 set -euo pipefail
 OUT=${1:?usage: bash launch/recipes/arithmetic.sh OUT_DIR [SFT_STEPS] [RL_STEPS]}
 SFT_STEPS=${2:-900}
-RL_STEPS=${3:-240}
+RL_STEPS=${3:-320}
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-$(bash "$HERE/launch/setup_env.sh" --print-venv)/bin/python}  # the environment launch/setup_env.sh made
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node=2)

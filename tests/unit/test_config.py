@@ -54,6 +54,9 @@ def test_the_arithmetic_recipe_config_changes_only_what_it_says():
         "data.task",
         "data.prompts_per_step",
         "actor.lr",
+        "actor.lr_warmup_steps",  # warmup, then cosine to min_lr (the comment in the yaml)
+        "actor.lr_decay",
+        "actor.min_lr",
         "trainer.steps",
         "trainer.checkpoint_every",
         "trainer.val_every",
