@@ -75,6 +75,9 @@ class RewardSet:
                 functions.append(load(spec))
             except RewardLoadError as e:
                 refuse("data.reward", str(e))
+        sandboxed = [rf.spec for rf in functions if getattr(rf.fn, "uses_sandbox", False)]
+        if sandboxed:
+            prepare_sandbox(data, sandboxed[0])
         return cls(functions, [float(w) for w in weights], data)
 
     @property
@@ -227,6 +230,22 @@ class RewardSet:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def prepare_sandbox(data, spec: str) -> None:
+    """A reward that runs programs (`spec`): the sandbox set from data.sandbox and data.code_score, and checked to
+    run on this machine (a missing bubblewrap is refused here, before the model is built)."""
+    # the sandbox and the code reward only where a run scores code: bubblewrap is not needed otherwise
+    from moe_rl import sandbox
+    from moe_rl.reward import code
+
+    if getattr(data, "sandbox", None) is not None:
+        sandbox.configure(data.sandbox)
+    code.configure(str(getattr(data, "code_score", "all")))
+    try:
+        sandbox.check_available()
+    except sandbox.SandboxUnavailable as e:
+        refuse("data.reward", f"{spec} runs programs in the sandbox, which cannot run here: {e}")
 
 
 def unique_names(names: list[str]) -> list[str]:
