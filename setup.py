@@ -60,6 +60,7 @@ setup(
             "moe-rl-plan=moe_rl.plan.cli:main",
             "moe-rl-chaos=moe_rl.tools.chaos:main",
             "moe-rl-eval=moe_rl.tools.evaluate:main",
+            "moe-rl-sandbox=moe_rl.sandbox.cli:main",
         ],
         # loaded by vLLM in its engine core and worker processes (moe_rl/compat/vllm_plugin.py)
         "vllm.general_plugins": ["moe_rl = moe_rl.compat.vllm_plugin:register"],

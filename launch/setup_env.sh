@@ -14,6 +14,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS="${MOE_RL_EXTRAS:-cpu,dev}"
 STAMP="$VENV/.moe-rl-deps-$(cat "$ROOT/setup.py" "$ROOT/launch/setup_env.sh" | sha256sum | cut -c1-16)-${EXTRAS//,/_}"
 
+# The code sandbox (moe_rl/sandbox, docs/guides/sandbox.md) runs programs in bubblewrap, a Debian package: silent
+# when bwrap is there; installed where we are root with apt-get; else one line saying what to install.
+if ! command -v bwrap >/dev/null; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+    echo "[setup_env] installing the Debian package bubblewrap (the code sandbox)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) \
+      || echo "[setup_env] could not install bubblewrap; the code sandbox needs the Debian package bubblewrap"
+  else
+    echo "[setup_env] the code sandbox needs the Debian package bubblewrap (apt-get install bubblewrap, as root)"
+  fi
+fi
 if [[ ! -x "$VENV/bin/python" ]]; then
   echo "[setup_env] creating venv $VENV"
   python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"

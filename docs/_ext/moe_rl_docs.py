@@ -46,6 +46,7 @@ CLI_MODULES: dict[str, list[str]] = {
     "logprobs": ["moe_rl.tools.logprobs", "--help"],
     "tasks": ["moe_rl.data.tasks", "--help"],
     "evaluate": ["moe_rl.tools.evaluate", "--help"],
+    "moe-rl-sandbox run": ["moe_rl.sandbox.cli", "run", "--help"],
 }
 CLI_COMMANDS = [*CLI_SCRIPTS, *CLI_MODULES]
 

@@ -36,6 +36,7 @@ from moe_rl.objectives.config import (
     ProxLogp,
 )
 from moe_rl.rollout.config import Priority, RolloutConfig, SamplingConfig
+from moe_rl.sandbox.config import SandboxConfig
 
 
 class Dtype(StrEnum):
@@ -371,6 +372,10 @@ class DataConfig:
     # --- data.task=reasoning_gym (issue 79, part 3) ---
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     """task=reasoning_gym: the datasets with their weights and settings, the seed and the train / val sizes."""
+    # --- rewards that run model-written programs (issue 80): moe_rl/sandbox ---
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """The sandbox the code rewards run programs in: its pool's workers and each run's limits (bubblewrap:
+    docs/guides/sandbox.md)."""
 
     @property
     def reward_specs(self) -> list[str]:
@@ -399,6 +404,7 @@ class DataConfig:
             check_paths("data.val_path" if name == "val" else f"data.val_path.{name}", path, "")
         if self.prompts_per_step < 1:
             refuse("data.prompts_per_step", "must be >= 1")
+        self.sandbox.check()
 
 
 def reward_specs(reward) -> list[str]:

@@ -93,6 +93,7 @@ def test_tools_are_leaves():
 LAYERS = [
     {"kernels", "routing"},  # torch (and Triton) only: the fused kernels, the route contract
     {"common"},  # batch types and collective helpers every part uses
+    {"sandbox"},  # runs untrusted programs in bubblewrap (torch-free); the code rewards use it
     {"reward"},  # reward functions users write, loaded by spec, run on whole samples (torch-free)
     {"objectives", "compat", "data", "models"},  # losses and corrections; reaches into megatron/vLLM; prompts
     {"actor", "rollout"},  # the Megatron actor; the vLLM engines and rollout sources (neither knows the other)
@@ -130,6 +131,7 @@ SCHEMA = {
     "moe_rl.objectives.config",
     "moe_rl.rollout.config",
     "moe_rl.rollout.multi_turn.config",
+    "moe_rl.sandbox.config",
     "moe_rl.config",
     "moe_rl.config.schema",
     "moe_rl.config.store",

@@ -7,6 +7,7 @@ and hands everything else to this interpreter, so no package is installed."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -71,3 +72,25 @@ def test_setup_env_runs_pip_only_when_the_venv_lacks_this_checkout(tmp_path):
     assert f"-m pip install -q -e {REPO}[cpu,dev]" in pip
     assert "set up from another setup.py" in out and "first time" not in out
     assert [p.name for p in venv.glob(".moe-rl-deps-*")] == [stamp.name]
+
+
+def test_setup_env_says_the_sandbox_needs_bubblewrap_where_it_cannot_install_it(tmp_path):
+    """Without bwrap on PATH and not root, one line names the Debian package; with it, not a word (above)."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("bash", "cat", "sha256sum", "cut", "dirname", "rm"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    (tools / "id").write_text("#!/bin/sh\necho 1000\n")  # not root: nothing is installed
+    (tools / "id").chmod(0o755)
+    venv = _venv(tmp_path)
+    out = subprocess.run(
+        [str(tools / "bash"), str(REPO / "launch" / "setup_env.sh")],
+        env={"PATH": str(tools), "HOME": str(tmp_path), "MOE_RL_VENV": str(venv), "MOE_RL_EXTRAS": "cpu,dev"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == (
+        "[setup_env] the code sandbox needs the Debian package bubblewrap (apt-get install bubblewrap, as root)"
+    )
