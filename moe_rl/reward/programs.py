@@ -183,7 +183,7 @@ def same_output(got: str, want: str) -> bool:
     return norm(got) == norm(want)
 
 
-HARNESS = '''\
+HARNESS = """\
 import sys
 
 
@@ -222,7 +222,7 @@ def _main(solution, tests):
 
 
 _main(SOLUTION, TESTS)
-'''
+"""
 
 
 def harness(solution: str, tests: list[str]) -> str:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_rl import sandbox
 from moe_rl.common.errors import refuse
-from moe_rl.reward import builtin
+from moe_rl.reward import builtin, code
 from moe_rl.reward.inprocess import RewardError, SampleFailed, TimedOut, as_number, call_batch, within
 from moe_rl.reward.load import Kind, RewardFunction, RewardLoadError, load
 from moe_rl.reward.pool import Outcome, RewardPool, default_workers
@@ -235,10 +236,6 @@ class RewardSet:
 def prepare_sandbox(data, spec: str) -> None:
     """A reward that runs programs (`spec`): the sandbox set from data.sandbox and data.code_score, and checked to
     run on this machine (a missing bubblewrap is refused here, before the model is built)."""
-    # the sandbox and the code reward only where a run scores code: bubblewrap is not needed otherwise
-    from moe_rl import sandbox
-    from moe_rl.reward import code
-
     if getattr(data, "sandbox", None) is not None:
         sandbox.configure(data.sandbox)
     code.configure(str(getattr(data, "code_score", "all")))
