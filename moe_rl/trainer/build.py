@@ -75,7 +75,7 @@ def training_prompts(cfg, tokenizer, context: int, rewards: RewardSet, rank: int
     return data
 
 
-BUILT_IN_SPLITS = ("arithmetic", "reasoning_gym")  # built-in tasks with a val split of their own
+BUILT_IN_SPLITS = ("arithmetic", "reasoning_gym", "humaneval")  # built-in tasks with a val split of their own
 
 
 def _task(d, split: str) -> tuple:
@@ -83,6 +83,8 @@ def _task(d, split: str) -> tuple:
     if d.task == "reasoning_gym":
         size = d.reasoning_gym.train_size if split == "train" else d.reasoning_gym.val_size
         return d.reasoning_gym, split, size
+    if d.task == "humaneval":
+        return d.humaneval, split, 0  # the split's problems (data.humaneval.holdout), all of them
     return d.arithmetic, split, d.problems if split == "train" else d.val_problems
 
 
