@@ -106,7 +106,12 @@ def run_then_exit(main: Callable[[], object], *, end: Callable[[int], object] = 
         else:  # SystemExit("message"): Python prints the message and exits 1
             print(e.code, file=sys.stderr)
             code = 1
-    for thread in threading.enumerate():  # as Python does first: wait for the non-daemon threads
+    # as Python does first (threading._shutdown): tell the thread pools to stop (concurrent.futures registers its
+    # executors' shutdown there, not with atexit: an idle pool's workers would wait for work forever), then wait for
+    # the non-daemon threads
+    for stop_call in reversed(getattr(threading, "_threading_atexits", [])):
+        stop_call()
+    for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()

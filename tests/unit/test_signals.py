@@ -67,16 +67,20 @@ time.sleep(1)
 
 EXIT_CHILD = r"""
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, sys.argv[1])
 from moe_rl.trainer.signals import run_then_exit
 
 how = sys.argv[2]
+POOLS = []
 
 
 def main():
     atexit.register(lambda: print("atexit ran", flush=True))
     sys.stdout.write("buffered, never flushed by main")  # the exit flushes it
     threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished", flush=True))).start()
+    POOLS.append(ThreadPoolExecutor(2))  # kept open and idle, as a module's pool is: Python's exit stops it
+    POOLS[0].submit(print, "pool ran", flush=True).result()
     if how == "code":
         raise SystemExit(3)
     if how == "message":
@@ -92,12 +96,12 @@ run_then_exit(main)
 @pytest.mark.parametrize("how, code", [("return", 0), ("code", 3), ("message", 1), ("error", 1)])
 def test_run_then_exit_keeps_the_exit_code_output_atexit_and_threads(how, code):
     """The rank's fast exit skips only the interpreter's teardown: the status, buffered output, atexit
-    handlers and non-daemon threads are as a plain `python` exit leaves them."""
+    handlers and non-daemon threads (an idle thread pool's too) are as a plain `python` exit leaves them."""
     cmd = [sys.executable, "-c", EXIT_CHILD, str(REPO), how]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
     assert proc.returncode == code, out
-    assert "atexit ran" in proc.stdout and "thread finished" in proc.stdout, out
+    assert "atexit ran" in proc.stdout and "thread finished" in proc.stdout and "pool ran" in proc.stdout, out
     assert "buffered, never flushed by main" in proc.stdout, out
     assert ("a message" in proc.stderr) == (how == "message"), out
     assert ("ValueError: boom" in proc.stderr) == (how == "error"), out
