@@ -154,7 +154,7 @@ TYPOS = {  # a value outside a key's fixed set, and the valid ones the refusal l
     "algorithm.prox_logp=approx": "config algorithm.prox_logp='approx': choose one of recompute, loglinear",
     "model.dtype=fp16": "config model.dtype='fp16': choose one of auto, float32, bfloat16",
     "trainer.mode=eval": "config trainer.mode='eval': choose one of train, rollout_only, from_dump",
-    "data.task=gsm8k": "config data.task='gsm8k': choose one of toy, file, arithmetic, reasoning_gym",
+    "data.task=gsm8k": "config data.task='gsm8k': choose one of toy, file, arithmetic, reasoning_gym, humaneval",
     "rollout.placement=remote": "config rollout.placement='remote': choose one of colocated, separate",
 }
 
