@@ -61,3 +61,14 @@ def test_help_has_examples(capsys):
     with pytest.raises(SystemExit):
         evaluate.main(["--help"])
     assert "examples:" in capsys.readouterr().out
+
+
+def test_task_humaneval_loads_the_split_of_the_installed_package(tmp_path):
+    """--task humaneval: the 164 problems (or the held-out ones) as prompts, scored by the code reward."""
+    data = evaluate.data_config("humaneval", [], [], "")
+    assert data.reward_specs == ["moe_rl.reward.code:code_reward"]  # the task's own reward
+    prompts = evaluate.load_prompts(data, [], (data.humaneval, "test", 0), 0, None, None)
+    assert len(prompts) == 164 and prompts[0].row["entry_point"] == "has_close_elements"
+    data.humaneval.holdout = 20
+    held = evaluate.load_prompts(data, [], (data.humaneval, "test", 0), 0, 5, None)
+    assert [p.row["task_id"] for p in held] == [f"HumanEval/{i}" for i in range(144, 149)]
