@@ -13,14 +13,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from moe_rl.common.errors import ConfigError
 from moe_rl.data import humaneval
-from moe_rl.reward import RewardSet, Sample
+from moe_rl.data.prompts import PromptSource
+from moe_rl.models.tiny import build_tokenizer
+from moe_rl.reward import RewardSet, Sample, samples_of
 from moe_rl.reward import code as code_module
 from moe_rl.reward.code import code_reward
 from moe_rl.reward.programs import STATUSES, extract_code
-from moe_rl.sandbox import SandboxConfig
+from moe_rl.sandbox import SandboxConfig, check_available
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed here")
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed here")
 SPEC = "moe_rl.reward.code:code_reward"
 
 
@@ -46,6 +49,7 @@ def _score_all():
     code_module.configure("all")
 
 
+@needs_bwrap
 def test_all_164_humaneval_canonical_solutions_pass_and_pass_bodies_fail():
     rows = humaneval.problems()
     assert len(rows) == 164 and len({r["task_id"] for r in rows}) == 164
@@ -60,6 +64,7 @@ def test_all_164_humaneval_canonical_solutions_pass_and_pass_bodies_fail():
     print(f"\n[code] 164 canonical HumanEval runs in {seconds:.1f} s: {164 / seconds:.1f} runs/s")
 
 
+@needs_bwrap
 def test_a_chat_models_fenced_definition_replaces_the_prompts_function():
     row = next(r for r in humaneval.problems() if r["task_id"] == "HumanEval/0")
     answer = "Here it is:\n```python\n" + row["prompt"] + row["canonical_solution"] + "```\nDone."
@@ -68,6 +73,7 @@ def test_a_chat_models_fenced_definition_replaces_the_prompts_function():
     assert [s["score"] for s in scores] == [1.0, 0.0]
 
 
+@needs_bwrap
 def test_tests_as_users_datasets_give_them_score_all_or_fraction():
     add = "```python\ndef add(a, b):\n    return a + b if a < 10 else 0\n```"
     asserts = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(20, 1) == 21"]
@@ -90,6 +96,7 @@ def test_tests_as_users_datasets_give_them_score_all_or_fraction():
     assert m["reward/timeouts"] == 0 and m["reward/errors"] == 0
 
 
+@needs_bwrap
 def test_bad_input_is_scored_with_its_status_never_raised():
     good_tests = {"tests": ["assert f() == 1"]}
     cases = [
@@ -128,3 +135,42 @@ def test_humaneval_holdout_splits_the_164_problems():
     assert len(train) == 144 and len(val) == 20 and val[-1]["task_id"] == "HumanEval/163"
     assert not {r["task_id"] for r in train} & {r["task_id"] for r in val}
     assert len(humaneval.split_rows(HumanEvalConfig(), "train")) == 164
+
+
+def test_a_machine_without_bubblewrap_is_refused_when_the_rewards_are_built(tmp_path, monkeypatch):
+    """RewardSet.from_config runs before the trainer builds the model: the error names the key and the package."""
+    check_available.cache_clear()  # the check is cached per process; this one must look at the PATH below
+    monkeypatch.setenv("PATH", str(tmp_path))
+    try:
+        with pytest.raises(ConfigError, match=r"data\.reward: moe_rl\.reward\.code:code_reward runs .*bubblewrap"):
+            RewardSet.from_config(_data())
+    finally:
+        check_available.cache_clear()
+
+
+@needs_bwrap
+def test_files_of_the_data_interface_score_by_their_tests(tmp_path):
+    """A jsonl with a `tests` column and a verl parquet whose reward_model.ground_truth holds stdin/stdout cases, read
+    by the trainer's loader (PromptSource) and scored by data.reward=code_reward as the trainer scores them."""
+    # heavy: pyarrow, imported where a parquet file is written
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = build_tokenizer(512)
+    plain = tmp_path / "code.jsonl"
+    plain.write_text(
+        json.dumps({"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]})
+    )
+    io = {"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}
+    verl = {"data_source": "my/code", "prompt": [{"role": "user", "content": "Sum the numbers on stdin."}]}
+    verl |= {"ability": "code", "reward_model": {"style": "rule", "ground_truth": json.dumps(io)}}
+    pq.write_table(pa.Table.from_pylist([verl | {"extra_info": {"index": 0}}]), tmp_path / "code.parquet")
+    prompts = PromptSource("file", str(plain), tokenizer=tok).items
+    prompts += PromptSource("file", str(tmp_path / "code.parquet"), tokenizer=tok).items
+    add = "```python\ndef add(a, b):\n    return a + b\n```"
+    total = "```python\nimport sys\nprint(sum(map(int, sys.stdin.read().split())))\n```"
+    texts = [add, "def add(a, b):\n    return a * b", total, "print(3)"]
+    samples = samples_of(prompts, [0, 0, 1, 1], texts, [[1]] * 4)
+    with RewardSet.from_config(_data(code_score="fraction")) as rewards:
+        scores = rewards.score(samples, step=1)
+    assert scores.rewards == [1.0, 0.5, 1.0, 0.5]  # a*b passes add(0, 0) only; print(3) the first case only

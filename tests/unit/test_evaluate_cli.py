@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
+from moe_rl.data.config import Split
+from moe_rl.reward import RewardSet
 from moe_rl.tools import evaluate
 
 
@@ -21,6 +25,7 @@ def model(tmp_path):
         (["--task", "file"], "--task file needs --data"),
         (["--data", "/no/such.parquet", "--reward", "m:f"], "--data /no/such.parquet: does not exist"),
         (["--data", "DATA", "--task", "arithmetic"], "--task arithmetic generates its problems"),
+        (["--data", "DATA", "--task", "humaneval"], "--task humaneval generates its problems"),
         (["--data", "DATA", "--reward", "/no/such_reward.py:f"], "/no/such_reward.py"),
         (["--data", "DATA", "--reward", "m:f", "--set", "format"], "--set 'format': expected KEY=VALUE"),
         (["--k", "0"], "--k, --n and --max-tokens must be at least 1"),
@@ -63,12 +68,22 @@ def test_help_has_examples(capsys):
     assert "examples:" in capsys.readouterr().out
 
 
-def test_task_humaneval_loads_the_split_of_the_installed_package(tmp_path):
-    """--task humaneval: the 164 problems (or the held-out ones) as prompts, scored by the code reward."""
-    data = evaluate.data_config("humaneval", [], [], "")
-    assert data.reward_specs == ["moe_rl.reward.code:code_reward"]  # the task's own reward
-    prompts = evaluate.load_prompts(data, [], (data.humaneval, "test", 0), 0, None, None)
-    assert len(prompts) == 164 and prompts[0].row["entry_point"] == "has_close_elements"
-    data.humaneval.holdout = 20
-    held = evaluate.load_prompts(data, [], (data.humaneval, "test", 0), 0, 5, None)
-    assert [p.row["task_id"] for p in held] == [f"HumanEval/{i}" for i in range(144, 149)]
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed here")
+def test_task_humaneval_loads_its_split_and_scores_it_by_the_problems_tests(tiny_models):
+    """moe-rl-eval --task humaneval up to the engine: its data section, reward, prompts and scorer (main's path)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen3_moe"])
+    data = evaluate.data_config("humaneval", [], ["humaneval.holdout=20"], "")
+    rewards = RewardSet.from_config(data)
+    assert any("moe_rl.reward.code:code_reward" in line for line in rewards.describe())
+    everything = evaluate.load_prompts(data, [], (data.humaneval, Split.test, None), 7, None, tokenizer)
+    assert len(everything) == 20 and everything[0].row["task_id"] == "HumanEval/144"  # the held-out 20
+    prompts = evaluate.load_prompts(data, [], (data.humaneval, Split.test, 3), 7, 3, tokenizer)
+    assert [p.row["task_id"] for p in prompts] == ["HumanEval/144", "HumanEval/145", "HumanEval/146"]
+    assert prompts[0].text == prompts[0].row["prompt"] and prompts[0].ids == tokenizer(prompts[0].text)["input_ids"]
+    rewards.check_prompts(prompts, "humaneval")
+    texts = [p.row["canonical_solution"] for p in prompts] + ["    pass\n", "    return 0\n"]
+    with rewards:
+        scores = evaluate.scorer(rewards)(prompts, [0, 1, 2, 0, 1], texts, [[1]] * 5)
+    assert scores == [1.0, 1.0, 1.0, 0.0, 0.0]
