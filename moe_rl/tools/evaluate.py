@@ -69,11 +69,9 @@ def load_prompts(data, paths: list[str], task_args: tuple, seed: int, n: int | N
     # heavy: the prompt loaders (pyarrow, datasets on use), imported after the arguments are checked
     from moe_rl.data.prompts import PromptSource
 
-    if data.task == "humaneval":  # the split's problems (data.humaneval.holdout), the first n of them
+    if data.task != "file":  # a built-in task's split (humaneval: all its problems, so the first n of them)
         items = PromptSource.from_config(data, seed=seed, tokenizer=tokenizer, problems=task_args).items
         return items[:n] if n else items
-    if data.task != "file":
-        return PromptSource.from_config(data, seed=seed, tokenizer=tokenizer, problems=task_args).items
     out = []
     for path in paths:
         items = PromptSource.from_config(data, seed=seed, path=path, tokenizer=tokenizer).items
