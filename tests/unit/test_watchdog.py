@@ -21,7 +21,12 @@ def stopped_process():
     """A real process, stopped as SIGSTOP stops a rank or an engine core."""
     proc = subprocess.Popen(["sleep", "60"])
     proc.send_signal(signal.SIGSTOP)
-    yield psutil.Process(proc.pid)
+    process = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 10
+    while process.status() != psutil.STATUS_STOPPED:  # the signal is taken when the process next runs: on a loaded
+        assert time.monotonic() < deadline, process.status()  # machine, a moment after kill() returns
+        time.sleep(0.01)
+    yield process
     proc.kill()
     proc.wait()
 
