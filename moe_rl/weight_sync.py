@@ -57,6 +57,10 @@ class WeightSync:
         _check_transport(transport)
         if engine is not None:  # before any training step (begin checks again on every sync)
             engine.rpc("moe_rl_check_weight_update")
+        # a LoRA actor (actor.lora) changes only the linears it adapts: only those are sent, merged
+        self.changed_only = bool(getattr(actor, "lora", None))
+        if engine is not None and self.changed_only:
+            engine.rpc("moe_rl_expect_partial_updates")
         self.actor, self.engine, self.leaders = actor, engine, sorted(leaders)
         self.bucket_bytes, self.transport = bucket_mb * 2**20, transport
         self._plan = None
@@ -65,7 +69,7 @@ class WeightSync:
         t0 = time.perf_counter()
         me = dist.get_rank() if dist.is_initialized() else 0
         if self._plan is None:  # shapes never change: planned once (two small all_gather_objects)
-            plan = export_plan(self.actor.chunks, self.actor.conv)
+            plan = export_plan(self.actor.chunks, self.actor.conv, changed_only=self.changed_only)
             self._plan = list(buckets(plan, self.bucket_bytes, lambda e: e.nbytes))
             hosts = all_gather_objects(socket.gethostname())
             # shm: an owner on a leader's host writes straight into the leader's bucket buffer

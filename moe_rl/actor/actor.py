@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.actor import batch_invariant as bik
-from moe_rl.actor import packing
+from moe_rl.actor import lora, packing
 from moe_rl.actor.context_parallel import cp_size, seq_multiple
 from moe_rl.actor.engine_ops import EngineOpForward, check_machine
 from moe_rl.actor.forward import broadcast_from_last_stage, compute_logprobs
@@ -62,6 +62,8 @@ class Actor:
         self.fused_logprob = False if batch_invariant else a.fused_logprob
         m = load_model(model_path, parallel, opts)
         self.chunks, self.conv, self.hf_config, self.layout = m.chunks, m.conv, m.hf_config, m.layout
+        # actor.lora: adapters on the targeted linears, everything else frozen (the optimizer holds the adapters only)
+        self.lora = lora.attach(self.chunks, a.lora) if a.lora.enabled else []
         wants_replay = a.router_replay != "off" or record_routes
         self.route_layers = rank_moe_layers(self.chunks, self.layout.moe_layers)  # this PP stage's route columns
         self.replay = RouteReplay(self.chunks, self.route_layers, verify="count") if wants_replay else None
@@ -76,9 +78,11 @@ class Actor:
             check_packing_supported(self.chunks[0].config)
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
         replay = a.router_replay != "off"
-        self.reference = (
-            reference_model(model_path, self.route_layers, replay, model, parallel, opts) if reference else None
-        )
+        self.reference = None
+        if reference and self.lora:  # the base weights are the initial policy: the actor with its adapters off
+            self.reference = self.chunks, self.replay if replay else None
+        elif reference:
+            self.reference = reference_model(model_path, self.route_layers, replay, model, parallel, opts)
         self.exact = None  # trainer.true_on_policy on CPU: the forward through the engine's own ops
         if batch_invariant:
             bik.enable()
@@ -130,7 +134,8 @@ class Actor:
         (R2) replayed, so the KL measures how the weights moved on the same expert paths, not routing noise."""
         chunks, replay = self.reference
         routes = self.replayed_routes(padded, old)
-        return self._logprobs(chunks, replay, padded, with_entropy=False, routes=routes)["logprobs"]
+        with lora.adapters_off(chunks if self.lora else []):
+            return self._logprobs(chunks, replay, padded, with_entropy=False, routes=routes)["logprobs"]
 
     def replayed_routes(self, padded: PaddedBatch, old: ProxPolicy | None = None) -> torch.Tensor | None:
         """The routes a pass replays (actor.router_replay), the one place that says so: the engine's (r3); under r2

@@ -4,7 +4,7 @@ process groups from it) and what model.recompute takes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from moe_rl.common.errors import ConfigError, refuse
@@ -138,6 +138,64 @@ class OptimizerOffloadConfig:
         """This section's own rules (that it needs CUDA and the distributed optimizer is the config's)."""
         if not 0 <= self.fraction <= 1:
             refuse("actor.optimizer_offload.fraction", f"{self.fraction}: must be in [0, 1] (0 = off)")
+
+
+LORA_TARGETS = ("all", "attention", "mlp", "experts", "shared_experts")
+
+
+class LoraWeightSync(StrEnum):
+    """How a LoRA actor's weights reach the engines (actor.lora.weight_sync)."""
+
+    merged = "merged"  # W + (alpha / r) B A of the adapted linears only; any engine
+    adapter = "adapter"  # the adapters only, through vLLM's LoRA support: not built (see LoraConfig.weight_sync)
+
+
+@dataclass
+class LoraConfig:
+    """actor.lora: low-rank adapters on the actor's linears, the base weights frozen (moe_rl/actor/lora.py).
+    "LoRA Without Regret" (Thinking Machines, 2025): for RL, adapters on every layer including the MoE experts, at
+    about 10x the full fine-tuning learning rate, match full RL even at small rank."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = off (full training). Published MoE RL runs use 8-64 (32 for Qwen3-30B-A3B)."""
+    alpha: float = 32.0
+    """Scale numerator: an adapter adds (alpha / rank) B A x (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input in the update's passes (PEFT's lora_dropout); 0 for RL, where pi_theta of the
+    first mini-batch should equal pi_old."""
+    targets: list[str] = field(default_factory=lambda: ["all"])
+    """Which linears get adapters: all | attention (linear_qkv / linear_proj; MLA's q and kv up-projections) | mlp
+    (the dense layers' MLP) | experts (every routed expert's fc1/fc2) | shared_experts. `all`: every kind the model
+    has; a kind named explicitly must exist in the model. The router stays frozen."""
+    seed: int = 0
+    """Seed of the adapters' A initialisation (drawn per global linear: the same in every parallel layout)."""
+    weight_sync: LoraWeightSync = LoraWeightSync.merged
+    """merged: the engines receive W + (alpha / r) B A of the adapted linears only (the others never change);
+    adapter: the adapters alone through vLLM's LoRA layers — not built: vLLM 0.32's MoE LoRA (FusedMoEWithLoRA)
+    runs Triton kernels only, so the CPU engine cannot serve expert adapters."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def check(self) -> None:
+        """This section's own rules (what it cannot compose with is the config's)."""
+        if self.rank < 0:
+            refuse("actor.lora.rank", f"{self.rank}: must be >= 1 (or 0 for no LoRA)")
+        if not self.enabled:
+            return
+        if not self.alpha > 0:
+            refuse("actor.lora.alpha", f"{self.alpha}: must be > 0")
+        if not 0 <= self.dropout < 1:
+            refuse("actor.lora.dropout", f"{self.dropout}: must be in [0, 1)")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            refuse("actor.lora.targets", f"{list(self.targets)}: choose from {list(LORA_TARGETS)}")
+        if self.weight_sync == "adapter":
+            refuse(
+                "actor.lora.weight_sync",
+                "adapter: not built (vLLM 0.32 serves MoE expert adapters through Triton kernels only); use merged",
+            )
 
 
 COLLECTIVE_TIMEOUT_S = 600  # a collective that waits longer fails (torch's message names no rank)

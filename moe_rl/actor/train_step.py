@@ -55,6 +55,8 @@ def sync_gradients(chunks: list[torch.nn.Module]) -> None:
     sets: dict[str, list[torch.Tensor]] = {"tp_sum": [], "tp_mean": [], "dp": [], "edp": []}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
+            if not p.requires_grad:  # frozen (LoRA's base weights)
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             how = _tp_reduction(name, p) if tp > 1 else None

@@ -138,12 +138,27 @@ def global_name(local_name: str, chunk: torch.nn.Module) -> str:
     return name
 
 
+def is_adapter_param(name: str) -> bool:
+    """A LoRA factor's local parameter name (moe_rl/actor/lora.py: `<linear>.lora.a` / `.lora.b`)."""
+    return name.endswith((".lora.a", ".lora.b"))
+
+
+def merged_weight(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as the engines and an HF export see it: a LoRA base weight (its `lora` attribute: the adapter,
+    moe_rl/actor/lora.py) with its adapter merged, W + (alpha / r) B A in W's dtype; any other as it is."""
+    adapter = getattr(p, "lora", None)
+    if adapter is None or not adapter.enabled:
+        return p.detach()
+    return (p.detach().to(torch.float32) + adapter.delta()).to(p.dtype)
+
+
 def _local_params(chunks: Iterable[torch.nn.Module]) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(local name, global name, tensor) for every parameter this rank owns, and the routers' expert
     bias: a buffer, but part of the checkpoint and of every weight sync (the engine selects with it)."""
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            yield name, global_name(name, chunk), p
+            if not is_adapter_param(name):  # LoRA factors: merged into their base weight (merged_weight)
+                yield name, global_name(name, chunk), p
         for name, b in chunk.named_buffers():
             if name.endswith("router.expert_bias"):
                 yield name, global_name(name, chunk), b
@@ -186,14 +201,17 @@ def _take_shard(full: torch.Tensor, dim: int, rank: int, size: int, gated: bool)
 
 
 def _gather_full(p: torch.Tensor, local: str, conv: Converter) -> torch.Tensor:
+    """The whole parameter (a LoRA base weight with its adapter merged) from its TP/ETP shards. Collective over the
+    group that shards it."""
     kind, dim, gated = _shard_rule(local, conv)
+    p = merged_weight(p)
     if not kind:
-        return p.detach()
+        return p
     group, _, size = _group(kind)
     if size == 1:
-        return p.detach()
+        return p
     parts = [torch.empty_like(p) for _ in range(size)]
-    dist.all_gather(parts, p.detach().contiguous(), group=group)
+    dist.all_gather(parts, p.contiguous(), group=group)
     if gated:
         gates, ups = zip(*(t.chunk(2, dim=0) for t in parts), strict=True)
         return torch.cat([*gates, *ups], dim=0)
@@ -256,7 +274,7 @@ def full_hf_state_dict(chunks: list[torch.nn.Module], conv: Converter) -> dict[s
         item
         for _, gname, p in _local_params(chunks)
         if not (gname == "output_layer.weight" and conv.tie)
-        for item in conv.to_hf(gname, p.detach()).items()
+        for item in conv.to_hf(gname, merged_weight(p)).items()
     )
 
 
@@ -279,14 +297,18 @@ class ExportEntry:
         return sum(tensor_nbytes(shape, dtype) for _, shape, dtype in self.tensors)
 
 
-def export_plan(chunks: list[torch.nn.Module], conv: Converter) -> list[ExportEntry]:
+def export_plan(chunks: list[torch.nn.Module], conv: Converter, changed_only: bool = False) -> list[ExportEntry]:
     """Every distinct HF tensor of the model with the rank that contributes it, in one order all ranks
     share (by owner rank, then parameter order). Shapes come from converting meta tensors: no weight
-    moves. Collective: one all_gather_object of this metadata."""
+    moves. Collective: one all_gather_object of this metadata. `changed_only` (a LoRA actor): the parameters of
+    the adapted linears (`lora_linear`: merged weight and bias, every tensor of the engine layer they become) and
+    the routers' expert bias, the only ones a LoRA update changes."""
     me = dist.get_rank() if dist.is_initialized() else 0
     mine = []
     for i, (local, gname, p) in enumerate(_local_params(chunks)):
         if not _owns_unique_copy(local) or (gname == "output_layer.weight" and conv.tie):
+            continue
+        if changed_only and not (getattr(p, "lora_linear", False) or local.endswith("router.expert_bias")):
             continue
         kind, dim, _ = _shard_rule(local, conv)
         shape = list(p.shape)

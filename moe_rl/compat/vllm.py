@@ -277,12 +277,13 @@ class _CacheOnlyReloadFilter:
     def __init__(self, layers: frozenset[str]):
         self.layers = layers
         self.failed: list[str] = []
+        self.partial = False  # updates of some layers only (a LoRA actor's): every unloaded layer is expected
 
     def filter(self, record) -> bool:
         failed = record.msg == "%s: Failed to load weights" and bool(record.args)
         if failed and str(record.args[0]) not in self.layers:
             self.failed.append(str(record.args[0]))
-        return not (failed and str(record.args[0]) in self.layers)
+        return not (failed and (self.partial or str(record.args[0]) in self.layers))
 
     def take(self) -> list[str]:
         """The layers with parameters that failed to load since the last call."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from moe_rl.actor.config import COLLECTIVE_TIMEOUT_S, OptimizerOffloadConfig, ParallelConfig, Recompute
+from moe_rl.actor.config import COLLECTIVE_TIMEOUT_S, LoraConfig, OptimizerOffloadConfig, ParallelConfig, Recompute
 from moe_rl.common.errors import ConfigError, refuse
 from moe_rl.data.config import (
     ArithmeticConfig,
@@ -254,6 +254,8 @@ class ActorConfig:
     gradient sums)."""
     optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
     """megatron-core's CPU optimizer offload (optimizer_offload.fraction of the optimizer states in host memory)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (lora.rank > 0): only the adapters train, the base weights stay frozen."""
     mini_batches: int = 2
     """Optimizer steps per rollout batch (pi_theta drifts from pi_old after the first); >= 1."""
     micro_batch_size: int = 8
@@ -282,6 +284,7 @@ class ActorConfig:
         """This section's own rules."""
         check_lr_schedule(self, "actor")
         self.optimizer_offload.check()
+        self.lora.check()
         for key, what in (
             ("micro_batch_size", "(samples per forward)"),
             ("max_tokens_per_micro_batch", ""),

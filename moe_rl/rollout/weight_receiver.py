@@ -62,6 +62,12 @@ class WeightReceiver:
         refuse_padded_cpu_experts(self.model_runner.get_model())
         return True
 
+    def moe_rl_expect_partial_updates(self) -> bool:
+        """From now on an update may carry some layers only (a LoRA actor sends the linears its adapters changed,
+        whole: every tensor of each vLLM layer it touches); the others keep their weights."""
+        self._moe_rl_partial = True
+        return True
+
     @_under_vllm_config
     def moe_rl_begin_weight_update(self) -> bool:
         # heavy: vLLM, imported on first use; compat.vllm registers an at-fork hook: imported where an engine runs
@@ -74,6 +80,7 @@ class WeightReceiver:
         # a rotary layer's cache is never loaded (see the filter); a layer with parameters that loads nothing is
         # remembered, and the finish refuses it
         self._moe_rl_reload_log = quiet_cache_only_reload_warning(model)
+        self._moe_rl_reload_log.partial = getattr(self, "_moe_rl_partial", False)
         self._moe_rl_reload_log.take()
         initialize_layerwise_reload(model)
         self._moe_rl_stacker = ExpertStacker()  # GPT-OSS: experts come one by one, vLLM loads them stacked
@@ -160,7 +167,7 @@ class WeightReceiver:
         finalize_layerwise_reload(model, runner.vllm_config.model_config)
         retie_shared_heads(model)  # a tied LM head: its weight came through the embedding
         failed = self._moe_rl_reload_log.take()
-        if failed:
+        if failed and not getattr(self, "_moe_rl_partial", False):
             raise RuntimeError(
                 f"weight sync: vLLM loaded nothing into {sorted(set(failed))} and would keep serving their old weights "
                 "(a loader that copies past vLLM's layerwise reload, as GPT-OSS's did: moe_rl/compat/vllm.py)"

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.actor import lora
 from moe_rl.common import progress
 from moe_rl.common.distributed import all_gather_objects
 from moe_rl.compat.megatron_checkpoint import optimizers_map_their_own_parameters, writes_in_this_process
@@ -184,7 +185,10 @@ def resolve_resume(root: Path, how: str) -> tuple[Path | None, list[str]]:
 
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
-    """megatron's naming: `model` for one chunk, `model0`, `model1`, ... for virtual pipeline chunks."""
+    """megatron's naming: `model` for one chunk, `model0`, `model1`, ... for virtual pipeline chunks. A LoRA actor
+    (actor.lora): its adapters only, under `lora` (the base weights are the HF folder trainer.json names)."""
+    if lora.has_lora(chunks):
+        return {"lora": lora.sharded_state_dict(chunks)}
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
@@ -381,10 +385,27 @@ def load_model(path: str | Path, chunks, extra: dict | None = None) -> dict:
     model_dir = Path(path) / "model"
     if not (model_dir / "metadata.json").is_file():
         raise CheckpointError(f"{path} holds no model checkpoint ({model_dir}/metadata.json missing)")
-    loaded = dist_checkpointing.load({**model_sharded_state_dict(chunks), **(extra or {})}, str(model_dir))
+    sharded = model_sharded_state_dict(chunks)
+    saved = _saved_keys(model_dir)
+    if ("lora" in sharded) != any(k.endswith(".lora.a") for k in saved):
+        kind = "adapters only (a LoRA run)" if "lora" not in sharded else "full weights (no actor.lora)"
+        raise CheckpointError(
+            f"{path} holds {kind}: load it with the actor.lora settings it was trained with (actor.lora.rank)"
+        )
+    loaded = dist_checkpointing.load({**sharded, **(extra or {})}, str(model_dir))
+    if "lora" in sharded:
+        lora.load_state_dict(chunks, loaded["lora"])
+        return loaded
     for i, c in enumerate(chunks):
         c.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     return loaded
+
+
+def _saved_keys(model_dir: Path) -> list[str]:
+    # heavy: torch.distributed.checkpoint, imported on first use
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata)
 
 
 def saved_state(path: str | Path) -> dict:
@@ -396,10 +417,7 @@ def saved_state(path: str | Path) -> dict:
 
 def saved_world(path: str | Path) -> int | None:
     """How many ranks wrote the checkpoint at `path` (from its per-rank RNG entries); None if it holds none."""
-    # heavy: torch.distributed.checkpoint, imported on first use
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = FileSystemReader(str(Path(path) / "model")).read_metadata().state_dict_metadata
+    keys = _saved_keys(Path(path) / "model")
     worlds = {int(m.group(1)) for k in keys if (m := re.fullmatch(r"rng_state/shard_\d+_(\d+)", k))}
     return worlds.pop() if len(worlds) == 1 else None
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from moe_rl.actor import lora
 from moe_rl.actor.model import check_divisibility, get_converter, load_hf_config
 from moe_rl.actor.parallel import init_distributed
 from moe_rl.common import progress
@@ -98,7 +99,9 @@ def start_up(cfg, run_dir: Path, validate: Callable[[Any, int], None], refuse_fi
     m = cfg.model
     model_path = m.path or built_in_model(run_dir, m.tiny_arch, m.tiny_size, t.seed)
     hf_config = load_hf_config(model_path)
-    check_divisibility(get_converter(hf_config), cfg.parallel)  # before anything is built
+    conv = get_converter(hf_config)
+    check_divisibility(conv, cfg.parallel)  # before anything is built
+    lora.check_model(conv, cfg.actor.lora)
     return StartUp(run_dir, rank, checkpoint_dir, resume_path, resumed, model_path, hf_config)
 
 
