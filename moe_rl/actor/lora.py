@@ -287,9 +287,10 @@ def shard(adapter: LoraAdapter, which: str, whole: torch.Tensor) -> torch.Tensor
     return whole.chunk(size, dim=dim)[rank]
 
 
-def gather(adapter: LoraAdapter, which: str) -> torch.Tensor:
-    """The whole factor from every rank's slice (collective over the adapter's group when it is sliced)."""
-    p = getattr(adapter, which).detach()
+def gather(adapter: LoraAdapter, which: str, grad: bool = False) -> torch.Tensor:
+    """The whole factor (or with `grad` its gradient) from every rank's slice (collective over the adapter's group
+    when it is sliced)."""
+    p = getattr(adapter, which).grad if grad else getattr(adapter, which).detach()
     if not getattr(getattr(adapter, which), "tensor_model_parallel", False):
         return p
     parts = [torch.empty_like(p) for _ in range(adapter.size)]

@@ -110,6 +110,20 @@ def hf_tensors(actor, of_grad: bool = False) -> dict[str, torch.Tensor]:
             p.data = d
 
 
+def adapter_tensors(actor, of_grad: bool = False) -> dict[str, torch.Tensor]:
+    """Every LoRA factor (or its gradient) whole, by global name, on every rank. Collective."""
+    from moe_rl.actor import lora
+    from moe_rl.actor.weights import global_name
+    from moe_rl.common.distributed import all_gather_objects
+
+    mine = {}
+    for local, chunk, adapter in lora.adapters(actor.chunks):
+        gname = global_name(f"{local}.weight", chunk).removesuffix(".weight")
+        for which in ("a", "b"):
+            mine[f"{gname}.lora.{which}"] = lora.gather(adapter, which, grad=of_grad).clone()
+    return {k: v for part in all_gather_objects(mine) for k, v in part.items()}
+
+
 def run_variant(
     model: str,
     layout: str,
@@ -120,12 +134,14 @@ def run_variant(
     fused: bool = True,
     packing: bool = False,
     distributed_optimizer: bool = False,
+    lora_rank: int = 0,
 ) -> str:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from moe_rl.actor import lora
     from moe_rl.actor.actor import Actor
-    from moe_rl.actor.config import ParallelConfig
+    from moe_rl.actor.config import LoraConfig, ParallelConfig
     from moe_rl.actor.forward import compute_logprobs
     from moe_rl.actor.parallel import init_distributed
     from moe_rl.common.batch import PaddedBatch
@@ -162,9 +178,12 @@ def run_variant(
             packing=packing,
             max_tokens_per_micro_batch=PACK_TOKENS,
             distributed_optimizer=distributed_optimizer,
+            lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank),
         ),
     )
     actor = Actor(cfg.actor, cfg.model, cfg.parallel, model, record_routes=False)
+    if lora_rank:  # B != 0 (the same numbers in every layout), or A's gradients would be zero
+        lora.init_adapters(actor.chunks, seed=5, b_std=0.05)
     objective = Objective(cfg.algorithm, group_size=1)
 
     rows = local_rows(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
@@ -195,16 +214,17 @@ def run_variant(
     step = actor.optimizer.step
 
     def snapshot_then_step():
-        grads.append(hf_tensors(actor, of_grad=True))
+        grads.append(adapter_tensors(actor, of_grad=True) if lora_rank else hf_tensors(actor, of_grad=True))
         return step()
 
     actor.optimizer.step = snapshot_then_step
     metrics = actor.train(padded, old, batch["advantages"][rows], objective, on_skip=lambda skipped, i: skipped)
     assert metrics["actor/skipped_steps"] == 0, metrics
     assert len(grads) == MINI_BATCHES, len(grads)
-    params = hf_tensors(actor)
+    params = hf_tensors(actor) | (adapter_tensors(actor) if lora_rank else {})  # LoRA: merged weights + factors
     name = f"w{world}_{layout}_mbs{mbs}_{loss}" + ("" if fused else "_unfused") + ("_packed" if packing else "")
     name += "_distopt" if distributed_optimizer else ""
+    name += f"_lora{lora_rank}" if lora_rank else ""
     if dist.get_rank() == 0:
         olds = {"logprobs": old.logprobs, "entropy": old.entropy, "logprobs_t0.7": hot["logprobs"]}
         olds["entropy_t0.7"] = hot["entropy"]
@@ -214,7 +234,7 @@ def run_variant(
             from moe_rl.actor.weights import HFCheckpoint
 
             ckpt = HFCheckpoint(model)
-            torch.save({k: ckpt.get(k) for k in params}, out / "initial.pt")
+            torch.save({k: ckpt.get(k) for k in params if ".lora." not in k}, out / "initial.pt")
     return name
 
 
@@ -231,6 +251,7 @@ def main() -> None:
     p.add_argument("--losses", nargs="+", choices=("gspo", "gspo-icepop", "ppo"), default=["gspo", "ppo"])
     p.add_argument("--fused", nargs="+", choices=("on", "off"), default=["on"])
     p.add_argument("--packing", nargs="+", choices=("off", "on"), default=["off"])
+    p.add_argument("--lora", type=int, default=0, help="actor.lora.rank (0: full training)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     out = Path(a.out)
@@ -244,7 +265,9 @@ def main() -> None:
             for loss in a.losses:
                 for fused in a.fused:
                     for packing in a.packing:
-                        name = run_variant(a.model, lay, mbs, loss, batch, out, fused == "on", packing == "on")
+                        name = run_variant(
+                            a.model, lay, mbs, loss, batch, out, fused == "on", packing == "on", lora_rank=a.lora
+                        )
                         print(f"[grad_invariance] {name} done", flush=True)
     destroy_distributed()
 
