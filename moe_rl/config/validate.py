@@ -85,6 +85,23 @@ def _check_sections(cfg: TrainConfig) -> None:
     cfg.rollout.check()
 
 
+def check_lora(cfg: TrainConfig | SFTConfig) -> None:
+    """What actor.lora cannot compose with."""
+    if cfg.actor.lora.enabled and cfg.model.transformer_engine:
+        refuse(
+            "actor.lora.rank",
+            f"{cfg.actor.lora.rank} with model.transformer_engine=true: not built (Transformer Engine fuses the input "
+            "norm into linear_qkv and linear_fc1, whose adapters need the normalised input); set "
+            "model.transformer_engine=false or actor.lora.rank=0",
+        )
+    if cfg.actor.lora.enabled and cfg.actor.distributed_optimizer:
+        refuse(
+            "actor.distributed_optimizer",
+            "true with actor.lora: not built (megatron's DDP buffers would hold the frozen base's gradients too); the "
+            "adapters are a few percent of the model and train in the non-distributed optimizer: set it false",
+        )
+
+
 def _check_critic(cfg: TrainConfig) -> None:
     if cfg.algorithm.advantage == "gae":  # the critic trains
         cfg.critic.check()
@@ -291,6 +308,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     (in place: moe_rl.common.machine)."""
     resolve(cfg, this_machine())
     _check_sections(cfg)
+    check_lora(cfg)
     _check_critic(cfg)
     _check_routes_and_prox(cfg)
     _validate_multi_turn(cfg)
@@ -314,6 +332,7 @@ def validate_sft(cfg: SFTConfig, world_size: int) -> None:
     check_model_device(cfg.model)
     cfg.actor.check()
     check_actor_device(cfg.actor)
+    check_lora(cfg)
     for section in (cfg.data, cfg.trainer, cfg.val):
         section.check()
     check_reward(cfg.data.reward_specs if cfg.data.reward else [])

@@ -53,6 +53,7 @@ from moe_rl.plan.params import (
     ParamCounts,
     RankParams,
     engine_rank_params,
+    lora_rank_params,
     padded_vocab,
     stage_layers,
     trainer_rank_params,
@@ -250,8 +251,18 @@ def trainer_table(spec: ModelSpec, counts: ParamCounts, cfg: Any, layout: Layout
     layers = stage_layers(spec.num_layers, lay.pp, lay.vpp, stage, *ends)
     seq = lengths(cfg, spec).sequence
     rows = [Row("parameters", rp.total * pb, f"{rp.total / 1e9:.2f}B x {cfg.model.dtype}")]
-    rows += _optimizer_rows(rp, cfg, layout, "", cfg.actor.distributed_optimizer)
-    if cfg.algorithm.kl_coef > 0:
+    lora = cfg.actor.lora
+    if lora.enabled:  # the base frozen (no gradients, no optimizer state); fp32 adapters train (CPU-path optimizer)
+        ad = lora_rank_params(spec, lora, (lay.tp, lay.ep, lay.etp), layers)
+        rows[0] = Row("parameters", rp.total * pb, f"{rp.total / 1e9:.2f}B x {cfg.model.dtype}, frozen (actor.lora)")
+        rows += [
+            Row("LoRA adapters", ad.total * 4, f"{ad.total / 1e6:.1f}M x float32, rank {lora.rank}"),
+            Row("gradients", ad.total * 4, "the adapters' fp32 grads (the base has none)"),
+            Row("optimizer state", ad.total * 8, "the adapters' AdamW exp_avg + exp_avg_sq in fp32, unsharded"),
+        ]
+    else:
+        rows += _optimizer_rows(rp, cfg, layout, "", cfg.actor.distributed_optimizer)
+    if cfg.algorithm.kl_coef > 0 and not lora.enabled:  # LoRA's reference: the actor with its adapters off
         rows.append(Row("reference model", rp.total * pb, "algorithm.kl_coef > 0: a frozen copy, no grads"))
     if cfg.algorithm.advantage == "gae":
         last = stage == layout.pp - 1

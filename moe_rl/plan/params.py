@@ -190,3 +190,42 @@ def engine_rank_params(spec: ModelSpec, counts: ParamCounts, tp: int) -> int:
     over TP (vLLM's FusedMoE without expert parallelism), embedding and LM head split over TP (vocab-parallel)."""
     layers = sum(layer.per_rank(tp, tp, spec.num_kv_heads) for layer in counts.layers)
     return layers + (counts.embedding + counts.output) // tp + counts.final_norm
+
+
+def lora_rank_params(spec: ModelSpec, lora, layout_sizes: tuple[int, int, int], layers: list[int]) -> RankParams:
+    """The LoRA factor elements (actor.lora: rank r, targets) one trainer rank holds for decoder layers `layers`,
+    sharded as moe_rl/actor/lora.py shards them: a column-parallel linear's A whole (r x in) and B split (out / tp x
+    r), a row-parallel one's A split (r x in / tp) and B whole; routed experts over EP x ETP. `layout_sizes`: (tp,
+    ep, etp). MLA: the q and kv up-projections (the down-projections are not adapted)."""
+    if not lora.enabled:
+        return RankParams(0, 0)
+    tp, ep, etp = layout_sizes
+    r, h = lora.rank, spec.hidden
+    wanted = {"attention", "mlp", "experts", "shared_experts"} if "all" in lora.targets else set(lora.targets)
+
+    def column(n_in: int, n_out: int, split: int) -> int:
+        return r * n_in + r * n_out // split
+
+    def row(n_in: int, n_out: int, split: int) -> int:
+        return r * n_in // split + r * n_out
+
+    dense = experts = 0
+    for i in layers:
+        if "attention" in wanted:
+            if spec.mla:
+                qk_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+                dense += column(spec.q_lora_rank or h, spec.num_heads * qk_head, tp)
+                dense += column(spec.kv_lora_rank, spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), tp)
+                dense += row(spec.num_heads * spec.v_head_dim, h, tp)
+            else:
+                qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+                dense += column(h, qkv, tp) + row(spec.num_heads * spec.head_dim, h, tp)
+        if spec.is_moe(i):
+            if "experts" in wanted:
+                per_expert = column(h, 2 * spec.moe_ffn, etp) + row(spec.moe_ffn, h, etp)
+                experts += spec.num_experts // ep * per_expert
+            if "shared_experts" in wanted and spec.shared_ffn:
+                dense += column(h, 2 * spec.shared_ffn, tp) + row(spec.shared_ffn, h, tp)
+        elif "mlp" in wanted:
+            dense += column(h, 2 * spec.dense_ffn, tp) + row(spec.dense_ffn, h, tp)
+    return RankParams(dense, experts)

@@ -7,6 +7,11 @@ generation config come from the HF folder the run started from (trainer.json's m
 of that folder (DeepSeek-V3 / GLM-4.5 `num_nextn_predict_layers`), which the actor does not train,
 are copied unchanged so speculative decoding keeps its draft layers.
 
+A LoRA run's checkpoint (actor.lora) holds the adapters only: the export rebuilds them on the base folder and
+writes OUT/merged/ (the base weights with W + (alpha / r) B A, an HF folder like any other) and OUT/adapter/ (a PEFT
+adapter folder over the base; attention adapters only: PEFT 0.21 cannot hold the others, and the export says which
+and skips the folder).
+
 Examples:
   python -m moe_rl.tools.export_hf runs/2026-11-22_08-00-00/checkpoints/step_000030 --out /tmp/actor-hf
   python -m moe_rl.tools.export_hf runs/my-run/checkpoints --out /tmp/actor-hf        # the newest checkpoint
@@ -17,14 +22,14 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch.distributed as dist
 
-from moe_rl.actor.config import ParallelConfig
-from moe_rl.actor.hf_export import write_hf_folder
-from moe_rl.actor.model import build_model, load_hf_config
+from moe_rl.actor import lora
+from moe_rl.actor.config import LoraConfig, ParallelConfig
+from moe_rl.actor.hf_export import write_hf_folder, write_peft_folder
+from moe_rl.actor.model import build_model, load_hf_config, load_model
 from moe_rl.actor.parallel import destroy_distributed, init_distributed
 from moe_rl.trainer import checkpoint
 
@@ -45,14 +50,31 @@ def export(
 ) -> Path:
     """Collective when distributed; rank 0 writes `out`. Returns the output folder."""
     ckpt = resolve_checkpoint(ckpt)
+    state = checkpoint.saved_state(ckpt)
     if model is None:
-        meta = ckpt / "trainer.json"
-        if not meta.is_file():
-            raise FileNotFoundError(f"{meta} is missing; pass --model HF_DIR (the folder the run started from)")
-        model = json.loads(meta.read_text())["model_path"]
-    chunks, conv = build_model(load_hf_config(model), parallel or ParallelConfig())
-    checkpoint.load_model(ckpt, chunks)
-    return write_hf_folder(chunks, conv, model, out, dtype, {"checkpoint": str(ckpt), "source_model": str(model)})
+        if "model_path" not in state:
+            raise FileNotFoundError(
+                f"{ckpt}/trainer.json is missing; pass --model HF_DIR (the folder the run started from)"
+            )
+        model = state["model_path"]
+    provenance = {"checkpoint": str(ckpt), "source_model": str(model)}
+    parallel = parallel or ParallelConfig()
+    if "lora" not in state:
+        chunks, conv = build_model(load_hf_config(model), parallel)
+        checkpoint.load_model(ckpt, chunks)
+        return write_hf_folder(chunks, conv, model, out, dtype, provenance)
+    cfg = LoraConfig(**state["lora"])
+    loaded = load_model(model, parallel)  # the base weights: the checkpoint holds the adapters only
+    lora.attach(loaded.chunks, cfg)
+    checkpoint.load_model(ckpt, loaded.chunks)
+    out = Path(out)
+    write_hf_folder(loaded.chunks, loaded.conv, model, out / "merged", dtype, provenance | {"lora": state["lora"]})
+    try:
+        write_peft_folder(loaded.chunks, loaded.conv, model, out / "adapter", cfg)
+    except ValueError as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[moe-rl] {out / 'adapter'} not written: {e}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ and the loop of steps. A trainer brings its parts and its step; this module brin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,6 +144,8 @@ class Checkpoints:
                 f"refusing to save step {step}: the actor's weights are not finite on some rank"
             )
         state = state | {"model_path": self.start.model_path}
+        if getattr(m, "lora", None):  # the export rebuilds the adapters from it (the checkpoint holds them only)
+            state |= {"lora": dataclasses.asdict(m.cfg.lora)}
         state |= {"world_size": dist.get_world_size(), "data_parallel_size": data_parallel()[1]}
 
         def extra(partial: Path) -> None:  # every rank: the parts beside the model

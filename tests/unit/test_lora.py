@@ -248,3 +248,39 @@ def test_settings_the_model_cannot_take_are_refused_before_it_is_built(arch, set
 def test_bad_lora_settings_name_the_key(settings, message):
     with pytest.raises(ConfigError, match=message):
         LoraConfig(**{"rank": 8, **settings}).check()
+
+
+def test_lora_with_transformer_engine_is_refused_naming_the_key():
+    """On a GPU (simulated) Transformer Engine fuses the input norm into the linears LoRA adapts: refused by the
+    config check, before anything is built."""
+    from moe_rl.common.platform import as_on_cuda
+    from moe_rl.config.validate import validate
+
+    cfg = TrainConfig()
+    cfg.actor.lora.rank = 8
+    cfg.actor.packing = False
+    with as_on_cuda(), pytest.raises(ConfigError, match=r"actor.lora.rank: 8 with model.transformer_engine=true"):
+        validate(cfg, world_size=2)
+
+
+def test_the_planner_counts_the_adapters_as_the_actor_holds_them(tiny_models, world1):
+    """moe-rl-plan's LoRA rows for the tiny model at world 1 equal the actor's bytes: fp32 factors, their gradients and
+    Adam's two moments; the base's parameters stay, with no gradient or optimizer row of their own."""
+    from moe_rl.plan.layout import Layout
+    from moe_rl.plan.memory import trainer_table
+    from moe_rl.plan.params import count
+    from moe_rl.plan.spec import load_spec
+
+    from moe_rl.common.machine import resolve
+    from moe_rl.common.platform import this_machine
+
+    path = tiny_models["qwen3_moe"]
+    cfg, actor = _lora_actor(path, rank=8)
+    resolve(cfg, this_machine())  # the `auto` settings, as the trainer resolves them before planning its preflight
+    elements = sum(p.numel() for c in actor.chunks for n, p in c.named_parameters() if is_adapter_param(n))
+    spec = load_spec(str(path))
+    layout = Layout(gpus=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=1, engines=1, engine_tp=1)
+    rows = {r.name: r.bytes for r in trainer_table(spec, count(spec), cfg, layout, 0).rows}
+    assert rows["LoRA adapters"] == rows["gradients"] == 4 * elements and rows["optimizer state"] == 8 * elements
+    base = sum(p.numel() for c in actor.chunks for n, p in c.named_parameters() if not is_adapter_param(n))
+    assert rows["parameters"] == 4 * base
