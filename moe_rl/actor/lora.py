@@ -232,8 +232,20 @@ def attach(chunks: list[torch.nn.Module], cfg: LoraConfig) -> list[Site]:
             if p is not None:
                 p.lora_linear = True
         s.module.register_forward_hook(_hook)
+    for c in chunks:
+        if getattr(c, "embedding", None) is not None:  # the first pipeline stage
+            c.embedding.register_forward_hook(_input_requires_grad)
     init_adapters(chunks, cfg.seed)
     return sites
+
+
+def _input_requires_grad(module, args, output):
+    """The frozen embedding's output as a tensor that requires grad (PEFT's enable_input_require_grads): megatron's
+    activation recompute (model.recompute) runs a checkpointed layer's backward only when its input requires grad,
+    and without it the adapters inside would get none."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.requires_grad_()
+    return output
 
 
 def check_rank(site: Site, rank: int) -> None:

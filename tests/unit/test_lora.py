@@ -266,13 +266,12 @@ def test_lora_with_transformer_engine_is_refused_naming_the_key():
 def test_the_planner_counts_the_adapters_as_the_actor_holds_them(tiny_models, world1):
     """moe-rl-plan's LoRA rows for the tiny model at world 1 equal the actor's bytes: fp32 factors, their gradients and
     Adam's two moments; the base's parameters stay, with no gradient or optimizer row of their own."""
+    from moe_rl.common.machine import resolve
+    from moe_rl.common.platform import this_machine
     from moe_rl.plan.layout import Layout
     from moe_rl.plan.memory import trainer_table
     from moe_rl.plan.params import count
     from moe_rl.plan.spec import load_spec
-
-    from moe_rl.common.machine import resolve
-    from moe_rl.common.platform import this_machine
 
     path = tiny_models["qwen3_moe"]
     cfg, actor = _lora_actor(path, rank=8)
@@ -284,3 +283,25 @@ def test_the_planner_counts_the_adapters_as_the_actor_holds_them(tiny_models, wo
     assert rows["LoRA adapters"] == rows["gradients"] == 4 * elements and rows["optimizer state"] == 8 * elements
     base = sum(p.numel() for c in actor.chunks for n, p in c.named_parameters() if not is_adapter_param(n))
     assert rows["parameters"] == 4 * base
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_adapter_gradients_are_the_same_with_activation_recompute(recompute, tiny_models, world1):
+    """model.recompute re-runs the checkpointed layers in the backward: the adapters' hooks with them. (Without an
+    input that requires grad megatron's recompute skipped the backward and the adapters got no gradient.)"""
+    from moe_rl.actor.model import ModelOptions
+
+    path, seed = tiny_models["qwen3_moe"], _seed()
+    grads = []
+    for opts in (ModelOptions(), ModelOptions(recompute=recompute)):
+        m = load_model(path, ParallelConfig(), opts)
+        lora.attach(m.chunks, LoraConfig(rank=RANK, alpha=ALPHA))
+        lora.init_adapters(m.chunks, seed, b_std=0.05)
+        vocab = m.hf_config.vocab_size
+        ids, mask = random_batch(vocab, 4, 13, seed)
+        _logits(m.chunks, ids, mask, vocab, torch.randn(*ids.shape, vocab, generator=torch.Generator().manual_seed(1)))
+        grads.append({n: p.grad for c in m.chunks for n, p in c.named_parameters() if is_adapter_param(n)})
+    assert grads[0].keys() == grads[1].keys()
+    for n, g in grads[0].items():
+        assert grads[1][n] is not None, f"{n}: no gradient under recompute"
+        assert torch.allclose(grads[1][n], g, rtol=1e-5, atol=1e-7), n
