@@ -239,6 +239,18 @@ def attach(chunks: list[torch.nn.Module], cfg: LoraConfig) -> list[Site]:
     return sites
 
 
+def describe(chunks: list[torch.nn.Module], sites: list[Site]) -> str:
+    """The run header's LoRA line: what is adapted and how many parameters train on this rank."""
+    trainable = sum(p.numel() for _, _, a in adapters(chunks) for p in (a.a, a.b))
+    total = sum(p.numel() for c in chunks for p in c.parameters()) - trainable
+    kinds = ", ".join(sorted({s.target for s in sites}))
+    a = sites[0].module.lora
+    return (
+        f"LoRA: rank {a.a.shape[0]}, scale alpha/rank {a.scale:g}, {len(sites)} linears ({kinds}); "
+        f"{trainable / 1e6:.2f}M trainable fp32 parameters on rank 0 beside its {total / 1e6:.1f}M frozen base ones"
+    )
+
+
 def _input_requires_grad(module, args, output):
     """The frozen embedding's output as a tensor that requires grad (PEFT's enable_input_require_grads): megatron's
     activation recompute (model.recompute) runs a checkpointed layer's backward only when its input requires grad,

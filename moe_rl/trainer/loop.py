@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor import batch_invariant, engine_ops
+from moe_rl.actor import batch_invariant, engine_ops, lora
 from moe_rl.actor.actor import Actor
 from moe_rl.actor.lr_schedule import LRSchedule
 from moe_rl.common import progress
@@ -75,6 +75,8 @@ class Trainer:
             reference=self.objective.needs_reference,
             true_on_policy=t.true_on_policy,
         )
+        if self.actor.lora and self.rank == 0:
+            say(f"[moe-rl] {lora.describe(self.actor.chunks, self.actor.lora)}")
         dump_every = 1 if t.mode == "rollout_only" else t.dump_every
         dump_meta = {"actor_dtype": cfg.model.dtype, "rollout_dtype": cfg.rollout.dtype, "n": cfg.sampling.n}
         dumps, agreement = Path(t.dump_dir or self.run_dir / "dumps"), cfg.logging.router_agreement_every

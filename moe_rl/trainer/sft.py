@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from moe_rl.actor import lora
 from moe_rl.actor.actor import Actor
 from moe_rl.actor.hf_export import write_hf_folder
 from moe_rl.actor.lr_schedule import LRSchedule
@@ -78,6 +79,8 @@ class SFTTrainer:
         if self.rank == 0:
             self._announce(len(train), len(val), dp)
         self.actor = Actor(cfg.actor, cfg.model, cfg.parallel, self.model_path, record_routes=False)
+        if self.actor.lora and self.rank == 0:
+            say(f"[moe-rl] {lora.describe(self.actor.chunks, self.actor.lora)}")
         self.schedule = LRSchedule(self.actor.optimizer, cfg.actor, t.steps, cfg.actor.weight_decay)
         self.memory = PeakMemory()
         self.memory.reset()
