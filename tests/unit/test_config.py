@@ -67,6 +67,19 @@ def test_the_arithmetic_recipe_config_changes_only_what_it_says():
     assert obj.actor.router_replay == "r3"  # today's defaults: GSPO + IcePop + R3
 
 
+def test_the_arithmetic_lora_config_changes_only_the_adapters_and_the_learning_rate():
+    """conf/arithmetic_rl_lora.yaml: the recipe's RL stage with LoRA; valid, and the same as arithmetic_rl.yaml except
+    the adapters and the rates (the comparison in docs/guides/lora.md: same steps, batch and schedule shape)."""
+    lora: TrainConfig = OmegaConf.to_object(_compose(name="arithmetic_rl_lora"))
+    validate(lora, world_size=2)
+    full: TrainConfig = OmegaConf.to_object(_compose(name="arithmetic_rl"))
+    validate(full, world_size=2)
+    a = dict(_flat(OmegaConf.to_container(OmegaConf.structured(full))))
+    changed = {k for k, v in _flat(OmegaConf.to_container(OmegaConf.structured(lora))) if a[k] != v}
+    assert changed == {"actor.lora.rank", "actor.lr", "actor.min_lr"}, changed
+    assert lora.actor.lora.rank == 32 and lora.actor.lora.targets == ["all"]
+
+
 def _flat(node, prefix=""):
     for k, v in node.items():
         if isinstance(v, dict):
