@@ -77,12 +77,7 @@ class Actor:
         if a.packing:
             check_packing_supported(self.chunks[0].config)
         # The reference policy for the KL term: the initial (HF) weights, frozen, in the same layout.
-        replay = a.router_replay != "off"
-        self.reference = None
-        if reference and self.lora:  # the base weights are the initial policy: the actor with its adapters off
-            self.reference = self.chunks, self.replay if replay else None
-        elif reference:
-            self.reference = reference_model(model_path, self.route_layers, replay, model, parallel, opts)
+        self.reference = reference_policy(self, model_path, model, parallel, opts) if reference else None
         self.exact = None  # trainer.true_on_policy on CPU: the forward through the engine's own ops
         if batch_invariant:
             bik.enable()
@@ -316,6 +311,16 @@ def update_metrics(results: list[dict[str, float]], norms: list[float]) -> dict[
     applied = [x for x in norms if math.isfinite(x)]
     out["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
     return out
+
+
+def reference_policy(actor: Actor, model_path: str, model, parallel, opts: ModelOptions) -> tuple:
+    """(chunks, RouteReplay or None) of the actor's reference policy: a frozen copy of the initial weights
+    (`reference_model`), or under actor.lora the actor itself, whose base weights are the initial policy
+    (`Actor.ref_logprobs` turns its adapters off)."""
+    replay = actor.cfg.router_replay != "off"
+    if actor.lora:
+        return actor.chunks, actor.replay if replay else None
+    return reference_model(model_path, actor.route_layers, replay, model, parallel, opts)
 
 
 def reference_model(model_path: str, route_layers: list[int], replay: bool, model, parallel, opts: ModelOptions):

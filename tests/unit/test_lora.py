@@ -305,3 +305,31 @@ def test_adapter_gradients_are_the_same_with_activation_recompute(recompute, tin
     for n, g in grads[0].items():
         assert grads[1][n] is not None, f"{n}: no gradient under recompute"
         assert torch.allclose(grads[1][n], g, rtol=1e-5, atol=1e-7), n
+
+
+def test_the_reference_policy_is_the_base_model_with_the_adapters_off(tiny_models, world1):
+    """algorithm.kl_coef > 0 under LoRA: no second model; pi_ref is the actor with its adapters off, equal to pi_old
+    while B = 0 (the first step) and apart from it once the adapters trained."""
+    path = tiny_models["qwen3_moe"]
+    cfg = TrainConfig()
+    cfg.actor.router_replay, cfg.actor.mini_batches, cfg.actor.micro_batch_size, cfg.actor.lr = "off", 2, 4, 1e-2
+    cfg.actor.lora = LoraConfig(rank=RANK, alpha=ALPHA)
+    cfg.algorithm.kl_coef = 0.1
+    actor = Actor(cfg.actor, cfg.model, cfg.parallel, path, record_routes=False, reference=True)
+    assert actor.reference[0] is actor.chunks
+    objective = Objective(cfg.algorithm, group_size=4)
+    padded = _batch(actor.hf_config.vocab_size)
+    padded.rollout_logprobs = actor.old_logprobs(padded).logprobs
+    old = actor.old_logprobs(padded)
+    assert torch.equal(actor.ref_logprobs(padded, old), old.logprobs)  # B = 0: the base model
+    m = actor.train(padded, old, torch.randn(8), objective, lambda skipped, i: skipped, actor.ref_logprobs(padded, old))
+    assert m["actor/first_minibatch_kl_ref"] == 0.0 and m["actor/kl_ref"] > 0.0
+    old = actor.old_logprobs(padded)
+    ref = actor.ref_logprobs(padded, old)
+    assert not torch.equal(ref, old.logprobs)
+    base = load_model(path, ParallelConfig())
+    with torch.no_grad():
+        from moe_rl.actor.forward import compute_logprobs
+
+        fresh = compute_logprobs(base.chunks, padded.input_ids, padded.attention_mask, 4, with_entropy=False)
+    assert torch.allclose(ref, fresh["logprobs"], atol=1e-6)  # the frozen base, whatever the adapters learned
