@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.actor.config import LoraConfig
-from moe_rl.actor.weights import global_name
+from moe_rl.actor.weights import gather_shards, global_name, take_shard
 from moe_rl.common.errors import ConfigError
 
 # targets -> which linears of a decoder layer they name
@@ -298,31 +298,29 @@ def whole_shape(adapter: LoraAdapter, which: str) -> tuple[int, int]:
     return shape[0], shape[1]
 
 
-def shard(adapter: LoraAdapter, which: str, whole: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a whole factor (column bases' B in megatron's gated [gate; up] order for linear_fc1:
-    the rows of each half are split, as the base's are)."""
+def _split(adapter: LoraAdapter, which: str) -> tuple[int, bool]:
+    """(partition dim, gated) of factor `which`: a column base's B follows its weight's rows ([gate; up] halves split
+    separately for linear_fc1), a row base's A its weight's columns."""
     p = getattr(adapter, which)
-    if not getattr(p, "tensor_model_parallel", False):
+    return p.partition_dim, adapter.gated and which == "b"
+
+
+def shard(adapter: LoraAdapter, which: str, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a whole factor, as the base weight is sliced (weights.take_shard)."""
+    if not getattr(getattr(adapter, which), "tensor_model_parallel", False):
         return whole
-    rank, size, dim = _group_rank(adapter), adapter.size, p.partition_dim
-    if adapter.gated and which == "b":
-        gate, up = whole.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], dim=0)
-    return whole.chunk(size, dim=dim)[rank]
+    dim, gated = _split(adapter, which)
+    return take_shard(whole, dim, _group_rank(adapter), adapter.size, gated)
 
 
 def gather(adapter: LoraAdapter, which: str, grad: bool = False) -> torch.Tensor:
-    """The whole factor (or with `grad` its gradient) from every rank's slice (collective over the adapter's group
-    when it is sliced)."""
+    """The whole factor (or with `grad` its gradient) from every rank's slice (weights.gather_shards; collective over
+    the adapter's group when it is sliced)."""
     p = getattr(adapter, which).grad if grad else getattr(adapter, which).detach()
     if not getattr(getattr(adapter, which), "tensor_model_parallel", False):
         return p
-    parts = [torch.empty_like(p) for _ in range(adapter.size)]
-    dist.all_gather(parts, p.contiguous(), group=adapter.group)
-    if adapter.gated and which == "b":
-        gates, ups = zip(*(t.chunk(2, dim=0) for t in parts), strict=True)
-        return torch.cat([*gates, *ups], dim=0)
-    return torch.cat(parts, dim=getattr(adapter, which).partition_dim)
+    dim, gated = _split(adapter, which)
+    return gather_shards(p, adapter.group, adapter.size, dim, gated)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

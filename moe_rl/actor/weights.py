@@ -176,7 +176,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], conv: Converter, hf_dir: str 
         kind, dim, gated = _shard_rule(local, conv)
         if kind:
             _, rank, size = _group(kind)
-            shard = _take_shard(full, dim, rank, size, gated)
+            shard = take_shard(full, dim, rank, size, gated)
             # read by megatron's grad-norm and checkpoint code to tell shards from duplicates
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
         else:
@@ -191,7 +191,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], conv: Converter, hf_dir: str 
             p.copy_(shard.to(p.dtype))
 
 
-def _take_shard(full: torch.Tensor, dim: int, rank: int, size: int, gated: bool) -> torch.Tensor:
+def take_shard(full: torch.Tensor, dim: int, rank: int, size: int, gated: bool) -> torch.Tensor:
     if size == 1:
         return full
     if gated:  # [gate; up] -> [gate_r; up_r]
@@ -208,6 +208,12 @@ def _gather_full(p: torch.Tensor, local: str, conv: Converter) -> torch.Tensor:
     if not kind:
         return p
     group, _, size = _group(kind)
+    return gather_shards(p, group, size, dim, gated)
+
+
+def gather_shards(p: torch.Tensor, group, size: int, dim: int, gated: bool) -> torch.Tensor:
+    """The whole tensor from the `size` ranks' slices along `dim` (inverse of `take_shard`; gated: [gate; up]
+    halves split separately). Collective over `group`."""
     if size == 1:
         return p
     parts = [torch.empty_like(p) for _ in range(size)]
