@@ -140,7 +140,13 @@ class OptimizerOffloadConfig:
             refuse("actor.optimizer_offload.fraction", f"{self.fraction}: must be in [0, 1] (0 = off)")
 
 
-LORA_TARGETS = ("all", "attention", "mlp", "experts", "shared_experts")
+LORA_TARGETS = ("all", "attention", "mlp", "experts", "shared_experts", "router")
+LORA_ALL = ("attention", "mlp", "experts", "shared_experts")  # what `all` names: the router only when listed
+
+
+def lora_kinds(targets: list[str]) -> set[str]:
+    """The kinds of linear actor.lora.targets names (`all` expanded; the router only when listed itself)."""
+    return (set(LORA_ALL) | set(targets)) - {"all"} if "all" in targets else set(targets)
 
 
 class LoraWeightSync(StrEnum):
@@ -165,8 +171,10 @@ class LoraConfig:
     first mini-batch should equal pi_old."""
     targets: list[str] = field(default_factory=lambda: ["all"])
     """Which linears get adapters: all | attention (linear_qkv / linear_proj; MLA's q and kv up-projections) | mlp
-    (the dense layers' MLP) | experts (every routed expert's fc1/fc2) | shared_experts. `all`: every kind the model
-    has; a kind named explicitly must exist in the model. The router stays frozen."""
+    (the dense layers' MLP) | experts (every routed expert's fc1/fc2) | shared_experts | router (each MoE layer's
+    gate: logits + (alpha / r) B A x; with R3/R2 replay it moves the replayed experts' weights, not their choice).
+    `all`: every kind but the router, which stays frozen unless listed ([all, router]); a kind named explicitly must
+    exist in the model."""
     seed: int = 0
     """Seed of the adapters' A initialisation (drawn per global linear: the same in every parallel layout)."""
     weight_sync: LoraWeightSync = LoraWeightSync.merged

@@ -12,6 +12,9 @@ whole A of a global layer/expert and keeps this rank's slice):
       over TP (a small [tokens, r] all-reduce), then scattered over the sequence like the base's reduce-scatter.
   expert linears (`.mlp.experts.`): the same over the expert-tensor-parallel group, whose communication the token
       dispatcher does for the base: partial outputs stay partial.
+  the router (`.mlp.router`, target `router`): replicated like its weight; its adapter adds to the gate's logits
+      (through the router's `gating`) and, under sequence parallel, its gradients are summed over TP as the
+      weight's are.
 
 Where a whole factor's gradient is a sum of the ranks' partial ones, the autograd functions here reduce it (A of
 a column base: dL/d(Ax) is partial per rank; B of an expert row base under ETP > 1).
@@ -22,6 +25,7 @@ and the HF export merge shard by shard, then gather and convert as for full trai
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Iterator
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_rl.actor.config import LoraConfig
+from moe_rl.actor.config import LoraConfig, lora_kinds
 from moe_rl.actor.weights import gather_shards, global_name, take_shard
 from moe_rl.common.errors import ConfigError
 
@@ -42,7 +46,7 @@ MLP = ("linear_fc1", "linear_fc2")
 @dataclass
 class Site:
     """One adapted linear: its module, the local name of its weight, which target it belongs to, and how it is
-    split (`column` | `row`) over which group (`tp` | `etp`)."""
+    split (`column` | `row` | `replicated`: the router) over which group (`tp` | `etp`)."""
 
     name: str
     module: torch.nn.Module
@@ -52,11 +56,15 @@ class Site:
 
 
 def find_sites(chunk: torch.nn.Module, targets: list[str]) -> list[Site]:
-    """The linears of `chunk` that actor.lora.targets name (`all`: every kind this chunk has)."""
-    wanted = {"attention", "mlp", "experts", "shared_experts"} if "all" in targets else set(targets)
+    """The linears of `chunk` that actor.lora.targets name (`all`: every kind this chunk has but the router)."""
+    wanted = lora_kinds(targets)
     sites = []
     for name, module in chunk.named_modules():
         leaf = name.rsplit(".", 1)[-1]
+        if name.endswith(".mlp.router"):
+            if "router" in wanted:
+                sites.append(Site(name, module, "router", "replicated", "tp"))
+            continue
         if ".self_attention." in f".{name}" and leaf in ATTENTION:
             target = "attention"
         elif leaf in MLP and ".mlp.experts." in name:
@@ -87,9 +95,10 @@ def check_model(conv, cfg: LoraConfig) -> None:
         "mlp": min(conv.hidden, kw["ffn_hidden_size"]) if 0 in pattern else 0,
         "experts": min(conv.hidden, conv.moe_ffn_hidden_size) if 1 in pattern else 0,
         "shared_experts": min(conv.hidden, kw.get("moe_shared_expert_intermediate_size") or 0),
+        "router": min(conv.hidden, conv.num_experts) if 1 in pattern else 0,
     }
     check_targets({t: int(n > 0) for t, n in smallest.items()}, list(cfg.targets))
-    wanted = [t for t, n in smallest.items() if n and ("all" in cfg.targets or t in cfg.targets)]
+    wanted = [t for t, n in smallest.items() if n and t in lora_kinds(list(cfg.targets))]
     for t in wanted:
         if cfg.rank > smallest[t]:
             raise ConfigError(
@@ -160,12 +169,16 @@ class LoraAdapter(torch.nn.Module):
         self.b = torch.nn.Parameter(torch.zeros(out_f, rank, dtype=torch.float32))
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else None
         base = site.module
-        self.group = getattr(base, "tp_group", None)
+        self.group = getattr(base, "tp_group", None)  # the router's too: its checkpoint replicas are per TP rank
         self.size = self.group.size() if self.group is not None else 1
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
         self.explicit = bool(getattr(base, "explicit_expert_comm", False))
         # megatron's linear_fc1 of a gated MLP holds [gate; up]: each half is split over TP
         self.gated = site.name.endswith("linear_fc1") and bool(base.config.gated_linear_unit)
+        if self.kind == "replicated":  # the router: each rank its own tokens under sequence parallel, as the weight
+            for p in (self.a, self.b):
+                p.sequence_parallel = bool(getattr(base.weight, "sequence_parallel", False))
+            return
         sharded = self.b if self.kind == "column" else self.a
         if self.size > 1:  # read by megatron's grad norm and by `shard`: a slice, not a duplicate
             sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = (
@@ -183,6 +196,8 @@ class LoraAdapter(torch.nn.Module):
             x = self.dropout(x)
         x = x.to(torch.float32)
         tp = self.group if self.size > 1 else None
+        if self.kind == "replicated":
+            return (self.scale * (x @ self.a.t()) @ self.b.t()).to(dtype)
         if self.kind == "column":
             if tp is not None and not self.explicit:
                 if self.sequence_parallel:  # the base gathers the sequence: so does its adapter
@@ -216,6 +231,14 @@ def _hook(module, args, output):
     return out + adapter(args[0]), bias
 
 
+def _router_gating(router, x: torch.Tensor) -> torch.Tensor:
+    """A router's `gating` (its logits) with its adapter's term added."""
+    logits = type(router).gating(router, x)
+    if not router.lora.enabled:
+        return logits
+    return logits + router.lora(x).to(logits.dtype)
+
+
 def attach(chunks: list[torch.nn.Module], cfg: LoraConfig) -> list[Site]:
     """Add an adapter to every linear actor.lora.targets names, freeze everything else, initialise the adapters
     (A kaiming-uniform as PEFT's default, from a generator seeded by actor.lora.seed and the linear's global name,
@@ -231,7 +254,10 @@ def attach(chunks: list[torch.nn.Module], cfg: LoraConfig) -> list[Site]:
         for p in s.module._parameters.values():  # the linear's own (weight, bias): what a weight sync sends
             if p is not None:
                 p.lora_linear = True
-        s.module.register_forward_hook(_hook)
+        if s.kind == "replicated":  # the router returns probabilities and a map: its logits come from `gating`
+            s.module.gating = functools.partial(_router_gating, s.module)
+        else:
+            s.module.register_forward_hook(_hook)
     for c in chunks:
         if getattr(c, "embedding", None) is not None:  # the first pipeline stage
             c.embedding.register_forward_hook(_input_requires_grad)
@@ -266,7 +292,8 @@ def check_rank(site: Site, rank: int) -> None:
     out_f, in_f = site.module.weight.shape
     group = getattr(site.module, "tp_group", None)
     size = group.size() if group is not None else 1
-    out_f, in_f = (out_f * size, in_f) if site.kind == "column" else (out_f, in_f * size)
+    if site.kind != "replicated":
+        out_f, in_f = (out_f * size, in_f) if site.kind == "column" else (out_f, in_f * size)
     if rank > min(out_f, in_f):
         raise ConfigError(
             f"actor.lora.rank={rank} is larger than {site.name} ({out_f} x {in_f}): at most {min(out_f, in_f)}"
@@ -366,7 +393,7 @@ PEFT_REFUSED = (
     "PEFT 0.21 cannot hold this adapter: for transformers 5's MoE models (qwen3_moe, glm4_moe, deepseek_v3, olmoe, "
     "mixtral) it maps every gate_proj / up_proj / down_proj target onto the fused routed experts, so a dense layer's "
     "or a shared expert's MLP adapter is dropped on load, and routed experts are 3D parameters, not modules; the "
-    "merged export holds every adapter"
+    "merged export holds every adapter; a router (HF: mlp.gate) is not a Linear module PEFT can wrap"
 )
 
 

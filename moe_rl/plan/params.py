@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_rl.actor.config import ParallelConfig
+from moe_rl.actor.config import ParallelConfig, lora_kinds
 from moe_rl.plan.spec import ModelSpec
 
 
@@ -195,13 +195,13 @@ def engine_rank_params(spec: ModelSpec, counts: ParamCounts, tp: int) -> int:
 def lora_rank_params(spec: ModelSpec, lora, layout_sizes: tuple[int, int, int], layers: list[int]) -> RankParams:
     """The LoRA factor elements (actor.lora: rank r, targets) one trainer rank holds for decoder layers `layers`,
     sharded as moe_rl/actor/lora.py shards them: a column-parallel linear's A whole (r x in) and B split (out / tp x
-    r), a row-parallel one's A split (r x in / tp) and B whole; routed experts over EP x ETP. `layout_sizes`: (tp,
-    ep, etp). MLA: the q and kv up-projections (the down-projections are not adapted)."""
+    r), a row-parallel one's A split (r x in / tp) and B whole; routed experts over EP x ETP; a router's both whole.
+    `layout_sizes`: (tp, ep, etp). MLA: the q and kv up-projections (the down-projections are not adapted)."""
     if not lora.enabled:
         return RankParams(0, 0)
     tp, ep, etp = layout_sizes
     r, h = lora.rank, spec.hidden
-    wanted = {"attention", "mlp", "experts", "shared_experts"} if "all" in lora.targets else set(lora.targets)
+    wanted = lora_kinds(list(lora.targets))
 
     def column(n_in: int, n_out: int, split: int) -> int:
         return r * n_in + r * n_out // split
@@ -226,6 +226,8 @@ def lora_rank_params(spec: ModelSpec, lora, layout_sizes: tuple[int, int, int], 
                 experts += spec.num_experts // ep * per_expert
             if "shared_experts" in wanted and spec.shared_ffn:
                 dense += column(h, 2 * spec.shared_ffn, tp) + row(spec.shared_ffn, h, tp)
+            if "router" in wanted:  # replicated: A (r x h) and B (experts x r) on every rank
+                dense += r * h + spec.num_experts * r
         elif "mlp" in wanted:
             dense += column(h, 2 * spec.dense_ffn, tp) + row(spec.dense_ffn, h, tp)
     return RankParams(dense, experts)

@@ -157,6 +157,7 @@ def run_variant(
         cp=world if layout == "cp" else 1,
         pp=world if layout in ("pp", "vpp") else 1,
         vpp=2 if layout == "vpp" else None,
+        etp=world if layout == "etp" else 1,  # expert tensor parallel alone: each expert's linears split, TP=1
     )
     init_distributed(parallel, seed=1234)
     algorithms = {
@@ -178,7 +179,7 @@ def run_variant(
             packing=packing,
             max_tokens_per_micro_batch=PACK_TOKENS,
             distributed_optimizer=distributed_optimizer,
-            lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank),
+            lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank, targets=["all", "router"]),
         ),
     )
     actor = Actor(cfg.actor, cfg.model, cfg.parallel, model, record_routes=False)
@@ -246,7 +247,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("--out", required=True)
-    p.add_argument("--layouts", nargs="+", choices=("dp", "ep", "tp", "pp", "vpp", "cp"), default=["dp"])
+    p.add_argument("--layouts", nargs="+", choices=("dp", "ep", "tp", "pp", "vpp", "cp", "etp"), default=["dp"])
     p.add_argument("--micro-batch-sizes", nargs="+", type=int, required=True)
     p.add_argument("--losses", nargs="+", choices=("gspo", "gspo-icepop", "ppo"), default=["gspo", "ppo"])
     p.add_argument("--fused", nargs="+", choices=("on", "off"), default=["on"])

@@ -172,19 +172,21 @@ def test_flat_gradient_all_reduce_equals_one_all_reduce_per_tensor(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_lora_update_is_the_same_in_every_layout(arch, tiny_models, tmp_path):
     """actor.lora (every target, fresh adapters with B != 0): one update's adapter gradients, updated adapters and
-    merged weights under DP=2, EP=2, TP=2 + SP, CP=2 and PP=2 equal the world-1 update's (the adapters' TP/SP
-    collectives, the gradient reductions of the factors a rank holds whole, the expert-parallel split). DeepSeek-V3:
-    multi-latent attention's up-projections and shared experts."""
+    merged weights under DP=2, EP=2, TP=2 + SP, CP=2, PP=2 and ETP=2 equal the world-1 update's (the adapters' TP/SP
+    collectives, the gradient reductions of the factors a rank holds whole, the expert-parallel and expert-tensor-
+    parallel splits). Targets: all and the router. DeepSeek-V3: multi-latent attention's up-projections and shared
+    experts."""
     model = str(tiny_models[arch])
     common = ["--out", str(tmp_path), "--losses", "gspo", "--lora", "4"]
     torchrun(WORKER, 1, [model, *common, "--micro-batch-sizes", "4"])
-    layouts = ["dp", "ep", "tp", "cp", "pp"] if arch == "qwen3_moe" else ["tp", "ep"]
+    layouts = ["dp", "ep", "tp", "cp", "pp", "etp"] if arch == "qwen3_moe" else ["tp", "ep"]
     torchrun(WORKER, 2, [model, *common, "--layouts", *layouts, "--micro-batch-sizes", "2"])
     runs = {p.stem: torch.load(p) for p in sorted(tmp_path.glob("*.pt"))}
     ref = runs["w1_dp_mbs4_gspo_lora4"]
     assert any(".mlp.experts." in k for k in ref["grads"][0]) and any("linear_proj" in k for k in ref["grads"][0])
     moved = {k for k, w in runs["initial"].items() if not torch.equal(ref["params"][k], w)}
     assert any("self_attn" in k for k in moved) and any(".experts." in k for k in moved), "merged weights did not move"
+    assert any(k.endswith("mlp.gate.weight") for k in moved), "the router's merged weight did not move"
     for lay in layouts:
         got = runs[f"w2_{lay}_mbs2_gspo_lora4"]
         for step, (g, r) in enumerate(zip(got["grads"], ref["grads"], strict=True)):

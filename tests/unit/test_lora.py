@@ -101,14 +101,22 @@ def test_attention_adapters_match_peft_logits_logprobs_and_gradients(arch, tiny_
             assert rel <= 1e-4, f"{local} {what}: relative gradient error {rel:.2e}"
 
 
-@pytest.mark.parametrize(("arch", "kinds"), [("qwen3_moe", {"attention", "mlp", "experts"}), ("glm4_moe", None)])
-def test_every_target_matches_transformers_on_the_merged_export(arch, kinds, tiny_models, world1, tmp_path):
-    """targets=all: attention, the dense layers' MLP, every routed expert (and GLM's shared experts); transformers
-    on the merged HF folder (W + (alpha / r) B A written by the export) gives the actor's logits."""
+@pytest.mark.parametrize(
+    ("arch", "targets", "kinds"),
+    [
+        ("qwen3_moe", ["all", "router"], {"attention", "mlp", "experts", "router"}),
+        ("glm4_moe", ["all"], {"attention", "mlp", "experts", "shared_experts"}),
+        ("glm4_moe", ["router"], {"router"}),  # sigmoid scores with an expert bias
+    ],
+)
+def test_every_target_matches_transformers_on_the_merged_export(arch, targets, kinds, tiny_models, world1, tmp_path):
+    """targets=all: attention, the dense layers' MLP, every routed expert (and GLM's shared experts), and the router
+    when listed; transformers on the merged HF folder (W + (alpha / r) B A written by the export) gives the actor's
+    logits."""
     path = tiny_models[arch]
-    m, sites = _lora_model(path, ["all"], _seed())
+    m, sites = _lora_model(path, targets, _seed())
     found = {s.target for s in sites}
-    assert found == (kinds or {"attention", "mlp", "experts", "shared_experts"}), found
+    assert found == kinds, found
     ids, mask = random_batch(m.hf_config.vocab_size, 4, 13, _seed())
     logits = _logits(m.chunks, ids, mask, m.hf_config.vocab_size)
     merged = write_hf_folder(m.chunks, m.conv, path, tmp_path / "merged")
@@ -154,7 +162,7 @@ def _lora_actor(path, rank=RANK):
     cfg = TrainConfig()
     cfg.actor.router_replay, cfg.actor.mini_batches, cfg.actor.micro_batch_size = "off", 2, 4
     cfg.actor.lr = 1e-2
-    cfg.actor.lora = LoraConfig(rank=rank, alpha=ALPHA)
+    cfg.actor.lora = LoraConfig(rank=rank, alpha=ALPHA, targets=["all", "router"])  # every kind
     return cfg, Actor(cfg.actor, cfg.model, cfg.parallel, path, record_routes=False)
 
 
@@ -227,6 +235,7 @@ def test_checkpoints_of_the_other_kind_are_refused(tiny_models, world1, tmp_path
         ("mixtral", {"targets": ["mlp"]}, r"\['mlp'\] match no linear"),
         ("qwen3_moe", {"rank": 4096}, r"actor.lora.rank=4096 is larger than the attention linears"),
         ("qwen3_moe", {"rank": 65, "targets": ["experts"]}, r"rank=65 is larger than the experts linears .*at most 64"),
+        ("qwen3_moe", {"rank": 9, "targets": ["router"]}, r"rank=9 is larger than the router linears .*at most 8"),
     ],
 )
 def test_settings_the_model_cannot_take_are_refused_before_it_is_built(arch, settings, message, tiny_models):
