@@ -37,6 +37,7 @@ import torch.distributed as dist
 from moe_rl.actor.config import LoraConfig, lora_kinds
 from moe_rl.actor.weights import gather_shards, global_name, take_shard
 from moe_rl.common.errors import ConfigError
+from moe_rl.compat.megatron_model import add_to_router_logits
 
 # targets -> which linears of a decoder layer they name
 ATTENTION = ("linear_qkv", "linear_proj", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
@@ -231,12 +232,8 @@ def _hook(module, args, output):
     return out + adapter(args[0]), bias
 
 
-def _router_gating(router, x: torch.Tensor) -> torch.Tensor:
-    """A router's `gating` (its logits) with its adapter's term added."""
-    logits = type(router).gating(router, x)
-    if not router.lora.enabled:
-        return logits
-    return logits + router.lora(x).to(logits.dtype)
+def _router_term(adapter: LoraAdapter, x: torch.Tensor) -> torch.Tensor | None:
+    return adapter(x) if adapter.enabled else None
 
 
 def attach(chunks: list[torch.nn.Module], cfg: LoraConfig) -> list[Site]:
@@ -255,7 +252,7 @@ def attach(chunks: list[torch.nn.Module], cfg: LoraConfig) -> list[Site]:
             if p is not None:
                 p.lora_linear = True
         if s.kind == "replicated":  # the router returns probabilities and a map: its logits come from `gating`
-            s.module.gating = functools.partial(_router_gating, s.module)
+            add_to_router_logits(s.module, functools.partial(_router_term, s.module.lora))
         else:
             s.module.register_forward_hook(_hook)
     for c in chunks:

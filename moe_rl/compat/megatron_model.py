@@ -43,6 +43,19 @@ def output_layers_return_hidden(layers: Iterable[torch.nn.Module], keep_weight: 
         layer.forward = hidden_out(layer)  # instance attribute: shadows the class's forward
 
 
+def add_to_router_logits(router: torch.nn.Module, add: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """Replace `router.gating` (instance attribute) so its logits gain `add(input)` (None: nothing): megatron's
+    routers return probabilities and a routing map, and their logits exist only inside `gating`."""
+    gating = type(router).gating
+
+    def gating_plus(x: torch.Tensor) -> torch.Tensor:
+        logits = gating(router, x)
+        extra = add(x)
+        return logits if extra is None else logits + extra.to(logits.dtype)
+
+    router.gating = gating_plus
+
+
 def restore_forwards(modules: Iterable[torch.nn.Module]) -> None:
     """Undo `output_layers_return_hidden`: the class's forward again."""
     for module in modules:

@@ -193,6 +193,11 @@ PATCHES: tuple[Patch, ...] = (
         "GPTModel can return hidden states instead of logits",
     ),
     _megatron(
+        "megatron_model:add_to_router_logits",
+        "replaces TopKRouter.gating (instance attribute): a LoRA adapter's term added to the router's logits",
+        "megatron's routers take a logits hook",
+    ),
+    _megatron(
         "megatron_model:rotary_at_positions",
         "replaces RotaryEmbedding.forward (instance attribute): the table gathered at each packed sample's positions",
         "the local attention path takes per-sample positions",
