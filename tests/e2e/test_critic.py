@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ONE_ENGINE, run_job, untimed
+from tests.e2e.test_lora_rl import adapted_bytes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -78,6 +79,7 @@ def test_a_resumed_critic_equals_the_uninterrupted_one(tmp_path, straight):
 
 
 WARMUP = ["trainer.checkpoint_every=0", "critic.warmup_steps=2"]
+LORA_ACTOR = ["actor.lora.rank=8", "actor.lr=1e-2"]
 CRITIC_NUMBERS = ("critic/value_loss", "critic/values_mean", "critic/grad_norm", "critic/explained_variance")
 
 
@@ -95,15 +97,21 @@ def _equal_to_one_rank(got: list[dict], one: list[dict]) -> None:
             assert abs(g[k] - ref[k]) <= 1e-4 * abs(ref[k]) + 1e-7, (g["step"], k, g[k], ref[k])
 
 
-def test_critic_under_context_and_expert_parallelism_with_warmup_equals_one_rank(tmp_path, one_rank):
+def test_critic_under_context_and_expert_parallelism_with_warmup_and_a_lora_actor_equals_one_rank(tmp_path, one_rank):
     """parallel.cp=2 x parallel.ep=2 on 2 ranks (one launch for both layouts: each costs about a minute of start-up
     on a 2-core machine). Context parallelism: each rank computes the values of its zig-zag half of every sequence
     and they are gathered back whole; expert parallelism: the critic's experts are split over the ranks.
     critic.warmup_steps=2: the first two steps train only the critic (no actor update, no weight sync), the third
     both. So the engine keeps its weights and both runs sample the same two steps; step 2's values come from the
-    critic trained at step 1 (forward and backward through the gather and the expert exchange)."""
-    both = _train(tmp_path / "cp2_ep2", ["trainer.steps=3", "parallel.cp=2", "parallel.ep=2", *WARMUP])
+    critic trained at step 1 (forward and backward through the gather and the expert exchange). The actor carries LoRA
+    adapters (B = 0 until its first update: the samples and values stay one rank's) and the critic trains whole
+    beside it."""
+    run_dir = tmp_path / "cp2_ep2"
+    both = _train(run_dir, ["trainer.steps=3", "parallel.cp=2", "parallel.ep=2", *WARMUP, *LORA_ACTOR])
     assert [h["step"] for h in both] == [1, 2, 3]
+    # the LoRA actor's first update (step 3), from the critic's advantages: it moved, and it synced its adapted linears
+    assert both[2]["actor/ppo_kl"] > 1e-6 and both[2]["actor/grad_norm"] > 0
+    assert both[2]["weight_sync/bytes"] == adapted_bytes(run_dir / "tiny_model")[0]
     assert all(h["critic/replay_mismatches"] == 0 and math.isfinite(h["critic/value_loss"]) for h in both)
     assert [("time/update" in h, "time/weight_sync" in h, "time/critic_update" in h) for h in both] == [
         (False, False, True),

@@ -28,16 +28,22 @@ def _steps(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def adapted_bytes(model_dir) -> tuple[int, int]:
+    """(bytes of the linears targets=all adapts, bytes of every tensor) of an HF folder, in the actor's float32."""
+    ckpt = HFCheckpoint(model_dir)
+    sizes = {n: ckpt.get(n).numel() * 4 for n in ckpt.weight_map}
+    adapted = sum(b for n, b in sizes.items() if n.removesuffix(".weight").rsplit(".", 1)[-1] in ADAPTED)
+    return adapted, sum(sizes.values())
+
+
 def test_lora_rl_syncs_the_adapted_linears_resumes_exactly_and_exports(tmp_path):
     run = tmp_path / "run"
     out = run_job([*TORCHRUN, *LORA, f"hydra.run.dir={run}", "trainer.checkpoint_every=2"], timeout=600)
     steps = [s for s in _steps(run) if "reward/mean" in s]
     assert [s["step"] for s in steps] == [1, 2, 3, 4], out[-3000:]
     model = run / "tiny_model"  # the built-in tiny model the run wrote
-    ckpt = HFCheckpoint(model)
-    sizes = {n: ckpt.get(n).numel() * 4 for n in ckpt.weight_map}  # the actor's float32
-    adapted = sum(b for n, b in sizes.items() if n.removesuffix(".weight").rsplit(".", 1)[-1] in ADAPTED)
-    assert 0 < adapted < 0.9 * sum(sizes.values())
+    adapted, total = adapted_bytes(model)
+    assert 0 < adapted < 0.9 * total
     for s in steps:
         assert s["weight_sync/bytes"] == adapted, (s["weight_sync/bytes"], adapted)  # the changed linears, whole
         assert s["mismatch/k3_kl"] < 1e-8, s["mismatch/k3_kl"]  # the engine samples with the merged weights

@@ -47,13 +47,17 @@ def test_sft_halves_the_validation_loss_and_its_hf_folder_scores_as_the_actor(ru
     steps = [r for r in records if "sft/loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 21))
     assert steps[-1]["sft/loss"] < steps[0]["sft/loss"] / 2
-    # transformers (not moe-rl's code) on the exported folder: the same mean cross-entropy over the val split
+    nll = _transformers_val_nll(run_dir / "hf")
+    assert nll == pytest.approx(val[20], rel=1e-4), (nll, val[20])
+
+
+def _transformers_val_nll(hf: Path) -> float:
+    """transformers (not moe-rl's code) on an exported folder: the mean cross-entropy over the val split."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moe_rl.data.config import ArithmeticConfig
     from moe_rl.data.sft import pad, task_examples
 
-    hf = run_dir / "hf"
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     examples = task_examples(ArithmeticConfig(), "val", 64, 1234, AutoTokenizer.from_pretrained(hf))
     batch = pad(examples, 0)
@@ -61,8 +65,34 @@ def test_sft_halves_the_validation_loss_and_its_hf_folder_scores_as_the_actor(ru
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
     mask = batch.loss_mask[:, 1:]
-    nll = float(-(logp * mask).sum() / mask.sum())
-    assert nll == pytest.approx(val[20], rel=1e-4), (nll, val[20])
+    return float(-(logp * mask).sum() / mask.sum())
+
+
+def test_lora_sft_learns_and_changes_only_the_adapted_linears(tmp_path):
+    """launch/sft_moe.py with actor.lora (rank 8, every target, 10x the full learning rate), on 2 ranks with the
+    experts split (EP=2): the validation loss falls and validation by generation runs on the synced (merged)
+    weights; the exported folder gives transformers the actor's val/loss, and differs from the base model in the
+    adapted linears only (embeddings, norms and routers bitwise the base's); the checkpoint names the base folder
+    and the lora settings (it holds the adapters only: tests/unit/test_lora.py)."""
+    run_dir = tmp_path / "lora"
+    lora = ["actor.lora.rank=8", "actor.lr=1e-2", "parallel.ep=2"]
+    records = _sft(SFT2, run_dir, ["trainer.steps=10", "trainer.val_every=10", "trainer.checkpoint_every=10", *lora])
+    val = {r["step"]: r for r in records if "val/loss" in r}
+    assert sorted(val) == [0, 10]
+    assert val[10]["val/loss"] < 0.8 * val[0]["val/loss"], (val[0]["val/loss"], val[10]["val/loss"])
+    assert val[10]["val/length_mean"] != val[0]["val/length_mean"]  # the engine generated with the new weights
+    nll = _transformers_val_nll(run_dir / "hf")
+    assert nll == pytest.approx(val[10]["val/loss"], rel=1e-4), (nll, val[10]["val/loss"])
+    from moe_rl.actor.weights import HFCheckpoint
+    from tests.e2e.test_lora_rl import ADAPTED
+
+    base, tuned = HFCheckpoint(run_dir / "tiny_model"), HFCheckpoint(run_dir / "hf")
+    assert sorted(base.weight_map) == sorted(tuned.weight_map)
+    changed = {n for n in base.weight_map if not torch.equal(base.get(n), tuned.get(n))}
+    adapted = {n for n in base.weight_map if n.removesuffix(".weight").rsplit(".", 1)[-1] in ADAPTED}
+    assert changed == adapted, (sorted(changed - adapted), sorted(adapted - changed))
+    state = json.loads((run_dir / "checkpoints" / "step_000010" / "trainer.json").read_text())
+    assert state["lora"]["rank"] == 8 and Path(state["model_path"]).resolve() == (run_dir / "tiny_model").resolve()
 
 
 def test_validation_by_generation_scores_the_synced_weights_as_transformers_does(run):

