@@ -26,6 +26,9 @@ class RolloutBatch:
       turn_index[i]:       [len(response)] int, the turn (0-based) that sampled each token, -1 on observations
       rewards:             [B] the environment's rewards (the reward plugin is not called)
       info:                per-sample arrays ([B]) the step's multi_turn/* and routes/* metrics come from
+
+    In-flight rollouts (rollout/inflight.py) say which weights sampled each token:
+      versions[i]:         [len(response)] int64, the policy version (weight sync count) that sampled each token
     """
 
     prompt_ids: list[list[int]]
@@ -42,6 +45,7 @@ class RolloutBatch:
     turn_index: list[np.ndarray] | None = None
     rewards: np.ndarray | None = None
     info: dict[str, np.ndarray] = field(default_factory=dict)
+    versions: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -66,6 +70,7 @@ class RolloutBatch:
             turn_index=pick(self.turn_index),
             rewards=None if self.rewards is None else self.rewards[idx],
             info={k: v[idx] for k, v in self.info.items()},
+            versions=pick(self.versions),
         )
 
     def split_by_prompt(self, prompts_per_part: int) -> list[RolloutBatch]:

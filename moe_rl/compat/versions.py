@@ -112,6 +112,11 @@ PATCHES: tuple[Patch, ...] = (
         "vLLM's offline LLM has a per-step callback",
     ),
     _vllm(
+        "paused_in_flight",
+        "calls the engine core's pause_scheduler('keep', clear_cache=True) / resume_scheduler through the client",
+        "the offline LLM engine has a keep-mode pause (AsyncLLM.pause_generation has it)",
+    ),
+    _vllm(
         "flatten_cpu_rope_heads",
         "CPU: the rotary op rotates 3-D multi-head inputs wrongly; RotaryEmbedding._forward_method re-pointed",
         "the CPU rotary op handles 3-D inputs",

@@ -347,6 +347,30 @@ def mark_each_engine_step(llm, mark: Callable[[], None]) -> None:
     engine.step = marked_step
 
 
+@contextmanager
+def paused_in_flight(llm, version: str, guard: Callable = lambda what, fn, *a: fn(*a)):
+    """Pause the offline `llm`'s scheduler with its requests kept, drop their KV cache, and on leaving label the
+    engine's outputs `version` and resume (rollout/inflight.py: a weight update while requests are in flight).
+    vLLM 0.32 has this for AsyncLLM only (`pause_generation(mode="keep")`); here the engine core's
+    `pause_scheduler("keep", clear_cache=True)` and `resume_scheduler` are reached through the sync client's
+    utility call (in-process: the engine core itself). With clear_cache the scheduler preempts every running request
+    (`reset_prefix_cache(reset_running_requests=True)`): each is prefilled again under the new weights before its
+    next token. `guard(what, fn, *args)` runs each call (RolloutEngine.guard: a dead engine is an error). The block
+    raising leaves the engine paused. Delete when the offline engine has a keep-mode pause."""
+    core = llm.llm_engine.engine_core
+    inner = getattr(core, "engine_core", None)  # InprocClient: the EngineCore itself
+
+    def call(method: str, *args):
+        if inner is not None:
+            return guard(method, getattr(inner, method), *args)
+        return guard(method, core.call_utility, method, *args)
+
+    call("pause_scheduler", "keep", True)
+    yield
+    guard("set_weight_version", llm.llm_engine.set_weight_version, version)
+    call("resume_scheduler")
+
+
 def flatten_cpu_rope_heads(model) -> int:
     """vLLM 0.32 CPU bug: its in-place rotary op (`ops.rotary_embedding`, csrc/cpu) rotates a
     [tokens, heads, head_size] query or key with more than one head wrongly (both NeoX and GPT-J

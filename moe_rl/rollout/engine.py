@@ -140,7 +140,7 @@ class TurnOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache
 
 
-def _params(sampling: SamplingConfig, n: int, max_tokens: int, seed: int | None):
+def sampling_params(sampling: SamplingConfig, n: int, max_tokens: int, seed: int | None):
     # heavy: vLLM, imported on first use
     from vllm import SamplingParams
 
@@ -351,7 +351,7 @@ def _refuse_if_shut_down(engine: RolloutEngine, what: str) -> None:
         raise RolloutEngineError(f"{what}: the rollout engine was shut down (or died earlier)")
 
 
-def _refuse_cut_short(outputs, gone: Callable[[], None]) -> None:
+def refuse_cut_short(outputs, gone: Callable[[], None]) -> None:
     """vLLM returns a request it aborted (its engine core shutting down on a stop signal) or failed as
     finished: such a sample is not the policy's whole response and is never trained on. `gone()` is called
     for an abort."""
@@ -387,7 +387,7 @@ def _turns(outputs, routes: dict) -> list[TurnOutput]:
     return turns
 
 
-def _to_batch(outputs, routes, moe_layers: list[int], num_experts: int, topk: int) -> RolloutBatch:
+def to_batch(outputs, routes, moe_layers: list[int], num_experts: int, topk: int) -> RolloutBatch:
     """A RolloutBatch from vLLM's RequestOutputs (samples in index order) and the capture's routes (or None)."""
     prompt_ids, response_ids, logps, reasons, pidx, sidx, recs = [], [], [], [], [], [], []
     for i, out in enumerate(outputs):
@@ -479,7 +479,7 @@ class RolloutEngine:
 
     def health_check(self, timeout_s: float = 30.0) -> None:
         """Raise RolloutEngineError unless the engine answers within `timeout_s`."""
-        self._guard("moe_rl_ping", self.llm.collective_rpc, "moe_rl_ping", timeout=timeout_s, args=())
+        self.guard("moe_rl_ping", self.llm.collective_rpc, "moe_rl_ping", timeout=timeout_s, args=())
 
     def shutdown(self) -> None:
         """Stop the engine core and its workers (idempotent), also after the engine died. Its processes are
@@ -508,32 +508,32 @@ class RolloutEngine:
         """The engine core and its workers (psutil.Process)."""
         return list(self._procs)
 
-    def _gone(self) -> None:
+    def gone(self) -> None:
         """The engine went away (died, or shuts down on a signal): later calls are refused."""
         self._alive = False
 
-    def _guard(self, what: str, fn, *args, **kwargs):
+    def guard(self, what: str, fn, *args, **kwargs):
         """Run an engine call, failing fast if an engine process dies (`_call_watched`)."""
         _refuse_if_shut_down(self, what)
-        return _call_watched(what, self._procs, self._gone, fn, *args, **kwargs)
+        return _call_watched(what, self._procs, self.gone, fn, *args, **kwargs)
 
     def rpc(self, method: str, *args):
         """Call a `moe_rl_*` method of the worker extension on every engine worker (guarded: a dead
         engine raises RolloutEngineError); returns the workers' answers."""
-        return self._guard(method, self.llm.collective_rpc, method, timeout=None, args=args)
+        return self.guard(method, self.llm.collective_rpc, method, timeout=None, args=args)
 
     # ---- GPU colocation: the engine sleeps while the actor trains (rollout.sleep_while_training) ----
     def sleep(self) -> None:
         """Free the KV cache and offload the weights (vLLM sleep level 1); a no-op unless configured."""
         if self.cfg.sleep_while_training and not self._asleep:
-            self._guard("sleep", self.llm.sleep, level=1)
+            self.guard("sleep", self.llm.sleep, level=1)
             self._asleep = {"weights", "kv_cache"}
 
     def wake_up(self, *tags: str) -> None:
         """Bring back what sleep() released: `tags` of "weights", "kv_cache" (none: both)."""
         wanted = self._asleep & set(tags or ("weights", "kv_cache"))
         if wanted:
-            self._guard("wake_up", self.llm.wake_up, sorted(wanted))
+            self.guard("wake_up", self.llm.wake_up, sorted(wanted))
             self._asleep -= wanted
 
     # ---- sampling -------------------------------------------------------------------------
@@ -551,15 +551,17 @@ class RolloutEngine:
         if longest > limit:
             raise ValueError(f"longest prompt + max_tokens = {longest} exceeds the engine's max_model_len={limit}")
         params = [
-            _params(sampling, sampling.n, sampling.max_tokens, None if sampling.seed is None else sampling.seed + i)
+            sampling_params(
+                sampling, sampling.n, sampling.max_tokens, None if sampling.seed is None else sampling.seed + i
+            )
             for i in range(len(prompts))
         ]
-        outputs = self._guard(
+        outputs = self.guard(
             "generate", self.llm.generate, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        _refuse_cut_short(outputs, self._gone)
-        routes = self._guard("route capture", self.capture.collect, self.llm, outputs) if self.capture else None
-        return _to_batch(outputs, routes, self.moe_layers, self.num_experts, self.topk)
+        refuse_cut_short(outputs, self.gone)
+        routes = self.guard("route capture", self.capture.collect, self.llm, outputs) if self.capture else None
+        return to_batch(outputs, routes, self.moe_layers, self.num_experts, self.topk)
 
     def generate_turn(
         self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: list[int], seeds: list[int | None]
@@ -576,18 +578,18 @@ class RolloutEngine:
         for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
             if not p or m < 1 or len(p) + m > limit:
                 raise ValueError(f"generate_turn: prompt {i} has {len(p)} tokens + {m} to sample (limit {limit})")
-        params = [_params(sampling, 1, m, seed) for m, seed in zip(max_tokens, seeds, strict=True)]
-        outputs = self._guard(
+        params = [sampling_params(sampling, 1, m, seed) for m, seed in zip(max_tokens, seeds, strict=True)]
+        outputs = self.guard(
             "generate", self.llm.generate, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        _refuse_cut_short(outputs, self._gone)
-        routes = self._guard("route capture", self.capture.collect_partial, self.llm, outputs) if self.capture else {}
+        refuse_cut_short(outputs, self.gone)
+        routes = self.guard("route capture", self.capture.collect_partial, self.llm, outputs) if self.capture else {}
         return _turns(outputs, routes)
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV (after a weight update: blocks computed with the old weights must not be reused)."""
         if self.prefix_caching:
-            self._guard("reset_prefix_cache", self.llm.reset_prefix_cache)
+            self.guard("reset_prefix_cache", self.llm.reset_prefix_cache)
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[np.ndarray]:
         """Teacher-forced log-probs of each token given its prefix (entry 0 is 0)."""
@@ -596,7 +598,7 @@ class RolloutEngine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         self.wake_up()
-        outs = self._guard(
+        outs = self.guard(
             "prompt_logprobs",
             self.llm.generate,
             [TokensPrompt(prompt_token_ids=s) for s in sequences],

@@ -69,7 +69,10 @@ class RouteAssembler:
             raise RouteError(f"layer {layer_id}: {topk_ids.shape[0]} captured rows for {total} scheduled tokens")
         off = 0
         for req, n, start in self._step:
-            self.rows[req][start : start + n, c] = topk_ids[off : off + n]
+            # the first route recorded for a position stays: a request preempted (KV pressure, or an in-flight
+            # weight update) prefills its positions again, and the tokens after them were sampled on the first
+            new = ~self.filled[req][start : start + n, c]
+            self.rows[req][start : start + n, c][new] = topk_ids[off : off + n][new]
             self.filled[req][start : start + n, c] = True
             off += n
 
@@ -165,13 +168,16 @@ class HookRouteCapture:
                     f"the engine's MoE routers are at layers {sorted(layers)}, the model config says {self.moe_layers}"
                 )
 
-    def collect(self, llm: Any, outputs: list[Any]) -> dict[tuple[int, int], np.ndarray]:
-        return {k: rows for k, (rows, _) in self._take(llm, outputs, partial=False).items()}
+    def collect(self, llm: Any, outputs: list[Any], keep_others: bool = False) -> dict[tuple[int, int], np.ndarray]:
+        """As RouteCapture.collect; `keep_others`: the routes of requests still running stay (rollout/inflight.py)."""
+        return {k: rows for k, (rows, _) in self._take(llm, outputs, False, keep_others).items()}
 
     def collect_partial(self, llm: Any, outputs: list[Any]) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
         return self._take(llm, outputs, partial=True)
 
-    def _take(self, llm: Any, outputs: list[Any], partial: bool) -> dict[tuple[int, int], tuple[np.ndarray, Any]]:
+    def _take(
+        self, llm: Any, outputs: list[Any], partial: bool, keep_others: bool = False
+    ) -> dict[tuple[int, int], tuple[np.ndarray, Any]]:
         wanted: dict[str, tuple[int, int, int]] = {}
         worker_ids = llm.collective_rpc("moe_rl_capture_request_ids")[0]
         for i, out in enumerate(outputs):
@@ -179,7 +185,7 @@ class HookRouteCapture:
             for c in out.outputs:
                 wanted[ids[c.index]] = (i, c.index, len(out.prompt_token_ids) + len(c.token_ids) - 1)
         rows = {k: v[2] for k, v in wanted.items()}
-        got = llm.collective_rpc("moe_rl_take_routes", args=(rows, partial))[0]
+        got = llm.collective_rpc("moe_rl_take_routes", args=(rows, partial, keep_others))[0]
         result = {}
         for req, (i, j, n) in wanted.items():
             raw, shape, computed = got[req]

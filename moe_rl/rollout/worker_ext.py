@@ -80,10 +80,11 @@ class MoeRLWorkerExtension(WeightReceiver):
         return list(self._moe_rl_assembler.rows)
 
     def moe_rl_take_routes(
-        self, rows_per_request: dict[str, int], partial: bool = False
+        self, rows_per_request: dict[str, int], partial: bool = False, keep_others: bool = False
     ) -> dict[str, tuple[bytes, tuple[int, ...], bytes | None]]:
         """Routes of the given requests as (bytes, shape, computed-mask bytes or None); everything else
-        captured is dropped. `partial`: positions served from the prefix cache are allowed (and masked)."""
+        captured is dropped unless `keep_others` (requests still in flight). `partial`: positions served from the
+        prefix cache are allowed (and masked)."""
         a = self._moe_rl_assembler
         out = {}
         try:
@@ -95,5 +96,6 @@ class MoeRLWorkerExtension(WeightReceiver):
                     arr = a.take(req, rows)
                     out[req] = (arr.tobytes(), arr.shape, None)
         finally:
-            a.clear()
+            if not keep_others:
+                a.clear()
         return out
