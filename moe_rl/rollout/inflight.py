@@ -1,6 +1,6 @@
-"""In-flight weight updates (rollout.inflight, issue #82): one engine driven step by step, so that the trainer can
-update its weights while requests are still generating, and hand each prompt's group to training when its last
-sample finishes.
+"""In-flight weight updates, the engine side (the trainer does not drive it yet: issue #82): one engine driven step
+by step, so that the trainer can update its weights while requests are still generating, and hand each prompt's
+group to training when its last sample finishes.
 
 `InflightEngine` wraps a `RolloutEngine` (rollout/engine.py): `submit` adds a prompt's group of `sampling.n`
 samples, `poll` runs the engine until at least one group finished (or none is left) and returns the finished
@@ -19,7 +19,6 @@ version of response token max(0, p - len(prompt) + 1) (`route_versions`).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,20 +50,14 @@ def route_versions(prompt_len: int, versions: np.ndarray) -> np.ndarray:
     return np.concatenate([first, versions])[: prompt_len + len(versions) - 1]
 
 
-@dataclass
-class _Group:
-    key: Hashable
-    prompt_ids: list[int]
-
-
 class InflightEngine:
     """A RolloutEngine driven one engine step at a time, its weights updated while requests are in flight."""
 
     def __init__(self, engine: RolloutEngine, version: int = 0):
         if engine.capture is not None and not isinstance(engine.capture, HookRouteCapture):
-            raise ValueError("rollout.inflight: needs the hook route capture (rollout.capture=hook)")
+            raise ValueError("in-flight updates need the hook route capture (rollout.capture=hook)")
         self.engine, self.version = engine, version
-        self._groups: dict[str, _Group] = {}  # request id -> its prompt
+        self._groups: dict[str, Hashable] = {}  # request id -> the caller's key
         self._next = 0
         engine.llm.llm_engine.set_weight_version(str(version))
 
@@ -90,7 +83,7 @@ class InflightEngine:
         self._next += 1
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         e.guard("add_request", e.llm.llm_engine.add_request, request_id, prompt, params)
-        self._groups[request_id] = _Group(key, list(prompt_ids))
+        self._groups[request_id] = key
 
     def poll(self, max_steps: int | None = None) -> tuple[list[Hashable], RolloutBatch | None]:
         """Step the engine until at least one group finished, nothing runs, or `max_steps` engine steps passed:
@@ -108,13 +101,12 @@ class InflightEngine:
         if e.capture is not None:
             routes = e.guard("route capture", e.capture.collect, e.llm, finished, keep_others=True)
         batch = to_batch(finished, routes, e.moe_layers, e.num_experts, e.topk)
-        versions = {}
-        for i, out in enumerate(finished):
-            for c in out.outputs:
-                versions[(i, c.index)] = token_versions(c, f"request {out.request_id} sample {c.index}")
-        pairs = zip(batch.prompt_index, batch.sample_index, strict=True)
-        batch.versions = [versions[(int(i), int(j))] for i, j in pairs]
-        keys = [self._groups.pop(o.request_id).key for o in finished]
+        batch.versions = [  # in to_batch's order: outputs in turn, samples by index
+            token_versions(c, f"request {out.request_id} sample {c.index}")
+            for out in finished
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        keys = [self._groups.pop(o.request_id) for o in finished]
         return keys, batch
 
     def update_weights(self, load: Callable[[], None], version: int) -> None:

@@ -28,12 +28,16 @@ def _steps(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def adapted_names(ckpt: HFCheckpoint) -> set[str]:
+    """The HF tensors of the linears targets=all adapts."""
+    return {n for n in ckpt.weight_map if n.removesuffix(".weight").rsplit(".", 1)[-1] in ADAPTED}
+
+
 def adapted_bytes(model_dir) -> tuple[int, int]:
     """(bytes of the linears targets=all adapts, bytes of every tensor) of an HF folder, in the actor's float32."""
     ckpt = HFCheckpoint(model_dir)
     sizes = {n: ckpt.get(n).numel() * 4 for n in ckpt.weight_map}
-    adapted = sum(b for n, b in sizes.items() if n.removesuffix(".weight").rsplit(".", 1)[-1] in ADAPTED)
-    return adapted, sum(sizes.values())
+    return sum(sizes[n] for n in adapted_names(ckpt)), sum(sizes.values())
 
 
 def test_lora_rl_syncs_the_adapted_linears_resumes_exactly_and_exports(tmp_path):

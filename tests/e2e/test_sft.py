@@ -84,12 +84,12 @@ def test_lora_sft_learns_and_changes_only_the_adapted_linears(tmp_path):
     nll = _transformers_val_nll(run_dir / "hf")
     assert nll == pytest.approx(val[10]["val/loss"], rel=1e-4), (nll, val[10]["val/loss"])
     from moe_rl.actor.weights import HFCheckpoint
-    from tests.e2e.test_lora_rl import ADAPTED
+    from tests.e2e.test_lora_rl import adapted_names
 
     base, tuned = HFCheckpoint(run_dir / "tiny_model"), HFCheckpoint(run_dir / "hf")
     assert sorted(base.weight_map) == sorted(tuned.weight_map)
     changed = {n for n in base.weight_map if not torch.equal(base.get(n), tuned.get(n))}
-    adapted = {n for n in base.weight_map if n.removesuffix(".weight").rsplit(".", 1)[-1] in ADAPTED}
+    adapted = adapted_names(base)
     assert changed == adapted, (sorted(changed - adapted), sorted(adapted - changed))
     state = json.loads((run_dir / "checkpoints" / "step_000010" / "trainer.json").read_text())
     assert state["lora"]["rank"] == 8 and Path(state["model_path"]).resolve() == (run_dir / "tiny_model").resolve()
