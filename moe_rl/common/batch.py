@@ -73,6 +73,25 @@ class RolloutBatch:
             versions=pick(self.versions),
         )
 
+    @staticmethod
+    def cat(parts: Sequence[RolloutBatch]) -> RolloutBatch:
+        """The parts' samples back to back, prompt indices as they are (one engine's batches: same layers)."""
+
+        def join(name):
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else [x for v in values for x in v]
+
+        first = parts[0]
+        lists = ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reasons", "routes", "response_masks")
+        return replace(
+            first,
+            **{k: join(k) for k in (*lists, "turn_index", "versions")},
+            prompt_index=np.concatenate([p.prompt_index for p in parts]),
+            sample_index=np.concatenate([p.sample_index for p in parts]),
+            rewards=None if first.rewards is None else np.concatenate([p.rewards for p in parts]),
+            info={k: np.concatenate([p.info[k] for p in parts]) for k in first.info},
+        )
+
     def split_by_prompt(self, prompts_per_part: int) -> list[RolloutBatch]:
         """Consecutive parts of `prompts_per_part` prompts each (prompt indices re-based to each part):
         one engine's batch back to the data-parallel ranks whose prompts it sampled."""

@@ -559,8 +559,10 @@ class TrainerConfig:
     max_staleness: int = 0
     """Off-policy rollouts: 0 = synchronous (the engine samples, then the actor trains). 1: the engine samples the
     next step's prompts while the actor trains this step's, with the weights it has, so a sample trains one version
-    after the one that generated it (rollout/ahead.py). A deeper pipeline (> 1) is not built and is refused.
-    Logged: staleness/mean, staleness/max, time/trainer_idle, time/rollout_idle."""
+    after the one that generated it (rollout/ahead.py). With rollout.inflight: the bound on every token's version
+    lag (any value >= 1); without it a deeper pipeline (> 1) is not built and is refused.
+    Logged: staleness/mean, staleness/max (per sample, its oldest token), rollout/version_lag_* (per token),
+    time/trainer_idle, time/rollout_idle."""
     balance_batch: bool = True
     """Before the step's passes, move whole GRPO groups between data-parallel ranks, each within its
     mini-batch, so each rank holds about as many tokens (verl's balance_batch; perf/dp_token_imbalance,
@@ -611,12 +613,8 @@ class TrainerConfig:
         check_hang_timeout(self.hang_timeout_s)
         if self.max_skipped_steps < 1:
             refuse("trainer.max_skipped_steps", f"{self.max_skipped_steps}: must be >= 1 (1 = stop at the first skip)")
-        if self.max_staleness not in (0, 1):
-            refuse(
-                "trainer.max_staleness",
-                f"{self.max_staleness}: choose 0 (synchronous) or 1 (the engine samples one batch ahead); a deeper "
-                "pipeline is not built",
-            )
+        if self.max_staleness < 0:
+            refuse("trainer.max_staleness", f"{self.max_staleness}: must be >= 0 (0 = synchronous)")
         if self.max_staleness and self.mode != "train":
             why = f"{self.max_staleness}: off-policy rollouts need trainer.mode=train, not {self.mode}"
             refuse("trainer.max_staleness", why)

@@ -266,6 +266,34 @@ def _check_buffer(cfg: TrainConfig) -> None:
         )
 
 
+def _check_inflight(cfg: TrainConfig) -> None:
+    """rollout.inflight and rollout.partial: what in-flight weight updates need and what they do not compose with."""
+    r, t = cfg.rollout, cfg.trainer
+    if r.partial:
+        refuse("rollout.partial", "partial rollouts are not built yet; rollout.inflight=true keeps requests instead")
+    if not r.inflight:
+        if t.max_staleness > 1:
+            refuse(
+                "trainer.max_staleness",
+                f"{t.max_staleness}: without rollout.inflight choose 0 (synchronous) or 1 (the engine samples one "
+                "batch ahead); a deeper bound needs rollout.inflight=true",
+            )
+        return
+    refused = {
+        "trainer.max_staleness=0 (the bound on each token's version lag: set >= 1)": t.max_staleness < 1,
+        "buffer.enable=true (the buffer draws whole steps' batches)": cfg.buffer.enable,
+        "rollout.multi_turn.env (the agent loop samples turn by turn)": r.multi_turn.env != "none",
+        f"rollout.capture={r.capture} here (native route capture; in-flight routes come from the hook capture: set "
+        "rollout.capture=hook)": r.capture == "native" or (r.capture == "auto" and has_cuda()),
+        "algorithm.prox_logp=loglinear (it interpolates pi_prox per sample; an in-flight sample's tokens have "
+        "several versions)": cfg.algorithm.prox_logp == "loglinear",
+        "trainer.true_on_policy=true (mu of an older version is not pi_old)": t.true_on_policy,
+    }
+    for what, used in refused.items():
+        if used:
+            refuse("rollout.inflight", f"true cannot be combined with {what}")
+
+
 def _validate_true_on_policy(cfg: TrainConfig) -> None:
     """trainer.true_on_policy: refuse every setting under which pi_old cannot equal mu bit for bit."""
     t, p = cfg.trainer, cfg.parallel
@@ -316,6 +344,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_sampling(cfg)
     _check_layout(cfg, world_size)
     _check_buffer(cfg)
+    _check_inflight(cfg)
     _validate_true_on_policy(cfg)
     r, t = cfg.rollout, cfg.trainer
     if r.sleep_while_training and t.max_staleness:

@@ -49,7 +49,7 @@ class StepDiagnostics:
             metrics["router/agreement"] = self.router_agreement(padded, views["routes_live"])
             metrics |= routing_k3(views, padded)
         if dump_now:
-            self.write_dump(step, padded, rewards, views, rollout.policy_version, rollout.turn_index)
+            self.write_dump(step, padded, rewards, views, rollout)
         return metrics
 
     def routing_views(self, padded, old: ProxPolicy) -> dict[str, torch.Tensor | None]:
@@ -74,9 +74,8 @@ class StepDiagnostics:
         set as the rollout engine (this rank's layers; real tokens except the last)."""
         return router_agreement(self.actor.replay, padded, live_routes)
 
-    def write_dump(
-        self, step: int, padded, rewards, views, policy_version: torch.Tensor | None = None, turn_index=None
-    ) -> None:
+    def write_dump(self, step: int, padded, rewards, views, rollout=None) -> None:
+        """This rank's dump of the step (`rollout`: the samples' versions and turns, when there are any)."""
         a = self.actor
         # every rank's dump holds its samples' routes in full: the route holder of each tensor/context-parallel
         # group sends them to the others (collective over that group), and every MoE layer's: each pipeline
@@ -100,8 +99,9 @@ class StepDiagnostics:
             router_replay=a.cfg.router_replay,
             n=self.dump_meta["n"],
             rewards=rewards,
-            policy_version=policy_version,
-            turn_index=turn_index,
+            policy_version=None if rollout is None else rollout.policy_version,
+            turn_index=None if rollout is None else rollout.turn_index,
+            versions=None if rollout is None else rollout.versions,
         )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -84,8 +85,13 @@ class AheadSource:
             self._launch(step + 1, version=step)
         return rollout
 
+    def update_weights(self, sync: Callable[[], dict], version: int) -> dict:
+        """The weight sync once the engine is not sampling; the batch sampled ahead stays pending."""
+        self.wait_idle()
+        return sync()
+
     def wait_idle(self) -> None:
-        """Block until the engine is not sampling (before a weight sync); the batch stays pending."""
+        """Block until the engine is not sampling; the batch stays pending."""
         if self.pending is not None and not self.pending.future.done():
             t0 = time.perf_counter()
             self.pending.future.exception()  # waits; an error is raised by next()

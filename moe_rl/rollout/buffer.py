@@ -328,8 +328,8 @@ class BufferSource:
     def position(self) -> int:
         return self.inner.position
 
-    def wait_idle(self) -> None:
-        self.inner.wait_idle()
+    def update_weights(self, sync, version: int) -> dict:
+        return self.inner.update_weights(sync, version)
 
     def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:
         return self.inner.idle_times(rollout_s, step_s)

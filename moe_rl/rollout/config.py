@@ -178,6 +178,18 @@ class RolloutConfig:
     CPU, 16 on GPUs)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn (agentic) rollouts; rollout.multi_turn.env=none keeps single-turn rollouts."""
+    inflight: bool = False
+    """In-flight weight updates (rollout/inflight_source.py): the engine keeps 1 + trainer.max_staleness steps of
+    prompt groups in flight and never waits for a step's longest sample; a step trains the first
+    data.prompts_per_step groups per data-parallel rank to finish, and the weight sync pauses the engine with its
+    requests kept (their KV re-prefilled under the new weights). Every token keeps the version, mu and routes it was
+    sampled with (Rollout.versions); a group with a token more than trainer.max_staleness versions old is dropped
+    and sampled again (rollout/dropped_fraction). Needs trainer.max_staleness >= 1 (any bound) and the hook route
+    capture; logged: rollout/version_lag_mean, rollout/version_lag_max, rollout/version_lag_share_<k>. At scale:
+    max_staleness 2-4 with thinking-length responses (PipelineRL, AReaL)."""
+    partial: bool = False
+    """Partial rollouts (slime's and verl's variant: unfinished samples aborted at a step's end and continued in a
+    later one from their prefix). Not built yet: refused; rollout.inflight keeps requests across updates instead."""
 
     def check(self) -> None:
         """This section's own rules (the trainer's config validation; the multi-turn ones span sections, the ones that

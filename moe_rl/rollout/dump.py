@@ -14,6 +14,8 @@ One safetensors file per rank and step, `<dir>/step_000003/rank_00001.safetensor
   turn_index                             [B, T]  multi-turn: the turn that sampled each token, -1 on the
                                                  prompt, observations and padding (loss_mask is 1 on
                                                  sampled tokens only)
+  versions                               [B, T]  in-flight: the version that sampled each response token, -1
+                                                 elsewhere (policy_version is each sample's oldest)
   (log-prob entry t scores token t given tokens < t)
 
 Metadata (strings): `meta` = JSON with step, rank, world_size, dp_rank (the data-parallel rank whose samples the
@@ -33,7 +35,15 @@ import torch
 import torch.distributed as dist
 
 REQUIRED = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")
-PER_TOKEN = ("attention_mask", "loss_mask", "rollout_logprobs", "logprobs_replay", "logprobs_live", "turn_index")
+PER_TOKEN = (
+    "attention_mask",
+    "loss_mask",
+    "rollout_logprobs",
+    "logprobs_replay",
+    "logprobs_live",
+    "turn_index",
+    "versions",
+)
 
 
 class DumpError(ValueError):
@@ -74,6 +84,7 @@ def write_rank(
     rewards: torch.Tensor | None = None,
     policy_version: torch.Tensor | None = None,
     turn_index: torch.Tensor | None = None,
+    versions: torch.Tensor | None = None,
     **meta,
 ) -> Path:
     """This rank's dump of one step: a PaddedBatch, the routing views of
@@ -102,6 +113,7 @@ def write_rank(
         "rewards": rewards,
         "policy_version": policy_version,
         "turn_index": turn_index,
+        "versions": versions,
         "routes": padded.routes,
         **views,
     }

@@ -1,6 +1,6 @@
-"""In-flight weight updates, the engine side (the trainer does not drive it yet: issue #82): one engine driven step
-by step, so that the trainer can update its weights while requests are still generating, and hand each prompt's
-group to training when its last sample finishes.
+"""In-flight weight updates, the engine side (rollout/inflight_source.py drives it for the trainer): one engine
+driven step by step, so that the trainer can update its weights while requests are still generating, and hand each
+prompt's group to training when its last sample finishes.
 
 `InflightEngine` wraps a `RolloutEngine` (rollout/engine.py): `submit` adds a prompt's group of `sampling.n`
 samples, `poll` runs the engine until at least one group finished (or none is left) and returns the finished

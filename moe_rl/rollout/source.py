@@ -5,11 +5,12 @@ when the trainer is built."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,6 +39,8 @@ class Rollout:
     rewards: torch.Tensor | None = None
     truncated: torch.Tensor | None = None  # [B] bool: stopped by sampling.max_tokens (engine source)
     turn_index: torch.Tensor | None = None  # [B, T] multi-turn: the turn that sampled each token, -1 elsewhere
+    versions: torch.Tensor | None = None  # [B, T] in-flight: the version that sampled each response token, -1 elsewhere
+    dropped: int = 0  # in-flight: samples of this data-parallel rank's prompts dropped as too stale since its last step
     metrics: dict[str, float] = field(default_factory=dict)  # the source's own (multi_turn/*, routes/*)
 
     SAMPLE_TENSORS = ("policy_version", "response_lengths", "rewards", "truncated")  # [B]
@@ -60,6 +63,7 @@ class Rollout:
             prompt_index=prompt_index,
             response_ids=None if self.response_ids is None else [self.response_ids[i] for i in rows],
             turn_index=None if self.turn_index is None else self.turn_index[idx],
+            versions=None if self.versions is None else self.versions[idx],
             **{k: None if getattr(self, k) is None else getattr(self, k)[idx] for k in self.SAMPLE_TENSORS},
         )
 
@@ -83,6 +87,7 @@ class Rollout:
             prompt_index=prompt_index,
             response_ids=join([p.response_ids for p in parts]),
             turn_index=cat_or_none([p.turn_index for p in parts]),
+            versions=cat_or_none([p.versions for p in parts]),
             metrics=parts[0].metrics,
             **{k: cat_or_none([getattr(p, k) for p in parts]) for k in Rollout.SAMPLE_TENSORS},
         )
@@ -105,8 +110,9 @@ class RolloutSource(Protocol):
         """Prompts consumed by the steps handed out so far (what a checkpoint saves); None: it reads no prompts."""
         ...
 
-    def wait_idle(self) -> None:
-        """Return once no sampling is in flight (before the weights change)."""
+    def update_weights(self, sync: Callable[[], dict], version: int) -> dict:
+        """Run `sync()` (the weight sync into the engines, collective; its stats are returned) when the engine may
+        take actor version `version`'s weights: once sampling ahead ended, or with in-flight requests paused."""
         ...
 
     def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:
@@ -175,13 +181,15 @@ class EngineSource:
         )
         turn_index, metrics = None, {}
         if batch.turn_index is not None:  # multi-turn
-            turn_index = torch.full(padded.input_ids.shape, -1, dtype=torch.long)
-            for i, (p, t) in enumerate(zip(batch.prompt_ids, batch.turn_index, strict=True)):
-                turn_index[i, len(p) : len(p) + len(t)] = torch.from_numpy(t)
+            turn_index = per_token(padded, batch.prompt_ids, batch.turn_index)
             metrics = multi_turn_metrics(batch.info)
+        versions, policy_version = None, torch.full((len(batch),), version, dtype=torch.long)
+        if batch.versions is not None:  # in-flight: a version per token; a sample's is its oldest token's
+            versions = per_token(padded, batch.prompt_ids, batch.versions)
+            policy_version = torch.tensor([int(v.min()) if len(v) else version for v in batch.versions])
         return Rollout(
             padded,
-            policy_version=torch.full((len(batch),), version, dtype=torch.long),
+            policy_version=policy_version,
             response_lengths=padded.loss_mask.sum(-1).long(),  # sampled tokens (multi-turn: without observations)
             prompts=prompts,
             prompt_index=[int(i) for i in batch.prompt_index],
@@ -189,6 +197,7 @@ class EngineSource:
             truncated=torch.tensor([r == "length" for r in batch.finish_reasons]),
             rewards=None if batch.rewards is None else torch.from_numpy(batch.rewards),
             turn_index=turn_index,
+            versions=versions,
             metrics=metrics,
         )
 
@@ -220,7 +229,7 @@ class EngineSource:
             parts = (
                 None if full is None else dict(zip(g.served, full.split_by_prompt(self.prompts_per_step), strict=True))
             )
-            shares = [None if parts is None else _share(parts[d], layers, holds) for d, _, layers, holds in asked]
+            shares = [None if parts is None else share_of(parts[d], layers, holds) for d, _, layers, holds in asked]
         if g.group is None:
             return shares[0]
         mine = [None]
@@ -231,8 +240,8 @@ class EngineSource:
     def position(self) -> int:
         return self.data.position
 
-    def wait_idle(self) -> None:
-        pass  # sampling ends inside next()
+    def update_weights(self, sync: Callable[[], dict], version: int) -> dict:
+        return sync()  # sampling ends inside next()
 
     def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:
         return waiting_times(rollout_s, step_s)
@@ -242,7 +251,15 @@ class EngineSource:
             self.engine.shutdown()
 
 
-def _share(part, layers: list[int] | None, holds_routes: bool):
+def per_token(padded: PaddedBatch, prompt_ids: list[list[int]], values: list) -> torch.Tensor:
+    """[B, T] long: each sample's per-response-token `values` at its response positions, -1 elsewhere."""
+    out = torch.full(padded.input_ids.shape, -1, dtype=torch.long)
+    for i, (p, v) in enumerate(zip(prompt_ids, values, strict=True)):
+        out[i, len(p) : len(p) + len(v)] = torch.from_numpy(np.asarray(v, dtype=np.int64))
+    return out
+
+
+def share_of(part, layers: list[int] | None, holds_routes: bool):
     """A data-parallel rank's samples as one rank of it gets them: its stage's MoE `layers` (None: all), and routes
     only if it holds them for its tensor/context-parallel group."""
     part = part.only_layers(part.moe_layers if layers is None else layers)
@@ -315,8 +332,8 @@ class DumpSource:
             rewards=tensors["rewards"],
         )
 
-    def wait_idle(self) -> None:
-        pass
+    def update_weights(self, sync: Callable[[], dict], version: int) -> dict:
+        return sync()  # (no engine: the trainer has no weight sync)
 
     def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:
         return {}

@@ -23,6 +23,7 @@ from moe_rl.rollout.ahead import AheadSource
 from moe_rl.rollout.buffer import BufferSource, ReplayBuffer
 from moe_rl.rollout.engine import RolloutEngine
 from moe_rl.rollout.engine_groups import EngineGroups, engine_groups
+from moe_rl.rollout.inflight_source import InflightSource
 from moe_rl.rollout.multi_turn.builtin_envs import env_class
 from moe_rl.rollout.multi_turn.loop import AgentLoop
 from moe_rl.rollout.source import DumpSource, EngineSource
@@ -192,7 +193,8 @@ def dump_source(cfg, actor) -> DumpSource:
 
 
 def engine_source(cfg, engines: Engines, actor, data, tokenizer, may_stop):
-    """The engines' samples of `data` (sampling one batch ahead under trainer.max_staleness)."""
+    """The engines' samples of `data` (sampling one batch ahead under trainer.max_staleness, in flight under
+    rollout.inflight)."""
     source = EngineSource(
         engines.engine,
         engines.groups,
@@ -206,7 +208,9 @@ def engine_source(cfg, engines: Engines, actor, data, tokenizer, may_stop):
         route_layers=actor.route_layers,
         holds_routes=holds_routes(),
     )
-    if cfg.trainer.max_staleness:
+    if cfg.rollout.inflight:
+        source = InflightSource(source, cfg.trainer.max_staleness, engines.engine_cores)
+    elif cfg.trainer.max_staleness:
         source = AheadSource(source, cfg.trainer.max_staleness, cfg.trainer.steps, engines.engine_cores)
     return source
 

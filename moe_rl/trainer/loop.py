@@ -36,7 +36,7 @@ from moe_rl.trainer import build
 from moe_rl.trainer.checkpoint import CheckpointError
 from moe_rl.trainer.health import ExactCheck, HealthMonitor, SkipCounter
 from moe_rl.trainer.logger import run_header, say
-from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics, reward_metrics
+from moe_rl.trainer.metrics import PeakMemory, Timer, global_metrics, reward_metrics, staleness_metrics
 from moe_rl.trainer.reward import Rewarder, reward_peers
 from moe_rl.trainer.run import Checkpoints, NothingToTrain, StartUp, data_parallel, run_steps, start_up
 from moe_rl.trainer.signals import StopFlag, stop_with_launcher
@@ -155,6 +155,7 @@ class Trainer:
         self.diagnostics.begin_step()
         with timer(self.source.phase):  # rollout | load_dump
             rollout = self.source.next(self.step_index)  # StepAbandoned when a signal took the engine
+        dropped = rollout.dropped  # in-flight: this rank's, before balancing moves samples
         balance = {}
         if self.cfg.trainer.balance_batch:
             with timer("balance"):
@@ -189,7 +190,9 @@ class Trainer:
         peaks = timer.times | self.memory.read() | idle_times(self.source, timer, time.perf_counter() - start) | synced
         metrics = global_metrics(rollout, rewards, old, self.cfg.sampling.n, self.objective.icepop_band, metrics, peaks)
         metrics |= reward_metrics(self.rewarder.take())  # per reward function and data_source, over every rank
-        metrics |= val | balance | staleness(self.source, self.step_index, rollout)
+        metrics |= val | balance
+        if self.source.live:  # dumps: no engine, no versions to compare
+            metrics |= staleness_metrics(rollout, self.step_index, self.cfg.trainer.max_staleness, dropped)
         return self._log(metrics, rollout, old)
 
     def _prox_policy(self, rollout, timer: Timer) -> ProxPolicy:
@@ -227,10 +230,14 @@ class Trainer:
         """The updated weights into every engine (none from dumps); the sync's weight_sync/* metrics."""
         if self.weight_sync is None:
             return {}
-        self.source.wait_idle()  # sampling ahead: the next step's ends before the weights change
+
+        def sync() -> dict[str, float]:  # after sampling ahead ended, or with the in-flight requests paused
+            with timer("weight_sync"):
+                return self.weight_sync()
+
         synced = {}  # a stop signal that takes the engine mid-sync: no weight_sync/* this step
-        with timer("weight_sync"), self.may_stop():
-            synced = sync_metrics(self.weight_sync())
+        with self.may_stop():
+            synced = sync_metrics(self.source.update_weights(sync, self.step_index + 1))
         return synced
 
     def _log(self, metrics: dict[str, float], rollout, old: ProxPolicy) -> dict[str, float]:
@@ -286,15 +293,6 @@ def lr_schedules(cfg: TrainConfig, actor: Actor, critic: Critic | None) -> dict[
     if critic is not None:
         schedules["critic/lr"] = LRSchedule(critic.optimizer, cfg.critic, steps, weight_decay)
     return schedules
-
-
-def staleness(source, step: int, rollout) -> dict[str, float]:
-    """How many actor versions the step's samples lag the actor (at `step`) that trains on them (every rank's samples
-    come from one version per step, so this rank's values are the step's)."""
-    if not source.live:  # dumps: no engine, no versions to compare
-        return {}
-    lag = (step - rollout.policy_version).float()
-    return {"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max())}
 
 
 def idle_times(source, timer: Timer, step_s: float) -> dict[str, float]:

@@ -133,3 +133,32 @@ def global_metrics(
     out |= {f"mismatch/{k}": float(v) for k, v in mm.items()}
     out |= {k: maxima[k] for k in peaks}
     return out
+
+
+def staleness_metrics(rollout, step: int, max_lag: int, dropped: int = 0) -> dict[str, float]:
+    """How many actor versions the step's samples lag the actor (at `step`) that trains on them, over every rank's
+    samples (collective): staleness/mean and staleness/max per sample (an in-flight sample's: its oldest token's);
+    rollout/version_lag_mean, rollout/version_lag_max and rollout/version_lag_share_<k> (k = 0..`max_lag`, the share
+    of response tokens k versions old) per response token; rollout/dropped_fraction, the share of the finished
+    samples that were dropped as too stale (`dropped`: this rank's since its last step) and sampled again."""
+    mask = rollout.padded.loss_mask > 0
+    versions = rollout.versions
+    if versions is None:  # one version per sample
+        versions = rollout.policy_version[:, None].expand(mask.shape)
+    lag = (step - versions)[mask]
+    per_sample = step - rollout.policy_version
+    counts = torch.bincount(lag.clamp(min=0), minlength=max_lag + 1)
+    sums = {"tokens": mask.sum(), "lag": lag.sum(), "samples": len(per_sample), "sample_lag": per_sample.sum()}
+    sums |= {"dropped": dropped} | {f"share_{k}": counts[k] for k in range(max_lag + 1)}
+    maxima = {"lag": lag.max() if len(lag) else 0, "sample_lag": per_sample.max()}
+    sums = _all_reduce({k: float(v) for k, v in sums.items()}, dist.ReduceOp.SUM)
+    maxima = _all_reduce({k: float(v) for k, v in maxima.items()}, dist.ReduceOp.MAX)
+    tokens = max(sums["tokens"], 1.0)
+    out = {
+        "staleness/mean": sums["sample_lag"] / sums["samples"],
+        "staleness/max": maxima["sample_lag"],
+        "rollout/version_lag_mean": sums["lag"] / tokens,
+        "rollout/version_lag_max": maxima["lag"],
+        "rollout/dropped_fraction": sums["dropped"] / (sums["dropped"] + sums["samples"]),
+    }
+    return out | {f"rollout/version_lag_share_{k}": sums[f"share_{k}"] / tokens for k in range(max_lag + 1)}
