@@ -148,11 +148,11 @@ def test_rollout_batch_padding_aligns_tokens_logprobs_and_routes():
     with pytest.raises(ValueError, match=r"MoE layers \[1\] are not among the route layers \[0, 2\]"):
         b.only_layers([1])
     # a tensor/context-parallel peer gets no route bytes: zero-width routes, in its stage's layers and dtype
-    from moe_rl.rollout.source import _share
+    from moe_rl.rollout.source import share_of
 
-    peer = _share(b, [2], holds_routes=False)
+    peer = share_of(b, [2], holds_routes=False)
     assert [r.shape for r in peer.routes] == [(0, 1, 2), (0, 1, 2)] and peer.routes[0].dtype == r0.dtype
     padded = peer.to_padded(pad_to_multiple=4)
     assert padded.routes.shape == (2, 0, 1, 2) and padded.input_ids.tolist() == p.input_ids.tolist()
-    holder = _share(b, [2], holds_routes=True)
+    holder = share_of(b, [2], holds_routes=True)
     assert all((h == s).all() for h, s in zip(holder.routes, stage.routes, strict=True))
