@@ -31,32 +31,27 @@ def _train(run_dir: Path, overrides: list[str]) -> list[dict]:
 
 
 def _samples(run_dir: Path) -> dict[tuple, tuple]:
-    """Every dumped sample by its tokens: (mu, routes, per-token versions) of each."""
+    """Every dumped sample by its tokens: (mu, routes) of each."""
     out = {}
     for step in range(4):
         t, _ = dump.read(dump.rank_file(run_dir / "dumps", step, 0))
         for i in range(t["input_ids"].shape[0]):
             n = int(t["attention_mask"][i].sum())
-            versions = t["versions"][i, :n] if "versions" in t else None
-            out[tuple(t["input_ids"][i, :n].tolist())] = (t["rollout_logprobs"][i, :n], t["routes"][i, :n], versions)
+            out[tuple(t["input_ids"][i, :n].tolist())] = (t["rollout_logprobs"][i, :n], t["routes"][i, :n])
     return out
 
 
 def test_inflight_with_unchanged_weights_samples_what_the_synchronous_run_samples(tmp_path):
     frozen = ["actor.lr=0", "actor.lr_warmup_steps=0"]
-    sync = _samples_of(tmp_path / "sync", frozen)
+    _train(tmp_path / "sync", frozen)
+    sync = _samples(tmp_path / "sync")
     history = _train(tmp_path / "inflight", [*frozen, "rollout.inflight=true", "trainer.max_staleness=1"])
     inflight = _samples(tmp_path / "inflight")
     shared = inflight.keys() & sync.keys()
     assert len(shared) >= 0.75 * len(inflight), len(shared)  # the first to finish: mostly the same prompts
     for tokens in shared:
-        (mu_a, routes_a, _), (mu_b, routes_b, _) = inflight[tokens], sync[tokens]
+        (mu_a, routes_a), (mu_b, routes_b) = inflight[tokens], sync[tokens]
         assert torch.equal(mu_a, mu_b) and torch.equal(routes_a, routes_b)
     lags = [h["rollout/version_lag_max"] for h in history]
     assert lags[0] == 0 and max(lags) == 1 and all(h["rollout/dropped_fraction"] == 0 for h in history), lags
     assert all(h["rollout/version_lag_share_0"] + h["rollout/version_lag_share_1"] == pytest.approx(1) for h in history)
-
-
-def _samples_of(run_dir: Path, overrides: list[str]) -> dict[tuple, tuple]:
-    _train(run_dir, overrides)
-    return _samples(run_dir)
