@@ -113,7 +113,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     _vllm(
         "paused_in_flight",
-        "calls the engine core's pause_scheduler('keep', clear_cache=True) / resume_scheduler through the client",
+        "calls the engine core's pause_scheduler('keep', clear_cache=True) or ('abort'), resume_scheduler (client)",
         "the offline LLM engine has a keep-mode pause (AsyncLLM.pause_generation has it)",
     ),
     _vllm(

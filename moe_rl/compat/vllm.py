@@ -348,24 +348,29 @@ def mark_each_engine_step(llm, mark: Callable[[], None]) -> None:
 
 
 @contextmanager
-def paused_in_flight(llm, version: str, guard: Callable = lambda what, fn, *a: fn(*a)):
+def paused_in_flight(llm, version: str, guard: Callable = lambda what, fn, *a: fn(*a), abort: bool = False):
     """Pause the offline `llm`'s scheduler with its requests kept, drop their KV cache, and on leaving label the
     engine's outputs `version` and resume (rollout/inflight.py: a weight update while requests are in flight).
     vLLM 0.32 has this for AsyncLLM only (`pause_generation(mode="keep")`); here the engine core's
     `pause_scheduler("keep", clear_cache=True)` and `resume_scheduler` are reached through the sync client's
     utility call (in-process: the engine core itself). With clear_cache the scheduler preempts every running request
     (`reset_prefix_cache(reset_running_requests=True)`): each is prefilled again under the new weights before its
-    next token. `guard(what, fn, *args)` runs each call (RolloutEngine.guard: a dead engine is an error). The block
-    raising leaves the engine paused. Delete when the offline engine has a keep-mode pause."""
+    next token. `abort`: `pause_scheduler("abort")` instead, which aborts every request and sends each one's output
+    so far to the client, finished with reason 'abort' (`LLMEngine.step` returns them; the multiprocess engine core
+    only: in-process, vLLM 0.32 sends no abort outputs). `guard(what, fn, *args)` runs each call
+    (RolloutEngine.guard: a dead engine is an error). The block raising leaves the engine paused. Delete when the
+    offline engine has a keep-mode pause."""
     core = llm.llm_engine.engine_core
     inner = getattr(core, "engine_core", None)  # InprocClient: the EngineCore itself
+    if abort and inner is not None:
+        raise NotImplementedError("aborting requests in flight needs the multiprocess engine core")
 
     def call(method: str, *args):
         if inner is not None:
             return guard(method, getattr(inner, method), *args)
         return guard(method, core.call_utility, method, *args)
 
-    call("pause_scheduler", "keep", True)
+    call("pause_scheduler", "abort" if abort else "keep", not abort)
     yield
     guard("set_weight_version", llm.llm_engine.set_weight_version, version)
     call("resume_scheduler")

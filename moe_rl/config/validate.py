@@ -269,8 +269,17 @@ def _check_buffer(cfg: TrainConfig) -> None:
 def _check_inflight(cfg: TrainConfig) -> None:
     """rollout.inflight and rollout.partial: what in-flight weight updates need and what they do not compose with."""
     r, t = cfg.rollout, cfg.trainer
-    if r.partial:
-        refuse("rollout.partial", "partial rollouts are not built yet; rollout.inflight=true keeps requests instead")
+    if r.partial and not r.inflight:
+        refuse(
+            "rollout.partial",
+            "true needs rollout.inflight=true (partial rollouts abort and continue in-flight samples)",
+        )
+    if r.partial and cfg.sampling.stop:
+        refuse(
+            "rollout.partial",
+            f"true cannot be combined with sampling.stop={list(cfg.sampling.stop)}: a continuation matches stop "
+            "strings in its own text only, one that spans the cut would be missed",
+        )
     if not r.inflight:
         if t.max_staleness > 1:
             refuse(

@@ -188,8 +188,12 @@ class RolloutConfig:
     capture; logged: rollout/version_lag_mean, rollout/version_lag_max, rollout/version_lag_share_<k>. At scale:
     max_staleness 2-4 with thinking-length responses (PipelineRL, AReaL)."""
     partial: bool = False
-    """Partial rollouts (slime's and verl's variant: unfinished samples aborted at a step's end and continued in a
-    later one from their prefix). Not built yet: refused; rollout.inflight keeps requests across updates instead."""
+    """Partial rollouts (slime's and verl's variant, for engines that cannot keep a request across an update; needs
+    rollout.inflight=true): each weight sync aborts the running samples, and each continues after it as a new
+    request from its generated prefix, re-prefilled under the new weights. The prefix keeps its tokens' versions,
+    mu and routes (the continuation's prefill adds no route rows for it). Its later tokens are sampled with a seed
+    derived from the sample's and the prefix length, so even at unchanged weights they differ from a keep-mode run's.
+    Refused with sampling.stop (a stop string spanning the cut would be missed)."""
 
     def check(self) -> None:
         """This section's own rules (the trainer's config validation; the multi-turn ones span sections, the ones that

@@ -3,22 +3,34 @@ driven step by step, so that the trainer can update its weights while requests a
 prompt's group to training when its last sample finishes.
 
 `InflightEngine` wraps a `RolloutEngine` (rollout/engine.py): `submit` adds a prompt's group of `sampling.n`
-samples, `poll` runs the engine until at least one group finished (or none is left) and returns the finished
-groups as a RolloutBatch, `update_weights` pauses the engine with its requests kept, loads new weights and resumes.
+samples (one engine request each, seeded as vLLM seeds a group's samples), `poll` runs the engine until at least one
+group finished (or none is left) and returns the finished groups as a RolloutBatch, `update_weights` loads new
+weights while requests are in flight, in one of two ways:
 
-Per-token provenance. At an update every running request is preempted: its KV cache is dropped and the engine
+- keep (rollout.inflight): the engine pauses with its requests kept, loads the weights and resumes;
+- abort (rollout.partial, slime's and verl's partial rollouts, for engines that cannot keep a request across an
+  update): every running sample is aborted, its output so far kept, and after the load it continues as a new request
+  whose prompt is the original prompt and the tokens sampled so far, re-prefilled under the new weights, for the
+  tokens it has left. Its later tokens are sampled with a seed derived from the sample's seed and its prefix length
+  (`continuation_seed`), so they are not those a run without the abort samples even where the weights are equal.
+
+Per-token provenance. At a keep update every running request is preempted: its KV cache is dropped and the engine
 prefills its prompt and the tokens sampled so far again under the new weights before it samples the next token
 (`compat.vllm.paused_in_flight`). So every token is sampled from logits the new weights computed, and its log-prob
 mu is exactly that version's given the prefix; `RolloutBatch.versions` holds the version that sampled each response
 token (vLLM's weight-version spans of the output). The route capture keeps the first route it recorded for each
 position (`RouteAssembler`): a prefix position keeps the routes of the version that first computed it, and the
 prefill after an update adds no new rows for it. Row p of a sample's routes (p < T - 1) was computed by the
-version of response token max(0, p - len(prompt) + 1) (`route_versions`).
+version of response token max(0, p - len(prompt) + 1) (`route_versions`). After an abort the prefix keeps its
+tokens, their mu, versions and route rows; the continuation's prefill computes the prefix positions again under the
+new weights, and those rows are dropped: only the continuation's own positions (from the last prefix token on, the
+input of its first sampled token) add rows, so the same contract holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,12 +54,72 @@ def token_versions(completion, where: str) -> np.ndarray:
     return out
 
 
+def continuation_seed(seed: int | None, prefix_len: int) -> int | None:
+    """The seed of a sample's continuation after `prefix_len` tokens (None: unseeded)."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([seed, prefix_len]).generate_state(1)[0])
+
+
 def route_versions(prompt_len: int, versions: np.ndarray) -> np.ndarray:
     """[prompt_len + len(versions) - 1] the version that computed each routed position: the prompt's positions
     (but the last) that of the first response token, position p >= prompt_len - 1 that of response token
     p - prompt_len + 1."""
     first = np.full(prompt_len - 1, versions[0] if len(versions) else 0, dtype=np.int64)
     return np.concatenate([first, versions])[: prompt_len + len(versions) - 1]
+
+
+@dataclass
+class _Sample:
+    """One sample's output so far, with what `to_batch` reads of a vLLM CompletionOutput."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list  # vLLM's per token {token id: Logprob}
+    finish_reason: str | None
+    versions: np.ndarray  # the version that sampled each token
+    routes: np.ndarray | None  # [prompt + tokens - 1, L_moe, K]
+
+    @staticmethod
+    def of(completion, index: int, routes: np.ndarray | None, where: str) -> _Sample:
+        tokens, logprobs = list(completion.token_ids), list(completion.logprobs or [])
+        versions = token_versions(completion, where) if tokens else np.zeros(0, dtype=np.int64)
+        return _Sample(index, tokens, logprobs, completion.finish_reason, versions, routes)
+
+    def then(self, later: _Sample) -> _Sample:
+        """This prefix continued by `later` (its continuation request's sample): the prefix keeps its tokens, mu,
+        versions and route rows; of the continuation's rows only those after the prefix's are new."""
+        routes = None
+        if self.routes is not None:
+            routes = np.concatenate([self.routes, later.routes[len(self.routes) :]])
+        return _Sample(
+            self.index,
+            self.token_ids + later.token_ids,
+            self.logprobs + later.logprobs,
+            later.finish_reason,
+            np.concatenate([self.versions, later.versions]),
+            routes,
+        )
+
+
+@dataclass
+class _Group:
+    """One prompt's group in the engine, with what `to_batch` reads of a vLLM RequestOutput."""
+
+    key: Hashable
+    prompt_token_ids: list[int]
+    sampling: SamplingConfig
+    seed: int | None
+    done: dict[int, _Sample] = field(default_factory=dict)  # finished samples by index
+    prefix: dict[int, _Sample] = field(default_factory=dict)  # aborted samples continuing, by index
+
+    @property
+    def outputs(self) -> list[_Sample]:
+        return [self.done[j] for j in sorted(self.done)]
+
+    def seed_of(self, j: int) -> int | None:
+        """Sample j's seed: vLLM seeds a group's children `seed + j`."""
+        return None if self.seed is None else self.seed + j
 
 
 class InflightEngine:
@@ -57,8 +129,10 @@ class InflightEngine:
         if engine.capture is not None and not isinstance(engine.capture, HookRouteCapture):
             raise ValueError("in-flight updates need the hook route capture (rollout.capture=hook)")
         self.engine, self.version = engine, version
-        self._groups: dict[str, Hashable] = {}  # request id -> the caller's key
-        self._next = 0
+        self._groups: dict[int, _Group] = {}  # group id -> group
+        self._requests: dict[str, tuple[int, int]] = {}  # request id -> (group id, sample index)
+        self._complete: list[int] = []  # groups that finished while an abort drained the engine
+        self._next, self._next_group = 0, 0
         engine.llm.llm_engine.set_weight_version(str(version))
 
     @property
@@ -69,56 +143,132 @@ class InflightEngine:
     def submit(self, key: Hashable, prompt_ids: list[int], sampling: SamplingConfig, seed: int | None) -> None:
         """Add one prompt's group: `sampling.n` samples of at most `sampling.max_tokens`, seeded by `seed` as
         RolloutEngine.generate seeds prompt i by `sampling.seed + i`. `key` comes back with the group."""
+        limit = self.engine.llm.llm_engine.model_config.max_model_len
+        if not prompt_ids or len(prompt_ids) + sampling.max_tokens > limit:
+            raise ValueError(f"submit {key!r}: {len(prompt_ids)} prompt tokens + {sampling.max_tokens} (limit {limit})")
+        gid, self._next_group = self._next_group, self._next_group + 1
+        self._groups[gid] = group = _Group(key, list(prompt_ids), sampling, seed)
+        for j in range(sampling.n):
+            self._add(gid, j, group.prompt_token_ids, sampling.max_tokens, group.seed_of(j))
+
+    def _add(self, gid: int, j: int, prompt_ids: list[int], max_tokens: int, seed: int | None) -> None:
+        """One engine request: sample j of group `gid`."""
         # heavy: vLLM, imported on first use
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        e = self.engine
-        limit = e.llm.llm_engine.model_config.max_model_len
-        if not prompt_ids or len(prompt_ids) + sampling.max_tokens > limit:
-            raise ValueError(f"submit {key!r}: {len(prompt_ids)} prompt tokens + {sampling.max_tokens} (limit {limit})")
-        params = sampling_params(sampling, sampling.n, sampling.max_tokens, seed)
-        params.output_kind = RequestOutputKind.FINAL_ONLY  # a group comes back once, when its last sample finished
+        params = sampling_params(self._groups[gid].sampling, 1, max_tokens, seed)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # a sample comes back once, when it finished
         request_id = f"inflight-{self._next}"
         self._next += 1
-        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
-        e.guard("add_request", e.llm.llm_engine.add_request, request_id, prompt, params)
-        self._groups[request_id] = key
+        e = self.engine
+        e.guard(
+            "add_request", e.llm.llm_engine.add_request, request_id, TokensPrompt(prompt_token_ids=prompt_ids), params
+        )
+        self._requests[request_id] = (gid, j)
 
     def poll(self, max_steps: int | None = None) -> tuple[list[Hashable], RolloutBatch | None]:
         """Step the engine until at least one group finished, nothing runs, or `max_steps` engine steps passed:
         (the finished groups' keys, their samples as one RolloutBatch with `versions`; its prompt_index i is
         keys[i]'s group), or ([], None)."""
         e = self.engine
-        finished, steps = [], 0
-        while not finished and self._groups and (max_steps is None or steps < max_steps):
+        complete, steps, self._complete = self._complete, 0, []
+        while not complete and self._groups and (max_steps is None or steps < max_steps):
             finished = [o for o in e.guard("step", e.llm.llm_engine.step) if o.finished]
             steps += 1
-        if not finished:
+            if finished:
+                complete = self._finished(finished)
+        if not complete:
             return [], None
-        refuse_cut_short(finished, e.gone)
+        groups = [self._groups.pop(gid) for gid in complete]
         routes = None
         if e.capture is not None:
-            routes = e.guard("route capture", e.capture.collect, e.llm, finished, keep_others=True)
-        batch = to_batch(finished, routes, e.moe_layers, e.num_experts, e.topk)
-        batch.versions = [  # in to_batch's order: outputs in turn, samples by index
-            token_versions(c, f"request {out.request_id} sample {c.index}")
-            for out in finished
-            for c in sorted(out.outputs, key=lambda c: c.index)
-        ]
-        keys = [self._groups.pop(o.request_id) for o in finished]
-        return keys, batch
+            routes = {(i, s.index): s.routes for i, g in enumerate(groups) for s in g.outputs}
+        batch = to_batch(groups, routes, e.moe_layers, e.num_experts, e.topk)
+        batch.versions = [s.versions for g in groups for s in g.outputs]  # to_batch's order
+        return [g.key for g in groups], batch
 
-    def update_weights(self, load: Callable[[], None], version: int) -> None:
-        """Pause the engine keeping its requests, run `load()` (a weight sync into this engine), label what it
-        samples from now on `version` and resume: every running request continues, re-prefilled under the new
-        weights."""
+    def _finished(self, outputs) -> list[int]:
+        """Record the samples of one engine step that finished; the ids of the groups they complete."""
+        e = self.engine
+        refuse_cut_short(outputs, e.gone)
+        routes = None
+        if e.capture is not None:
+            routes = e.guard("route capture", e.capture.collect, e.llm, outputs, keep_others=True)
+        complete = []
+        for i, out in enumerate(outputs):
+            gid, j = self._requests.pop(out.request_id)
+            group = self._groups[gid]
+            sample = _Sample.of(
+                out.outputs[0], j, None if routes is None else routes[(i, 0)], f"sample {j} of {group.key!r}"
+            )
+            if j in group.prefix:
+                sample = group.prefix.pop(j).then(sample)
+            group.done[j] = sample
+            if len(group.done) == group.sampling.n:
+                complete.append(gid)
+        return complete
+
+    def update_weights(self, load: Callable[[], None], version: int, abort: bool = False) -> None:
+        """Run `load()` (a weight sync into this engine) with requests in flight and label what the engine samples
+        from now on `version`. keep (default): the engine pauses with its requests kept and resumes, every running
+        request re-prefilled under the new weights. `abort`: every running sample is aborted and continues after
+        the load from the tokens it has (module docstring)."""
         # compat.vllm registers an at-fork hook: imported where an engine runs
         from moe_rl.compat.vllm import paused_in_flight
 
         if version <= self.version:
             raise ValueError(f"update_weights: version {version} after {self.version}: versions only grow")
         e = self.engine
-        with paused_in_flight(e.llm, str(version), e.guard):
+        with paused_in_flight(e.llm, str(version), e.guard, abort=abort):
+            cut = self._drain_aborted() if abort else []
             load()
         self.version = version
+        for gid, sample in cut:
+            group = self._groups[gid]
+            j, seed = sample.index, group.seed_of(sample.index)
+            if sample.token_ids:
+                group.prefix[j] = sample
+                seed = continuation_seed(seed, len(sample.token_ids))
+            left = group.sampling.max_tokens - len(sample.token_ids)
+            self._add(gid, j, group.prompt_token_ids + sample.token_ids, left, seed)
+
+    def _drain_aborted(self) -> list[tuple[int, _Sample]]:
+        """After the engine aborted every request: step its client until each running sample came back, finished or
+        aborted with its output so far; (group id, output so far joined to any earlier prefix) of each aborted one."""
+        e = self.engine
+        cut = []
+        while self._requests:
+            outputs = [o for o in e.guard("step", e.llm.llm_engine.step) if o.finished]
+            aborted = [o for o in outputs if o.outputs[0].finish_reason == "abort"]
+            done = [o for o in outputs if o.outputs[0].finish_reason != "abort"]
+            if done:  # finished before the abort: poll returns their groups
+                self._complete += self._finished(done)
+            cut += self._cut(aborted)
+        return cut
+
+    def _cut(self, aborted) -> list[tuple[int, _Sample]]:
+        """The aborted samples' outputs so far with their route rows; a sample aborted before its first token
+        begins again (what its prefill captured is dropped)."""
+        e = self.engine
+        started = [o for o in aborted if o.outputs[0].token_ids]
+        routes = None
+        if e.capture is not None:
+            routes = e.guard("route capture", e.capture.collect, e.llm, started, keep_others=True)
+            begun = {o.request_id for o in started}
+            e.guard(
+                "route capture", e.capture.discard, e.llm, [o.request_id for o in aborted if o.request_id not in begun]
+            )
+        rows = {o.request_id: None if routes is None else routes[(i, 0)] for i, o in enumerate(started)}
+        cut = []
+        for out in aborted:
+            gid, j = self._requests.pop(out.request_id)
+            group = self._groups[gid]
+            if out.request_id in rows:
+                sample = _Sample.of(out.outputs[0], j, rows[out.request_id], f"sample {j} of {group.key!r}")
+            else:
+                sample = _Sample(j, [], [], None, np.zeros(0, dtype=np.int64), None)
+            if j in group.prefix:
+                sample = group.prefix.pop(j).then(sample) if sample.token_ids else group.prefix.pop(j)
+            cut.append((gid, sample))
+        return cut

@@ -7,18 +7,19 @@ training step takes, for every data-parallel rank, the first `data.prompts_per_s
 each rank draws as many new prompts, which join the engine at once. The weight sync after the update pauses the
 engine with its requests kept, loads the weights and resumes it: a request running across the update samples its
 later tokens with the new weights (its KV is re-prefilled under them), so one sample's tokens may come from
-several versions. Each token keeps the version that sampled it (`Rollout.versions`), its mu log-prob and the
-routes the engine computed at it; the objective is the decoupled one (pi_prox is the actor's recompute before the
-update, the correction weighs pi_prox / mu per token).
+several versions. With rollout.partial the sync aborts the running samples instead, and each continues after it as
+a new request from its prefix (slime's and verl's partial rollouts). Each token keeps the version that sampled it
+(`Rollout.versions`), its mu log-prob and the routes the engine computed at it; the objective is the decoupled one
+(pi_prox is the actor's recompute before the update, the correction weighs pi_prox / mu per token).
 
 Staleness is counted per token: a finished group with a token older than `max_staleness` versions at the step
 that would train it is dropped (counted in `rollout/dropped_samples`) and its prompt sampled again with the weights
 of now. Seeds: prompt j of data-parallel rank d's stream index i = s * prompts_per_step + j gets the seed the
 synchronous run gives it at step s, so with unchanged weights the samples are the synchronous run's.
 
-Checkpoints: prompts in flight are not saved. The data position a checkpoint keeps is that of the rank's oldest
-prompt not yet trained, so a resumed run samples every untrained prompt again with the resumed weights (and the
-prompts after it that had already trained, once more).
+Checkpoints: prompts in flight are not saved. The data position a checkpoint keeps is that of the oldest prompt
+not yet trained on any data-parallel rank, so a resumed run samples every untrained prompt again with the resumed
+weights (and the prompts after it that had already trained, once more); a resumed run logs how many.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from moe_rl.common.batch import RolloutBatch
@@ -136,6 +138,15 @@ class _Driver:
         self._thread.join(timeout=60)
 
 
+def _least(value: int) -> int:
+    """The least of `value` over every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def oldest_version(batch: RolloutBatch) -> int:
     """The oldest weight version that sampled a token of `batch`."""
     return min(int(v.min()) for v in batch.versions if len(v))
@@ -148,15 +159,21 @@ class InflightSource:
     live = True
     buffer = None
 
-    def __init__(self, inner: EngineSource, max_staleness: int, engine_cores: list[int] | None = None):
+    def __init__(
+        self, inner: EngineSource, max_staleness: int, engine_cores: list[int] | None = None, partial: bool = False
+    ):
+        """`partial` (rollout.partial): a weight sync aborts the running samples, which continue after it from their
+        prefix (InflightEngine.update_weights), instead of keeping them in the engine."""
         if max_staleness < 1:
             raise ValueError(f"trainer.max_staleness={max_staleness}: in-flight rollouts need a bound >= 1")
         self.inner, self.max_staleness, self.engine_cores = inner, max_staleness, engine_cores
+        self.partial = partial
         self.driver: _Driver | None = None
         self.waiting: dict[tuple[int, int], object] = {}  # leader: key -> Prompt of every group in the engine
         self.kept: list[_Group] = []  # leader: finished groups not yet trained
         self.untrained: set[int] = set()  # this rank: stream indices of its prompts drawn and not yet trained
         self.dropped: dict[int, int] = {}  # leader: samples dropped as too stale, per data-parallel rank
+        self.oldest: int | None = None  # every rank: the least data position of an untrained prompt over the ranks
 
     @property
     def groups(self):
@@ -164,8 +181,9 @@ class InflightSource:
 
     @property
     def position(self) -> int:
-        """The data position of this rank's oldest untrained prompt (what a checkpoint saves)."""
-        return min(self.untrained) if self.untrained else self.inner.data.position
+        """The data position of the oldest untrained prompt of any data-parallel rank after the last `next` (what a
+        checkpoint saves, from rank 0: every rank resumes there, so none skips a prompt it has not trained)."""
+        return self.oldest if self.oldest is not None else self.inner.data.position
 
     def next(self, step: int) -> Rollout:
         """Step `step`'s samples: the first data.prompts_per_step groups of each data-parallel rank to finish, every
@@ -183,6 +201,7 @@ class InflightSource:
             return self.inner.finish(step, [], None, step)  # raises StepAbandoned on every rank
         keys, prompts, batch, dropped = mine
         self.untrained -= {index for _, index in keys}
+        self.oldest = _least(min(self.untrained) if self.untrained else self.inner.data.position)
         rollout = self.inner.finish(step, prompts, batch, step)
         rollout.dropped = dropped
         return rollout
@@ -264,7 +283,7 @@ class InflightSource:
         def load():
             out.update(sync())
 
-        self.driver.call(functools.partial(self.driver.engine.update_weights, load, version))
+        self.driver.call(functools.partial(self.driver.engine.update_weights, load, version, abort=self.partial))
         return out
 
     def idle_times(self, rollout_s: float, step_s: float) -> dict[str, float]:

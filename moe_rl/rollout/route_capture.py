@@ -175,6 +175,14 @@ class HookRouteCapture:
     def collect_partial(self, llm: Any, outputs: list[Any]) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
         return self._take(llm, outputs, partial=True)
 
+    def discard(self, llm: Any, request_ids: list[str]) -> None:
+        """Forget what was captured for these requests, the rest stays (rollout/inflight.py: aborted before their
+        first sampled token)."""
+        worker_ids = llm.collective_rpc("moe_rl_capture_request_ids")[0]
+        gone = {w: 0 for r in request_ids for w in worker_ids if w == r or w.startswith(r + "-")}
+        if gone:
+            llm.collective_rpc("moe_rl_take_routes", args=(gone, True, True))
+
     def _take(
         self, llm: Any, outputs: list[Any], partial: bool, keep_others: bool = False
     ) -> dict[tuple[int, int], tuple[np.ndarray, Any]]:

@@ -209,7 +209,7 @@ def engine_source(cfg, engines: Engines, actor, data, tokenizer, may_stop):
         holds_routes=holds_routes(),
     )
     if cfg.rollout.inflight:
-        source = InflightSource(source, cfg.trainer.max_staleness, engines.engine_cores)
+        source = InflightSource(source, cfg.trainer.max_staleness, engines.engine_cores, cfg.rollout.partial)
     elif cfg.trainer.max_staleness:
         source = AheadSource(source, cfg.trainer.max_staleness, cfg.trainer.steps, engines.engine_cores)
     return source

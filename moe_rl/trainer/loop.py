@@ -138,9 +138,17 @@ class Trainer:
             self.weight_sync()
         dp = data_parallel()[1]  # data_position counts per rank: keep the global count
         self.data.skip(state["data_position"] * state.get("data_parallel_size", dp) // dp)
+        again = state.get("data_drawn", state["data_position"]) - state["data_position"]
+        if again and self.rank == 0:
+            say(
+                f"[moe-rl] {again} prompts per data-parallel rank drawn after data position {state['data_position']} "
+                "before the save (sampled ahead or in flight, or trained after an older untrained one) are sampled "
+                "again with the resumed weights"
+            )
 
     def save_checkpoint(self) -> Path:
         state = {"data_position": self.data_position, "wandb_run_id": self.logger.run_id}
+        state["data_drawn"] = self.data.position  # rank 0's prompts drawn: more than data_position ahead, in flight
         state["lr_schedules"] = {key: schedule.state_dict() for key, schedule in self.schedules.items()}
         return self.checkpoints.save(self.step_index, state)
 

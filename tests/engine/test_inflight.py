@@ -1,12 +1,16 @@
-"""In-flight weight updates on a CPU engine (moe_rl/rollout/inflight.py): requests keep running across updates.
+"""In-flight weight updates on a CPU engine (moe_rl/rollout/inflight.py): requests keep running across updates
+(keep mode) or are aborted and continued from their prefix (abort mode, partial rollouts).
 
-- Updates that load the same weights change no sample: tokens, log-probs and routes are a synchronous
+- Keep updates that load the same weights change no sample: tokens, log-probs and routes are a synchronous
   `RolloutEngine.generate`'s with the same seeds, bit for bit (the engine's CPU ops are batch-invariant, so the
   prefill after an update computes what decoding did), while every sample's tokens carry the versions 0, 1, 2.
-- Updates that change the weights: every token's log-prob mu and every position's routes are those the version
-  recorded for it computes, bit for bit, re-derived by the engine-op forward (the engine's own kernels, one
-  sequence at a time: actor/engine_ops.py) under that version's weights; under the first version's weights the
-  later positions route differently (the check can fail).
+  With an abort update instead, each sample's prefix up to the abort is the synchronous run's (its continuation is
+  seeded anew).
+- Updates that change the weights, a keep update then an abort update: every token's log-prob mu and every
+  position's routes are those the version recorded for it computes, bit for bit, re-derived by the engine-op forward
+  (the engine's own kernels, one sequence at a time: actor/engine_ops.py) under that version's weights; under the
+  first version's weights the later positions route differently (the check can fail), and most samples span both a
+  pause-resume and an abort-continue.
 """
 
 from __future__ import annotations
@@ -56,9 +60,10 @@ def setup(tiny_models):
         engine.shutdown()
 
 
-def _run_inflight(engine, prompts, sampling, updates: list[dict]) -> dict[tuple[int, int], tuple]:
-    """Submit every prompt, run STEPS_BETWEEN_UPDATES engine steps before each update (version 1, 2, ...), then to
-    the end: {(prompt, sample): (response ids, mu, versions, routes)}."""
+def _run_inflight(engine, prompts, sampling, updates: list[dict], aborts: list[bool]) -> dict[tuple[int, int], tuple]:
+    """Submit every prompt, run STEPS_BETWEEN_UPDATES engine steps before each update (version 1, 2, ...; update i
+    aborts its running samples if aborts[i]), then to the end: {(prompt, sample): (response ids, mu, versions,
+    routes)}."""
     inflight = InflightEngine(engine)
     for i, p in enumerate(prompts):
         inflight.submit(i, p, sampling, sampling.seed + i)
@@ -69,29 +74,41 @@ def _run_inflight(engine, prompts, sampling, updates: list[dict]) -> dict[tuple[
             key = (keys[int(batch.prompt_index[r])], int(batch.sample_index[r]))
             got[key] = (batch.response_ids[r], batch.rollout_logprobs[r], batch.versions[r], batch.routes[r])
 
-    for version, weights in enumerate(updates, start=1):
+    for version, (weights, abort) in enumerate(zip(updates, aborts, strict=True), start=1):
         take(*inflight.poll(max_steps=STEPS_BETWEEN_UPDATES))
-        inflight.update_weights(lambda w=weights: push_weights(engine, w.items()), version)
+        inflight.update_weights(lambda w=weights: push_weights(engine, w.items()), version, abort=abort)
     while inflight.running:
         take(*inflight.poll())
     assert len(got) == len(prompts) * sampling.n
     return got
 
 
-def test_updates_with_the_same_weights_change_no_sample(setup):
+@pytest.mark.parametrize("abort", [False, True], ids=["keep", "abort"])
+def test_updates_with_the_same_weights_change_no_sample(setup, abort):
     engine, _, prompts, sampling, w0 = setup
     sync = engine.generate(prompts, sampling)
-    got = _run_inflight(engine, prompts, sampling, [w0, w0])
+    got = _run_inflight(engine, prompts, sampling, [w0, w0], [False, abort])
     spans = 0
     for r in range(len(sync)):
         ids, mu, versions, routes = got[(int(sync.prompt_index[r]), int(sync.sample_index[r]))]
-        assert ids == sync.response_ids[r], r
-        assert np.array_equal(mu, sync.rollout_logprobs[r]), r
-        assert np.array_equal(routes, sync.routes[r]), r
         assert (np.diff(versions) >= 0).all() and set(versions) <= {0, 1, 2}
+        assert len(ids) == len(mu) == len(versions) == len(routes) - len(sync.prompt_ids[r]) <= sampling.max_tokens
         spans += len(set(versions)) == 3
+        # abort: the synchronous sample up to the abort (tokens of versions 0, 1, their input positions' routes)
+        k = int((versions < 2).sum()) if abort else len(sync.response_ids[r])
+        assert ids[:k] == sync.response_ids[r][:k], r
+        assert np.array_equal(mu[:k], sync.rollout_logprobs[r][:k]), r
+        rows = len(sync.prompt_ids[r]) + k - 1
+        assert np.array_equal(routes[:rows], sync.routes[r][:rows]), r
+        if not abort:
+            assert ids == sync.response_ids[r], r
     print(f"\n{spans}/{len(sync)} samples have tokens of all three versions")
     assert spans >= len(sync) // 2  # most samples ran across both updates (a few end early on their EOS token)
+    if abort:  # the continuations were sampled anew (their own seeds): somewhere after the abort the tokens differ
+        assert any(
+            got[(int(sync.prompt_index[r]), int(sync.sample_index[r]))][0] != sync.response_ids[r]
+            for r in range(len(sync))
+        )
 
 
 def _perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -114,7 +131,7 @@ def test_every_token_keeps_the_mu_and_routes_of_its_version(setup):
     weights = [w0, _perturbed(w0, 1), None]
     weights[2] = _perturbed(weights[1], 2)
     try:
-        got = _run_inflight(engine, prompts, sampling, weights[1:])
+        got = _run_inflight(engine, prompts, sampling, weights[1:], [False, True])
     finally:
         push_weights(engine, w0.items())
     m = EngineOpForward(AutoConfig.from_pretrained(path), torch.float32)
@@ -134,5 +151,9 @@ def test_every_token_keeps_the_mu_and_routes_of_its_version(setup):
             assert np.array_equal(computed[rows == v], routes[: len(seq) - 1][rows == v]), (i, v)
             if v == 0:
                 moved += int((computed[rows > 0] != routes[: len(seq) - 1][rows > 0]).any(-1).any(-1).sum())
-    print(f"\ntokens per version {tokens}; {moved} later positions route otherwise under version 0")
-    assert min(tokens.values()) > 0 and moved > 0
+    both = sum(len(set(versions)) == 3 for _, _, versions, _ in got.values())  # a pause-resume and an abort-continue
+    print(
+        f"\ntokens per version {tokens}; {moved} later positions route otherwise under version 0; {both}/{len(got)} "
+        "samples span both updates"
+    )
+    assert min(tokens.values()) > 0 and moved > 0 and both >= len(got) // 2

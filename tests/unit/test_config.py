@@ -289,7 +289,12 @@ def test_schema_errors_name_the_key(override, match):
             1,
             "config rollout.inflight: true cannot be combined with rollout.capture=native",
         ),
-        (["rollout.partial=true"], 1, "config rollout.partial: partial rollouts are not built yet"),
+        (["rollout.partial=true"], 1, "config rollout.partial: true needs rollout.inflight=true"),
+        (
+            ["rollout.inflight=true", "trainer.max_staleness=1", "rollout.partial=true", "sampling.stop=[x]"],
+            1,
+            "config rollout.partial: true cannot be combined with sampling.stop=\\['x'\\]",
+        ),
         (["buffer.enable=true", "data.prompts_per_step=3"], 1, "config buffer.enable: needs data.prompts_per_step=3"),
         (["buffer.enable=true", "algorithm.advantage=gae", "algorithm/loss=ppo"], 1, "config buffer.enable: with alg"),
         (["algorithm.advantage=gae"], 1, "config algorithm.advantage: gae gives every token its own advantage"),
