@@ -36,6 +36,10 @@ class ArithmeticConfig:
     operands: int = 2
     """Numbers per problem (>= 2). The default, 2-digit sums and differences, is what the small built-in model
     partly learns by SFT in minutes on 2 CPU cores (docs/guides/sft.md); 3 operands take it much longer."""
+    max_operands: int = 0
+    """0: every problem has `operands` numbers. Above `operands`: each problem draws its count uniformly from
+    operands .. max_operands, so worked solutions (one step per operation) vary several-fold in length: the long-tail
+    task (conf/arithmetic_longtail_rl.yaml, 2-8 one-digit operands) that in-flight rollouts are measured on."""
     digits: int = 2
     """Largest number of digits of an operand (1..6): operands are drawn uniformly from 0 .. 10^digits - 1."""
     operators: str = "+-"
@@ -45,6 +49,11 @@ class ArithmeticConfig:
         """Refuse a setting no problem can be built from, naming the key (`prefix` + its name)."""
         if self.operands < 2:
             raise ConfigError(f"{prefix}operands: {self.operands}: a problem needs at least 2 operands")
+        if self.max_operands and self.max_operands <= self.operands:
+            raise ConfigError(
+                f"{prefix}max_operands: {self.max_operands}: choose 0 (every problem has operands={self.operands} "
+                f"numbers) or more than {self.operands}"
+            )
         if not 1 <= self.digits <= MAX_DIGITS:
             raise ConfigError(f"{prefix}digits: {self.digits}: choose 1 to {MAX_DIGITS}")
         unknown = sorted(set(self.operators) - set(OPERATORS))
@@ -54,9 +63,14 @@ class ArithmeticConfig:
                 + (f" ({''.join(unknown)!r} is not one)" if unknown else "")
             )
 
+    def counts(self) -> range:
+        """The operand counts a problem may have."""
+        return range(self.operands, max(self.operands, self.max_operands) + 1)
+
     def space(self) -> int:
         """How many distinct problems the settings allow."""
-        return (10**self.digits) ** self.operands * len(set(self.operators)) ** (self.operands - 1)
+        ops = len(set(self.operators))
+        return sum((10**self.digits) ** k * ops ** (k - 1) for k in self.counts())
 
 
 def check_count(cfg: ArithmeticConfig, split: Split | str, n: int) -> None:
@@ -65,7 +79,9 @@ def check_count(cfg: ArithmeticConfig, split: Split | str, n: int) -> None:
     available = int(cfg.space() * SPLIT_SHARES[Split(split)])
     if n > available // 2:
         raise ConfigError(
-            f"{n} {split} problems asked of about {available} distinct ones with operands={cfg.operands}, "
+            f"{n} {split} problems asked of about {available} distinct ones with operands={cfg.operands}"
+            + (f"..{cfg.max_operands}" if cfg.max_operands else "")
+            + ", "
             f"digits={cfg.digits}, operators={cfg.operators!r}: ask for at most {available // 2}, or widen the task"
         )
 

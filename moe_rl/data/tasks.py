@@ -68,8 +68,9 @@ def solve(numbers: list[int], ops: list[str]) -> tuple[str, int]:
 
 
 def arithmetic_problem(rng: random.Random, cfg: ArithmeticConfig) -> Problem:
-    numbers = [rng.randrange(10**cfg.digits) for _ in range(cfg.operands)]
-    ops = [rng.choice(cfg.operators) for _ in range(cfg.operands - 1)]
+    count = rng.choice(cfg.counts()) if cfg.max_operands else cfg.operands  # one draw fewer: the same problems
+    numbers = [rng.randrange(10**cfg.digits) for _ in range(count)]
+    ops = [rng.choice(cfg.operators) for _ in range(count - 1)]
     prompt = "".join(f"{n}{op}" for n, op in zip(numbers, ops, strict=False)) + f"{numbers[-1]}="
     response, answer = solve(numbers, ops)
     return Problem(prompt, response, answer)

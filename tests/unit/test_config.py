@@ -67,6 +67,26 @@ def test_the_arithmetic_recipe_config_changes_only_what_it_says():
     assert obj.actor.router_replay == "r3"  # today's defaults: GSPO + IcePop + R3
 
 
+@pytest.mark.parametrize("mode", ["sync", "ahead", "inflight"])
+def test_the_long_tail_config_is_the_recipe_on_its_task_in_every_mode_bench_inflight_runs(mode):
+    """conf/arithmetic_longtail_rl.yaml: arithmetic_rl.yaml on 2-8 one-digit operands, valid on one rank with the
+    engine on the other core in each of bench/inflight.py's modes (no run fails minutes into the bench)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("inflight_bench", Path(CONF).parent / "bench" / "inflight.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    obj: TrainConfig = OmegaConf.to_object(
+        _compose([*bench.MODES[mode], "rollout.placement=separate"], name="arithmetic_longtail_rl")
+    )
+    validate(obj, world_size=1)
+    recipe: TrainConfig = OmegaConf.to_object(_compose(name="arithmetic_rl"))
+    assert (obj.data.arithmetic.operands, obj.data.arithmetic.max_operands, obj.data.arithmetic.digits) == (2, 8, 1)
+    assert obj.algorithm == recipe.algorithm and obj.actor.router_replay == recipe.actor.router_replay
+    assert obj.sampling.max_tokens >= 66  # the longest worked solution and its EOS
+    assert obj.rollout.inflight == (mode == "inflight") and obj.trainer.max_staleness == (mode != "sync")
+
+
 def test_the_arithmetic_lora_config_changes_only_the_adapters_and_the_learning_rate():
     """conf/arithmetic_rl_lora.yaml: the recipe's RL stage with LoRA; valid, and the same as arithmetic_rl.yaml except
     the adapters and the rates (the comparison in docs/guides/lora.md: same steps, batch and schedule shape)."""

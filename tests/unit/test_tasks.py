@@ -44,6 +44,22 @@ def test_answers_are_the_expressions_values_and_the_last_integer_of_the_solution
     assert numeric_answer_reward(wrong, [r["answer"] for r in rows], []) == [0.0] * 200
 
 
+def test_a_mix_of_operand_counts_draws_every_count_with_right_answers():
+    """data.arithmetic.max_operands (the long-tail task): every count in operands..max_operands is drawn, answers
+    are right, solutions vary several-fold in length; max_operands=0 keeps one count."""
+    seed = random.randrange(2**31)
+    cfg = ArithmeticConfig(operands=2, max_operands=8, digits=1)
+    problems = generate(cfg, Split.train, 2000, seed)
+    counts = {p.prompt.count("+") + p.prompt.count("-") + 1 for p in problems}
+    assert counts == set(range(2, 9)), (seed, counts)
+    assert all(p.answer == _evaluate(ast.parse(p.prompt[:-1], mode="eval")) for p in problems), seed
+    lengths = sorted(len(p.response) for p in problems)
+    assert lengths[-1] >= 5 * lengths[0], (seed, lengths[0], lengths[-1])
+    fixed = generate(ArithmeticConfig(operands=3, max_operands=0, digits=2), Split.test, 50, seed)
+    assert [p.prompt.count("+") + p.prompt.count("-") for p in fixed] == [2] * 50
+    assert cfg.space() == sum(10**k * 2 ** (k - 1) for k in range(2, 9))
+
+
 def test_splits_are_disjoint_for_any_seeds_and_a_problem_is_drawn_once():
     cfg = ArithmeticConfig(operands=2, digits=2, operators="+-")  # 20 000 problems: draws overlap by chance
     seeds = random.sample(range(2**31), 3)
@@ -62,6 +78,10 @@ def test_splits_are_disjoint_for_any_seeds_and_a_problem_is_drawn_once():
     ("settings", "message"),
     [
         ({"operands": 1}, "config data.arithmetic.operands: 1: a problem needs at least 2 operands"),
+        (
+            {"operands": 3, "max_operands": 3},
+            "config data.arithmetic.max_operands: 3: choose 0 (every problem has operands=3 numbers) or more than 3",
+        ),
         ({"digits": 0}, "config data.arithmetic.digits: 0: choose 1 to 6"),
         ({"operators": "+/"}, "config data.arithmetic.operators: '+/': choose one or more of '+-*' ('/' is not one)"),
         ({"operators": ""}, "config data.arithmetic.operators: '': choose one or more of '+-*'"),
