@@ -224,9 +224,7 @@ class InflightSource:
         share: (its groups' keys, their prompts, their samples) or None when the engine stopped with a signal."""
         n = self.inner.prompts_per_step
         by_dp = {d: drawn for d, drawn, _, _ in asked}  # a data-parallel rank's peers drew the same prompts
-        for d, drawn in by_dp.items():
-            for index, prompt in drawn:
-                self._submit((d, index), prompt)
+        self._submit([((d, index), prompt) for d, drawn in by_dp.items() for index, prompt in drawn])
         served = self.groups.served
         oldest = step - self.max_staleness  # the oldest version a token trained at `step` may have
         took: dict[int, list[_Group]] = {d: [] for d in served}
@@ -237,7 +235,7 @@ class InflightSource:
                 d = group.key[0]
                 if oldest_version(group.batch) < oldest:  # too stale to train: sampled again with today's weights
                     self.dropped[d] = self.dropped.get(d, 0) + len(group.batch)
-                    self._submit(group.key, self.waiting[group.key], wait=False)
+                    self._submit([(group.key, self.waiting[group.key])], wait=False)
                 elif len(took[d]) < n:
                     took[d].append(group)
                 else:
@@ -248,15 +246,23 @@ class InflightSource:
             return [None] * len(asked)
         return [self._cut(d, took[d], layers, holds) for d, _, layers, holds in asked]
 
-    def _submit(self, key: tuple[int, int], prompt, wait: bool = True) -> None:
-        """Add one prompt's group to the engine, seeded as the synchronous run seeds it."""
-        d, index = key
+    def _submit(self, groups: list[tuple[tuple[int, int], object]], wait: bool = True) -> None:
+        """Add prompts' groups ((key, prompt) each) to the engine in one command between two engine steps (one
+        each would wait for an engine step each), each seeded as the synchronous run seeds it."""
         s = self.inner.sampling
         n, dp = self.inner.prompts_per_step, self.groups.dp_size
-        seed = None if s.seed is None else s.seed + ((index // n) * dp + d) * n + index % n
-        self.waiting[key] = prompt
-        ids = prompt.ids
-        self.driver.call(lambda: self.driver.engine.submit(key, ids, s, seed), wait=wait)
+        requests = []
+        for (d, index), prompt in groups:
+            seed = None if s.seed is None else s.seed + ((index // n) * dp + d) * n + index % n
+            self.waiting[(d, index)] = prompt
+            requests.append(((d, index), prompt.ids, seed))
+        engine = self.driver.engine
+
+        def submit() -> None:
+            for key, ids, seed in requests:
+                engine.submit(key, ids, s, seed)
+
+        self.driver.call(submit, wait=wait)
 
     def _cut(self, d: int, groups: list[_Group], layers, holds: bool):
         """Data-parallel rank `d`'s share: (its groups' keys, their prompts, their samples as one batch, the samples
