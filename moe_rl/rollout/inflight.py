@@ -190,24 +190,38 @@ class InflightEngine:
 
     def _finished(self, outputs) -> list[int]:
         """Record the samples of one engine step that finished; the ids of the groups they complete."""
-        e = self.engine
-        refuse_cut_short(outputs, e.gone)
-        routes = None
-        if e.capture is not None:
-            routes = e.guard("route capture", e.capture.collect, e.llm, outputs, keep_others=True)
+        refuse_cut_short(outputs, self.engine.gone)
         complete = []
-        for i, out in enumerate(outputs):
-            gid, j = self._requests.pop(out.request_id)
+        for gid, sample in self._take(outputs):
             group = self._groups[gid]
-            sample = _Sample.of(
-                out.outputs[0], j, None if routes is None else routes[(i, 0)], f"sample {j} of {group.key!r}"
-            )
-            if j in group.prefix:
-                sample = group.prefix.pop(j).then(sample)
-            group.done[j] = sample
+            group.done[sample.index] = sample
             if len(group.done) == group.sampling.n:
                 complete.append(gid)
         return complete
+
+    def _take(self, outputs) -> list[tuple[int, _Sample]]:
+        """(group id, sample) of each output's sample, no longer running: its tokens so far with their route rows,
+        joined to its earlier prefix. A sample with no token (aborted before its first) keeps its prefix alone, and
+        what its prefill captured is dropped."""
+        e = self.engine
+        started = [o for o in outputs if o.outputs[0].token_ids]
+        empty = [o.request_id for o in outputs if not o.outputs[0].token_ids]
+        rows: dict[str, np.ndarray] = {}
+        if e.capture is not None and started:
+            routes = e.guard("route capture", e.capture.collect, e.llm, started, keep_others=True)
+            rows = {o.request_id: routes[(i, 0)] for i, o in enumerate(started)}
+        if e.capture is not None and empty:
+            e.guard("route capture", e.capture.discard, e.llm, empty)
+        taken = []
+        for out in outputs:
+            gid, j = self._requests.pop(out.request_id)
+            group = self._groups[gid]
+            sample = _Sample.of(out.outputs[0], j, rows.get(out.request_id), f"sample {j} of {group.key!r}")
+            if j in group.prefix:
+                prefix = group.prefix.pop(j)
+                sample = prefix.then(sample) if sample.token_ids else prefix
+            taken.append((gid, sample))
+        return taken
 
     def update_weights(self, load: Callable[[], None], version: int, abort: bool = False) -> None:
         """Run `load()` (a weight sync into this engine) with requests in flight and label what the engine samples
@@ -244,31 +258,5 @@ class InflightEngine:
             done = [o for o in outputs if o.outputs[0].finish_reason != "abort"]
             if done:  # finished before the abort: poll returns their groups
                 self._complete += self._finished(done)
-            cut += self._cut(aborted)
-        return cut
-
-    def _cut(self, aborted) -> list[tuple[int, _Sample]]:
-        """The aborted samples' outputs so far with their route rows; a sample aborted before its first token
-        begins again (what its prefill captured is dropped)."""
-        e = self.engine
-        started = [o for o in aborted if o.outputs[0].token_ids]
-        routes = None
-        if e.capture is not None:
-            routes = e.guard("route capture", e.capture.collect, e.llm, started, keep_others=True)
-            begun = {o.request_id for o in started}
-            e.guard(
-                "route capture", e.capture.discard, e.llm, [o.request_id for o in aborted if o.request_id not in begun]
-            )
-        rows = {o.request_id: None if routes is None else routes[(i, 0)] for i, o in enumerate(started)}
-        cut = []
-        for out in aborted:
-            gid, j = self._requests.pop(out.request_id)
-            group = self._groups[gid]
-            if out.request_id in rows:
-                sample = _Sample.of(out.outputs[0], j, rows[out.request_id], f"sample {j} of {group.key!r}")
-            else:
-                sample = _Sample(j, [], [], None, np.zeros(0, dtype=np.int64), None)
-            if j in group.prefix:
-                sample = group.prefix.pop(j).then(sample) if sample.token_ids else group.prefix.pop(j)
-            cut.append((gid, sample))
+            cut += self._take(aborted)
         return cut

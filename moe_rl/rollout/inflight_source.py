@@ -64,8 +64,9 @@ class _Driver:
         self._thread.start()
 
     def call(self, fn: Callable[[], object], wait: bool = True):
-        """Run `fn` on the engine thread between two engine steps (`wait`: block for its result)."""
-        done: queue.Queue = queue.Queue(1)
+        """Run `fn` on the engine thread between two engine steps (`wait`: block for its result; without, an error
+        of `fn` ends the engine thread and is raised by the main thread's next `wait` or `call`)."""
+        done: queue.Queue | None = queue.Queue(1) if wait else None
         self.commands.put((fn, done))
         while wait:
             try:
@@ -111,13 +112,16 @@ class _Driver:
                 self.error = e
                 self.ready.notify_all()
 
-    def _command(self, fn, done: queue.Queue) -> None:
+    def _command(self, fn, done: queue.Queue | None) -> None:
         idle = self.engine.running == 0
         t0 = time.perf_counter()
-        try:
-            done.put((True, fn()))
-        except Exception as e:  # the caller raises it
-            done.put((False, e))
+        if done is None:  # nobody waits: an error ends this thread (_run hands it to the main thread)
+            fn()
+        else:
+            try:
+                done.put((True, fn()))
+            except Exception as e:  # the caller raises it
+                done.put((False, e))
         if idle:
             self.idle_s += time.perf_counter() - t0
 

@@ -157,3 +157,22 @@ def test_every_token_keeps_the_mu_and_routes_of_its_version(setup):
         "samples span both updates"
     )
     assert min(tokens.values()) > 0 and moved > 0 and both >= len(got) // 2
+
+
+def test_an_error_of_a_command_nobody_waits_for_is_raised_by_the_next_wait(setup):
+    """The in-flight source's engine thread (rollout/inflight_source.py): a submit it was not asked to wait for (a
+    dropped group's resample) that fails ends the thread, and the trainer's next wait raises that error instead of
+    waiting for a group that never comes."""
+    import contextlib
+
+    from moe_rl.rollout.inflight_source import _Driver
+
+    engine, _, prompts, sampling, _ = setup
+    driver = _Driver(InflightEngine(engine), None)
+    try:
+        too_long = [1] * engine.llm.llm_engine.model_config.max_model_len
+        driver.call(lambda: driver.engine.submit("x", too_long, sampling, 0), wait=False)
+        with pytest.raises(ValueError, match="submit 'x': .* prompt tokens"):
+            driver.wait(lambda new: False, contextlib.nullcontext)
+    finally:
+        driver.close()
