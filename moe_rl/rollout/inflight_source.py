@@ -13,7 +13,7 @@ a new request from its prefix (slime's and verl's partial rollouts). Each token 
 (pi_prox is the actor's recompute before the update, the correction weighs pi_prox / mu per token).
 
 Staleness is counted per token: a finished group with a token older than `max_staleness` versions at the step
-that would train it is dropped (counted in `rollout/dropped_samples`) and its prompt sampled again with the weights
+that would train it is dropped (counted in `rollout/dropped_fraction`) and its prompt sampled again with the weights
 of now. Seeds: prompt j of data-parallel rank d's stream index i = s * prompts_per_step + j gets the seed the
 synchronous run gives it at step s, so with unchanged weights the samples are the synchronous run's.
 
@@ -205,8 +205,8 @@ class InflightSource:
             return self.inner.finish(step, [], None, step)  # raises StepAbandoned on every rank
         keys, prompts, batch, dropped = mine
         self.untrained -= {index for _, index in keys}
+        rollout = self.inner.finish(step, prompts, batch, step)  # first: every rank leaves an abandoned step there
         self.oldest = _least(min(self.untrained) if self.untrained else self.inner.data.position)
-        rollout = self.inner.finish(step, prompts, batch, step)
         rollout.dropped = dropped
         return rollout
 
