@@ -90,25 +90,21 @@ def rl_run(out: Path, model: Path, mode: str, seed: int, steps: int, test_n: int
         out / f"{run.name}_export.log",
         [sys.executable, "-m", "moe_rl.tools.export_hf", str(run / "checkpoints"), "--out", str(run / "hf")],
     )
-    score = run / "test.json"
-    evaluate = [
-        sys.executable,
-        "-m",
-        "moe_rl.tools.evaluate",
-        "--model",
-        str(run / "hf"),
-        "--task",
-        "arithmetic",
-        *TASK,
-    ]
-    evaluate += ["--split", "test", "--n", str(test_n), "--seed", "11", "--k", "1", "--temperature", "0"]
-    step(
-        f"test {mode} seed {seed}", out / f"{run.name}_test.log", [*evaluate, "--max-tokens", "96", "--out", str(score)]
-    )
+    score = test_pass(f"{mode} seed {seed}", run / "hf", test_n, out / f"{run.name}_test.log", run / "test.json")
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
     samples = cfg["data"]["prompts_per_step"] * cfg["sampling"]["n"]  # one rank
-    return {**measures(history, samples), "test_pass@1": json.loads(score.read_text())["pass@1"]}
+    return {**measures(history, samples), "test_pass@1": score}
+
+
+def test_pass(name: str, model: Path, test_n: int, log: Path, out: Path, reuse: bool = False) -> float:
+    """Greedy pass@1 of `model` on `test_n` test problems of seed 11 (`moe-rl-eval`, its JSON in `out`; `reuse`: an
+    `out` already there is read instead)."""
+    if not (reuse and out.is_file()):
+        evaluate = [sys.executable, "-m", "moe_rl.tools.evaluate", "--model", str(model), "--task", "arithmetic"]
+        evaluate += [*TASK, "--split", "test", "--n", str(test_n), "--seed", "11", "--k", "1", "--temperature", "0"]
+        step(f"test {name}", log, [*evaluate, "--max-tokens", "96", "--out", str(out)])
+    return json.loads(out.read_text())["pass@1"]
 
 
 def measures(history: list[dict], samples: int) -> dict:
@@ -143,11 +139,7 @@ def main() -> None:
     test_n = a.test_n or (500 if a.quick else 1000)
     t0 = time.time()
     model = sft_model(a.out.resolve(), a.sft_steps)
-    sft_score = a.out / "sft_test.json"
-    if not sft_score.is_file():
-        evaluate = [sys.executable, "-m", "moe_rl.tools.evaluate", "--model", str(model), "--task", "arithmetic", *TASK]
-        evaluate += ["--split", "test", "--n", str(test_n), "--seed", "11", "--k", "1", "--temperature", "0"]
-        step("test SFT", a.out / "sft_test.log", [*evaluate, "--max-tokens", "96", "--out", str(sft_score)])
+    sft_pass = test_pass("SFT", model, test_n, a.out / "sft_test.log", a.out / "sft_test.json", reuse=True)
     modes = {}
     for mode in MODES:
         runs = {str(s): rl_run(a.out.resolve(), model, mode, s, steps, test_n) for s in seeds}
@@ -161,7 +153,7 @@ def main() -> None:
         "seeds": seeds,
         "test_problems": test_n,
         "sft_steps": a.sft_steps,
-        "sft_test_pass@1": json.loads(sft_score.read_text())["pass@1"],
+        "sft_test_pass@1": sft_pass,
         "placement": "separate (1 trainer rank, the engine on the other core)",
         "minutes": round((time.time() - t0) / 60, 1),
     }
