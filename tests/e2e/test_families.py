@@ -46,31 +46,56 @@ def test_sigmoid_router_family_learns_and_exports(arch, attention_weight, tmp_pa
         assert not torch.equal(trained[key], init[key]), key
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.ep=2"]], ids=["dp2", "ep2"])
-def test_gpt_oss_learns_and_exports(layout, tmp_path, world1):
+GPT_OSS = ["model.tiny_arch=gpt_oss", "logging.wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dp2(tmp_path_factory):
+    """The default job (30 steps) on GPT-OSS with 2 data-parallel ranks: (its folder, its metrics)."""
+    run_dir = tmp_path_factory.mktemp("gpt_oss_dp2")
+    return run_dir, _train(run_dir, GPT_OSS)
+
+
+def _serves_the_synced_weights(history: list[dict]) -> None:
+    assert min(h["router/agreement"] for h in history if "router/agreement" in h) > 0.99
+    assert all(h["router/replay_mismatches"] == 0 for h in history)
+    assert max(abs(h["mismatch/kl"]) for h in history) < 1e-5  # a sync that kept old weights shows here
+
+
+def test_gpt_oss_learns_and_exports(gpt_oss_dp2, world1):
     """GPT-OSS (sinks, sliding window of 8 keys on layers 0 and 2, biases, clamped SwiGLU, YaRN): the default job
-    learns with 2 data-parallel ranks and with the experts split over them. The engine serves every synced weight
-    (vLLM's own loader copies the sinks and stacked experts past a weight update: compat.vllm), so the engine's
-    log-probs stay the actor's; the export is the HF layout transformers loads."""
+    learns with 2 data-parallel ranks. The engine serves every synced weight (vLLM's own loader copies the sinks and
+    stacked experts past a weight update: compat.vllm), so the engine's log-probs stay the actor's; the export is the
+    HF layout transformers loads."""
     from safetensors.torch import load_file
 
     from moe_rl.tools.export_hf import export
     from tests.reference import load_hf
 
-    history = _train(tmp_path, ["model.tiny_arch=gpt_oss", "logging.wandb.mode=disabled", *layout])
+    tmp_path, history = gpt_oss_dp2
     assert len(history) == 30  # the default steps
     first = sum(h["reward/mean"] for h in history[:5]) / 5
     last = sum(h["reward/mean"] for h in history[-5:]) / 5
-    print(f"\ngpt_oss {layout}: mean reward first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    print(f"\ngpt_oss dp2: mean reward first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert last >= 2 * first
-    assert min(h["router/agreement"] for h in history if "router/agreement" in h) > 0.99
-    assert all(h["router/replay_mismatches"] == 0 for h in history)
-    assert max(abs(h["mismatch/kl"]) for h in history) < 1e-5  # a sync that kept old weights shows here
-    if layout:
-        return
+    _serves_the_synced_weights(history)
     out = export(tmp_path / "checkpoints", tmp_path / "hf")
     init = load_file(tmp_path / "tiny_model" / "model.safetensors")
     trained = load_hf(str(out)).state_dict()
     assert set(trained) == set(init)
     for key in ("model.layers.0.self_attn.sinks", "model.layers.2.mlp.experts.gate_up_proj_bias"):
         assert trained[key].shape == init[key].shape and not torch.equal(trained[key], init[key]), key
+
+
+def test_gpt_oss_with_the_experts_split_over_two_ranks_steps_as_data_parallel(gpt_oss_dp2, tmp_path):
+    """parallel.ep=2: step 1 samples what the data-parallel run samples (same weights, same seeds) and updates as it
+    does (EP changes only the order of the sums), and every later sync serves the engine the split experts."""
+    _, reference = gpt_oss_dp2
+    history = _train(tmp_path, [*GPT_OSS, "parallel.ep=2", "trainer.steps=3", "trainer.checkpoint_every=-1"])
+    got, ref = history[0], reference[0]
+    for k in ("reward/mean", "response/length_mean"):
+        assert got[k] == ref[k], (k, got[k], ref[k])
+    for k in ("actor/grad_norm", "actor/entropy", "actor/clipfrac", "mismatch/k3_kl"):
+        assert got[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-9), (k, got[k], ref[k])
+    assert len(history) == 3
+    _serves_the_synced_weights(history)
