@@ -110,7 +110,8 @@ class _Group:
     prompt_token_ids: list[int]
     sampling: SamplingConfig
     seed: int | None
-    done: dict[int, _Sample] = field(default_factory=dict)  # finished samples by index
+    ended: list = field(default_factory=list)  # (sample index, vLLM RequestOutput) of each finished sample
+    done: dict[int, _Sample] = field(default_factory=dict)  # finished samples by index, once the group completed
     prefix: dict[int, _Sample] = field(default_factory=dict)  # aborted samples continuing, by index
 
     @property
@@ -189,21 +190,28 @@ class InflightEngine:
         return [g.key for g in groups], batch
 
     def _finished(self, outputs) -> list[int]:
-        """Record the samples of one engine step that finished; the ids of the groups they complete."""
+        """Record the samples of one engine step that finished; the ids of the groups they complete. A group's
+        samples are taken (their routes collected from the engine) once, when its last one finished: one engine
+        call a completed group rather than one each engine step that finished a sample."""
         refuse_cut_short(outputs, self.engine.gone)
         complete = []
-        for gid, sample in self._take(outputs):
+        for out in outputs:
+            gid, j = self._requests.pop(out.request_id)
             group = self._groups[gid]
-            group.done[sample.index] = sample
-            if len(group.done) == group.sampling.n:
+            group.ended.append((j, out))
+            if len(group.ended) == group.sampling.n:
                 complete.append(gid)
+        ended = [(g, j, out) for g in complete for j, out in self._groups[g].ended]
+        for gid, sample in self._take(ended):
+            self._groups[gid].done[sample.index] = sample
         return complete
 
-    def _take(self, outputs) -> list[tuple[int, _Sample]]:
-        """(group id, sample) of each output's sample, no longer running: its tokens so far with their route rows,
-        joined to its earlier prefix. A sample with no token (aborted before its first) keeps its prefix alone, and
-        what its prefill captured is dropped."""
+    def _take(self, ended: list[tuple[int, int, object]]) -> list[tuple[int, _Sample]]:
+        """(group id, sample) of each (group id, sample index, vLLM RequestOutput) no longer running: its tokens so
+        far with their route rows, joined to its earlier prefix. A sample with no token (aborted before its first)
+        keeps its prefix alone, and what its prefill captured is dropped."""
         e = self.engine
+        outputs = [o for _, _, o in ended]
         started = [o for o in outputs if o.outputs[0].token_ids]
         empty = [o.request_id for o in outputs if not o.outputs[0].token_ids]
         rows: dict[str, np.ndarray] = {}
@@ -213,8 +221,7 @@ class InflightEngine:
         if e.capture is not None and empty:
             e.guard("route capture", e.capture.discard, e.llm, empty)
         taken = []
-        for out in outputs:
-            gid, j = self._requests.pop(out.request_id)
+        for gid, j, out in ended:
             group = self._groups[gid]
             sample = _Sample.of(out.outputs[0], j, rows.get(out.request_id), f"sample {j} of {group.key!r}")
             if j in group.prefix:
@@ -258,5 +265,5 @@ class InflightEngine:
             done = [o for o in outputs if o.outputs[0].finish_reason != "abort"]
             if done:  # finished before the abort: poll returns their groups
                 self._complete += self._finished(done)
-            cut += self._take(aborted)
+            cut += self._take([(*self._requests.pop(o.request_id), o) for o in aborted])
         return cut

@@ -239,7 +239,7 @@ class InflightSource:
                 d = group.key[0]
                 if oldest_version(group.batch) < oldest:  # too stale to train: sampled again with today's weights
                     self.dropped[d] = self.dropped.get(d, 0) + len(group.batch)
-                    self._submit([(group.key, self.waiting[group.key])], wait=False)
+                    self._submit([(group.key, self.waiting[group.key])])
                 elif len(took[d]) < n:
                     took[d].append(group)
                 else:
@@ -250,9 +250,9 @@ class InflightSource:
             return [None] * len(asked)
         return [self._cut(d, took[d], layers, holds) for d, _, layers, holds in asked]
 
-    def _submit(self, groups: list[tuple[tuple[int, int], object]], wait: bool = True) -> None:
-        """Add prompts' groups ((key, prompt) each) to the engine in one command between two engine steps (one
-        each would wait for an engine step each), each seeded as the synchronous run seeds it."""
+    def _submit(self, groups: list[tuple[tuple[int, int], object]]) -> None:
+        """Add prompts' groups ((key, prompt) each) to the engine in one command between two engine steps, not
+        waited for (an error of it is raised by the next wait), each seeded as the synchronous run seeds it."""
         s = self.inner.sampling
         n, dp = self.inner.prompts_per_step, self.groups.dp_size
         requests = []
@@ -266,7 +266,7 @@ class InflightSource:
             for key, ids, seed in requests:
                 engine.submit(key, ids, s, seed)
 
-        self.driver.call(submit, wait=wait)
+        self.driver.call(submit, wait=False)
 
     def _cut(self, d: int, groups: list[_Group], layers, holds: bool):
         """Data-parallel rank `d`'s share: (its groups' keys, their prompts, their samples as one batch, the samples
