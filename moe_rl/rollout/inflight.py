@@ -110,7 +110,7 @@ class _Group:
     prompt_token_ids: list[int]
     sampling: SamplingConfig
     seed: int | None
-    ended: list = field(default_factory=list)  # (sample index, vLLM RequestOutput) of each finished sample
+    ended: list[tuple[int, object]] = field(default_factory=list)  # (sample index, vLLM RequestOutput), finished
     done: dict[int, _Sample] = field(default_factory=dict)  # finished samples by index, once the group completed
     prefix: dict[int, _Sample] = field(default_factory=dict)  # aborted samples continuing, by index
 

@@ -160,9 +160,9 @@ def test_every_token_keeps_the_mu_and_routes_of_its_version(setup):
 
 
 def test_an_error_of_a_command_nobody_waits_for_is_raised_by_the_next_wait(setup):
-    """The in-flight source's engine thread (rollout/inflight_source.py): a submit it was not asked to wait for (a
-    dropped group's resample) that fails ends the thread, and the trainer's next wait raises that error instead of
-    waiting for a group that never comes."""
+    """The in-flight source's engine thread (rollout/inflight_source.py): a submit nobody waits for (every submit: a
+    step's new prompts, a dropped group's resample) that fails ends the thread, and the trainer's next wait raises
+    that error instead of waiting for a group that never comes."""
     import contextlib
 
     from moe_rl.rollout.inflight_source import _Driver
